@@ -1,0 +1,200 @@
+"""The generation gate: applies one phase's drained messages to the store in one transaction.
+
+The master loop (SPEC §3) calls, every round and in this order: `apply_ready` (drain READY),
+`plan_dispatches` (dispatch; committed before any send), `apply_results` (drain RESULT),
+`sweep` (recovery) and `watchdog`. No MPI here: messages arrive already decoded (or as
+`Undecodable`), so the whole protocol can be driven from tests with real database files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from store import dispatches as dsp
+from store import tasks as task_ops
+from store import workers as wrk
+from store.campaign import Store
+from store.journal import Tx
+from store.schema import Channel, EventKind, QuarantineReason, WorkerState, campaign
+
+from .protocol import (
+    INVALIDATING,
+    READY_TOKEN_KEY,
+    ReadyStatus,
+    ResultStatus,
+    classify_ready,
+    classify_result,
+    mint_token,
+    ready_info,
+)
+
+log = logging.getLogger(__name__)
+
+RESULT_STATUSES = frozenset({"ok", "error", "timeout"})
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What arrived could not be decoded at all: the classifier sees a non-mapping."""
+
+    detail: str
+
+
+@dataclass(frozen=True)
+class Inbound:
+    rank: int
+    body: object  # a decoded mapping, anything else a decoder produced, or Undecodable
+
+
+@dataclass
+class ReadyRound:
+    statuses: list[tuple[int, ReadyStatus]] = field(default_factory=list)
+    recovered_workers: list[int] = field(default_factory=list)  # parked ranks back in service
+
+
+@dataclass
+class ResultRound:
+    statuses: list[tuple[int, ResultStatus]] = field(default_factory=list)
+    committed: list[dsp.CommitItem] = field(default_factory=list)
+
+
+def validate_result(body: Mapping[str, Any]) -> str | None:
+    """The default payload check for a current RESULT; returns why it is invalid, or None."""
+    if body.get("status") not in RESULT_STATUSES:
+        return f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
+    return None
+
+
+def default_commit(tx: Tx, active: dsp.ActiveDispatch, body: Mapping[str, Any]) -> dsp.CommitItem:
+    return dsp.CommitItem(active.rank, active.token, status=body["status"],
+                          value=body.get("value"))
+
+
+def _detail(body: object) -> str | None:
+    return body.detail if isinstance(body, Undecodable) else None
+
+
+class Gate:
+    def __init__(self, store: Store, *,
+                 validate: Callable[[Mapping[str, Any]], str | None] = validate_result,
+                 commit: Callable[[Tx, dsp.ActiveDispatch, Mapping[str, Any]],
+                                  dsp.CommitItem] = default_commit):
+        self.store = store
+        self.validate, self.commit = validate, commit
+        self._seq = itertools.count(1)
+
+    # -- phase 1: READY --------------------------------------------------------------------
+    def apply_ready(self, tx: Tx, msgs: Iterable[Inbound]) -> ReadyRound:
+        out = ReadyRound()
+        active = dsp.active_by_rank(tx)
+        workers = wrk.get_workers(tx)
+        bitmap = tx.conn.execute(campaign.select().with_only_columns(
+            campaign.c.bitmap_version)).scalar() or 0
+        for m in msgs:
+            a = active.get(m.rank)
+            w = workers.get(m.rank)
+            parked = w.parked_token if (a is None and w is not None
+                                        and w.state is WorkerState.PARKED) else None
+            expected = a.token if a is not None else parked
+            status = classify_ready(m.body, expected,
+                                    consistent=a.consistent if a is not None else True)
+            out.statuses.append((m.rank, status))
+            if status is ReadyStatus.IDLE:
+                info = ready_info(m.body, bitmap)  # type: ignore[arg-type]
+                wrk.accept_versions(tx, m.rank, info.bitmap_version, info.profile_version,
+                                    info.host, info.pid)
+            elif status is ReadyStatus.CURRENT and parked is not None:
+                # A parked rank echoed exactly its retired token: it is alive and free again.
+                info = ready_info(m.body, bitmap)  # type: ignore[arg-type]
+                wrk.accept_versions(tx, m.rank, info.bitmap_version, info.profile_version,
+                                    info.host, info.pid)
+                tx.event(EventKind.WORKER_RECOVERED, rank=m.rank, token=parked)
+                workers[m.rank] = wrk.WorkerRecord(m.rank, WorkerState.IDLE, info.bitmap_version,
+                                                   info.profile_version, None, w.host, w.pid)
+                out.recovered_workers.append(m.rank)
+            elif status is ReadyStatus.CURRENT:
+                assert a is not None
+                dsp.set_ready_mark(tx, m.rank, a.token)
+            else:
+                token = m.body.get(READY_TOKEN_KEY) if isinstance(m.body, Mapping) else None
+                detail = _detail(m.body)
+                if status is ReadyStatus.UNOWNED:
+                    detail = (f"ownership rows disagree for dispatch {a.token if a else None}: "
+                              f"task not active or work lease missing")
+                    log.error("rank %d: %s", m.rank, detail)
+                tx.quarantine(Channel.READY, QuarantineReason(status.value), m.rank,
+                              token=token, expected=expected, detail=detail)
+        return out
+
+    # -- phase 2: dispatch -----------------------------------------------------------------
+    def plan_dispatches(self, tx: Tx, idle_ranks: Sequence[int], *,
+                        deadline_s: float | None = None) -> list[dsp.Planned]:
+        """Pick queued tasks for idle ranks and record the dispatches (the caller commits the
+        transaction, then sends WORK, then reports failed sends with `cancel_send`)."""
+        picked = task_ops.take_queued(tx, len(idle_ranks))
+        deadline = tx.now + deadline_s if deadline_s else None
+        plan = [dsp.Planned(rank, task, mint_token(self.store.epoch, rank, next(self._seq)),
+                            deadline) for rank, task in zip(idle_ranks, picked)]
+        dsp.record_dispatches(tx, plan)
+        return plan
+
+    # -- phase 3: RESULT -------------------------------------------------------------------
+    def apply_results(self, tx: Tx, msgs: Iterable[Inbound]) -> ResultRound:
+        out = ResultRound()
+        active = dsp.active_by_rank(tx)
+        committed_from: dict[int, dsp.ActiveDispatch] = {}
+        for m in msgs:
+            a = active.get(m.rank)
+            expected = a.token if a is not None else None
+            status = classify_result(m.body, expected)
+            if status is ResultStatus.CURRENT:
+                assert a is not None and isinstance(m.body, Mapping)
+                why = self.validate(m.body)
+                if why is not None:
+                    out.statuses.append((m.rank, status))
+                    tx.quarantine(Channel.RESULT, QuarantineReason.PAYLOAD, m.rank,
+                                  token=a.token, expected=a.token, detail=why)
+                    dsp.set_invalid_mark(tx, m.rank, a.token, QuarantineReason.PAYLOAD.value)
+                    continue
+                out.statuses.append((m.rank, status))
+                out.committed.append(self.commit(tx, a, m.body))
+                committed_from[m.rank] = a
+                # Committed within this batch: a duplicate later in it finds no dispatch.
+                del active[m.rank]
+                continue
+            out.statuses.append((m.rank, status))
+            token = m.body.get("token") if isinstance(m.body, Mapping) else None
+            tx.quarantine(Channel.RESULT, QuarantineReason(status.value), m.rank,
+                          token=token, expected=expected, detail=_detail(m.body))
+            if status in INVALIDATING:
+                assert a is not None
+                dsp.set_invalid_mark(tx, m.rank, a.token, status.value)
+        # One batch for the round's commits (R5: a commit also drops an earlier invalid mark).
+        dsp.commit_results(tx, out.committed, committed_from)
+        return out
+
+    # -- phase 4: recovery sweep -----------------------------------------------------------
+    def sweep(self, tx: Tx) -> list[dsp.Recovery]:
+        """R3–R6: roll back every dispatch whose READY and invalid RESULT joined."""
+        recovered = []
+        for rank, token in dsp.find_joined(tx):
+            rec = dsp.recover_dispatch(tx, rank, token, reason="invalid result")
+            if rec is not None:
+                recovered.append(rec)
+        return recovered
+
+    # -- phase 5: watchdog -----------------------------------------------------------------
+    def watchdog(self, tx: Tx) -> list[dsp.Recovery]:
+        """Dispatches past their deadline: recovered, and the rank parked until it echoes
+        the retired token."""
+        recovered = []
+        for rank, token in dsp.find_expired(tx):
+            rec = dsp.recover_dispatch(tx, rank, token, cause=EventKind.WATCHDOG,
+                                       reason="watchdog deadline", worker_state=WorkerState.PARKED)
+            if rec is not None:
+                recovered.append(rec)
+        return recovered

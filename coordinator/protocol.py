@@ -1,0 +1,123 @@
+"""The protocol's pure rules (SPEC §2–§3): tokens, READY/RESULT classification, the join,
+the fail-closed `bitmap_version` rule. No I/O here, so every table row of the SPEC is a test.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+TOKEN_LABEL = b"mpi-dispatch-coordinator/dispatch-token/v1"
+_TOKEN_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def is_token(value: object) -> bool:
+    """Canonical form: a `str` of exactly 64 lowercase hex characters, nothing else."""
+    return type(value) is str and _TOKEN_RE.fullmatch(value) is not None
+
+
+def mint_token(epoch: str, rank: int, seq: int) -> str:
+    """A fresh dispatch token: SHA-256 over a fixed label, the incarnation's random epoch, the
+    rank and a per-incarnation sequence number, so tokens never repeat across ranks, dispatches
+    and restarts. A correlation key inside one trusted MPI job, not authentication."""
+    h = hashlib.sha256(TOKEN_LABEL)
+    h.update(b"\0" + epoch.encode() + b"\0" + str(rank).encode() + b"\0" + str(seq).encode())
+    return h.hexdigest()
+
+
+class ReadyStatus(str, enum.Enum):
+    IDLE = "idle"
+    CURRENT = "current"
+    MISSING = "missing"
+    MALFORMED = "malformed"
+    STALE = "stale"
+    UNOWNED = "unowned"
+
+
+class ResultStatus(str, enum.Enum):
+    CURRENT = "current"
+    MISSING = "missing"
+    MALFORMED = "malformed"
+    STALE = "stale"
+    UNOWNED = "unowned"
+
+
+#: The RESULT statuses that set the invalid-result mark (R2); stale/unowned only quarantine.
+INVALIDATING = frozenset({ResultStatus.MISSING, ResultStatus.MALFORMED})
+
+READY_TOKEN_KEY = "completed_dispatch_token"
+
+
+def classify_ready(msg: object, expected: str | None, *, consistent: bool = True) -> ReadyStatus:
+    """SPEC §3 READY table. `expected` is the token of the rank's active dispatch (or, for a
+    parked rank, the retired token it must echo); None when there is none. `consistent` is
+    False when the rank's ownership rows disagree (an internal invariant is broken)."""
+    if not isinstance(msg, Mapping):
+        return ReadyStatus.MALFORMED
+    token = msg.get(READY_TOKEN_KEY)
+    present = token is not None and token != ""
+    if present and not is_token(token):
+        return ReadyStatus.MALFORMED  # even with no active dispatch
+    if not consistent:
+        return ReadyStatus.UNOWNED
+    if expected is None:
+        return ReadyStatus.IDLE
+    if not present:
+        return ReadyStatus.MISSING
+    return ReadyStatus.CURRENT if token == expected else ReadyStatus.STALE
+
+
+def classify_result(msg: object, expected: str | None) -> ResultStatus:
+    """SPEC §3 RESULT classification, in the SPEC's order."""
+    if expected is None:
+        return ResultStatus.UNOWNED
+    if not isinstance(msg, Mapping):
+        return ResultStatus.MALFORMED
+    token = msg.get("token")
+    if token is None or token == "":
+        return ResultStatus.MISSING
+    if not is_token(token):
+        return ResultStatus.MALFORMED
+    return ResultStatus.CURRENT if token == expected else ResultStatus.STALE
+
+
+def sanitize_bitmap_version(value: object, current: int) -> int:
+    """Fail closed: a bool, a non-integer, a value < -1 or a future version becomes -1, so a
+    forged version can neither kill the master nor block the next full bitmap sync."""
+    if type(value) is not int or value < -1 or value > current:
+        return -1
+    return value
+
+
+def sanitize_profile_version(value: object) -> str:
+    return value[:200] if isinstance(value, str) else ""
+
+
+def should_recover(ready_token: str | None, invalid_token: str | None, token: str) -> bool:
+    """R3: recover(rank, T) := ready == T and invalid == T."""
+    return ready_token == token and invalid_token == token
+
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    """The fields of a READY the master takes once it is classified idle."""
+
+    bitmap_version: int
+    profile_version: str
+    host: str | None
+    pid: int | None
+
+
+def ready_info(msg: Mapping[str, Any], current_bitmap: int) -> ReadyInfo:
+    host = msg.get("host")
+    pid = msg.get("pid")
+    return ReadyInfo(
+        sanitize_bitmap_version(msg.get("bitmap_version"), current_bitmap),
+        sanitize_profile_version(msg.get("empirical_profile_version")),
+        host[:255] if isinstance(host, str) else None,
+        pid if type(pid) is int and pid > 0 else None,
+    )

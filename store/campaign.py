@@ -1,0 +1,126 @@
+"""Opening a campaign: schema check, incarnations, the token epoch, and restart recovery.
+
+`Store.open` is the only way in. It refuses a file with a foreign schema revision, refuses an
+existing campaign unless asked to resume, and on resume performs restart recovery (R9) as one
+transaction: dispatches left by the dead incarnation go back to the queue head, then the
+deferred tasks that can still run are reclaimed in front of them, before any new input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
+
+from . import tasks as task_ops
+from .dispatches import requeue_in_flight
+from .engine import DEFAULT_SYNCHRONOUS, open_engine, write_tx
+from .errors import CampaignExistsError
+from .journal import RetryPolicy, Tx
+from .schema import EventKind, campaign, tasks
+from .versioning import check_revision, current_revision, upgrade
+from .workers import forget_incarnation
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    interrupted: list[int] = field(default_factory=list)  # requeued from a dead incarnation
+    reclaimed: list[int] = field(default_factory=list)    # deferred, admitted again
+    refused: list[int] = field(default_factory=list)      # deferred, input gone: still deferred
+
+
+class Store:
+    """The campaign database as the master uses it. Only rank 0 ever opens one."""
+
+    def __init__(self, path: Path, engine: Engine, incarnation: int, epoch: str,
+                 policy: RetryPolicy, resume_report: ResumeReport,
+                 clock: Callable[[], float] = time.time):
+        self.path, self.engine, self.incarnation, self.epoch = path, engine, incarnation, epoch
+        self.policy, self.resume_report, self.clock = policy, resume_report, clock
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, resume: bool = False,
+             policy: RetryPolicy | None = None, synchronous: str = DEFAULT_SYNCHRONOUS,
+             available: Callable[[Mapping[str, Any]], bool] = task_ops.input_available,
+             clock: Callable[[], float] = time.time) -> Store:
+        """Open (creating if new) and start a new incarnation.
+
+        Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
+        existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used.
+        """
+        path = Path(path)
+        policy = policy or RetryPolicy()
+        engine = open_engine(path, synchronous=synchronous)
+        try:
+            with engine.connect() as conn:
+                fresh = not inspect(conn).get_table_names()
+            if fresh:
+                upgrade(path)
+            with engine.connect() as conn:
+                check_revision(conn, path)
+            now = clock()
+            report = ResumeReport()
+            with write_tx(engine, "start of a new incarnation") as conn:
+                incarnation, epoch = _new_incarnation(conn, path, resume, now)
+                tx = Tx(conn, incarnation, now, policy)
+                tx.event(EventKind.CAMPAIGN, detail="resume" if resume else "new")
+                if resume:
+                    forget_incarnation(tx)
+                    interrupted = requeue_in_flight(tx, earlier_incarnations=True)
+                    reclaimed, refused = task_ops.reclaim_deferred(tx, available)
+                    report = ResumeReport(interrupted, reclaimed, refused)
+                tx.flush()
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(path, engine, incarnation, epoch, policy, report, clock)
+
+    @contextlib.contextmanager
+    def transaction(self, operation: str = "master round") -> Iterator[Tx]:
+        """One write transaction (BEGIN IMMEDIATE); the journal is flushed before COMMIT."""
+        with write_tx(self.engine, operation) as conn:
+            tx = Tx(conn, self.incarnation, self.clock(), self.policy)
+            yield tx
+            tx.flush()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            yield conn
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float) -> tuple[int, str]:
+    epoch = secrets.token_hex(16)
+    row = conn.execute(select(campaign.c.incarnation)).first()
+    if row is None:
+        n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
+        if n_tasks and not resume:
+            raise CampaignExistsError(str(path), n_tasks)
+        conn.execute(insert(campaign).values(id=1, created_at=now, incarnation=1, epoch=epoch))
+        return 1, epoch
+    if not resume:
+        n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
+        raise CampaignExistsError(str(path), n_tasks)
+    incarnation = row.incarnation + 1
+    conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
+    return incarnation, epoch
+
+
+def schema_revision(conn: Connection) -> str | None:
+    return current_revision(conn)

@@ -1,0 +1,308 @@
+"""Dispatches: one fenced transition per function (record, cancel, mark, commit, recover, ...).
+
+Every write names the rank *and* the exact token in its WHERE clause; a write that matches no
+row is reported to the caller (False / None / FenceError), never silently ignored. Lease rows
+cascade with their dispatch, and both generation-gate marks are columns of the dispatch row,
+so removing the row is the whole rollback of rank-owned state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, bindparam, delete, insert, select, update
+from sqlalchemy.exc import DBAPIError
+
+from .errors import FenceError
+from .journal import Tx
+from .schema import EventKind, LeaseKind, TaskState, WorkerState, dispatches, leases, results, tasks
+from .tasks import TaskRecord, head_position, retry_decision, set_state
+from .workers import set_workers
+
+
+@dataclass(frozen=True)
+class ActiveDispatch:
+    token: str
+    rank: int
+    task_id: int
+    incarnation: int
+    sent: bool
+    ready: bool
+    invalid_reason: str | None
+    deadline: float | None
+    #: False when the rows disagree about who owns what (task not active, work lease gone):
+    #: an internal invariant is broken, and READY from this rank is classified `unowned`.
+    consistent: bool
+
+
+@dataclass(frozen=True)
+class Planned:
+    rank: int
+    task: TaskRecord
+    token: str
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class CommitItem:
+    rank: int
+    token: str
+    status: str = "ok"
+    value: Any = None
+    testcases: int = 0
+    new_tasks: int = 0
+
+
+@dataclass(frozen=True)
+class Recovery:
+    rank: int
+    token: str
+    task_id: int
+    outcome: TaskState  # queued (requeued at the head), deferred or failed
+    attempts: int
+    defer_failed: bool = False
+
+
+def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
+    """Every active dispatch with its ownership check, in one query."""
+    work = leases.alias("work")
+    q = (
+        select(dispatches, tasks.c.state.label("task_state"), work.c.id.label("work_lease"))
+        .join(tasks, tasks.c.id == dispatches.c.task_id)
+        .outerjoin(work, and_(work.c.token == dispatches.c.token,
+                              work.c.kind == LeaseKind.WORK.value))
+    )
+    out: dict[int, ActiveDispatch] = {}
+    for r in tx.conn.execute(q):
+        out[r.rank] = ActiveDispatch(
+            r.token, r.rank, r.task_id, r.incarnation, r.sent_at is not None,
+            r.ready_at is not None, r.invalid_reason, r.deadline,
+            consistent=r.task_state == TaskState.ACTIVE.value and r.work_lease is not None,
+        )
+    return out
+
+
+def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
+    """Before the send: task active, a dispatch row with its fresh token, one lease per
+    reservation, the rank busy. The caller commits, then sends."""
+    if not plan:
+        return
+    tx.conn.execute(insert(dispatches), [
+        {"token": p.token, "rank": p.rank, "task_id": p.task.id, "incarnation": tx.incarnation,
+         "created_at": tx.now, "deadline": p.deadline} for p in plan])
+    res = tx.conn.execute(
+        update(tasks).where(and_(tasks.c.id == bindparam("tid"),
+                                 tasks.c.state == TaskState.QUEUED.value))
+        .values(state=TaskState.ACTIVE.value, dispatches=tasks.c.dispatches + 1,
+                updated_at=tx.now, reason=None),
+        [{"tid": p.task.id} for p in plan])
+    if res.rowcount != len(plan):
+        raise FenceError(f"{len(plan) - res.rowcount} of {len(plan)} planned tasks were no "
+                         f"longer queued")
+    tx.conn.execute(insert(leases), [{"token": p.token, "kind": kind.value, "key": key}
+                                     for p in plan for kind, key in p.task.lease_keys()])
+    set_workers(tx, [(p.rank, WorkerState.BUSY) for p in plan])
+    for p in plan:
+        tx.event(EventKind.DISPATCHED, rank=p.rank, token=p.token, task_id=p.task.id)
+
+
+def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
+    """WORK left the master: from now on a rollback is post-send (the attempt counts)."""
+    params = [{"tok": t} for t in tokens]
+    if params:
+        tx.conn.execute(update(dispatches).where(and_(dispatches.c.token == bindparam("tok"),
+                                                      dispatches.c.sent_at.is_(None)))
+                        .values(sent_at=tx.now), params)
+
+
+def _take(tx: Tx, rank: int, token: str, *, unsent_only: bool = False) -> Any | None:
+    """Delete the dispatch (rank, token) and return its row; None if it is not current."""
+    cond = and_(dispatches.c.rank == rank, dispatches.c.token == token)
+    if unsent_only:
+        cond = and_(cond, dispatches.c.sent_at.is_(None))
+    return tx.conn.execute(delete(dispatches).where(cond).returning(
+        dispatches.c.task_id, dispatches.c.sent_at, dispatches.c.ready_at)).first()
+
+
+def cancel_dispatch(tx: Tx, rank: int, token: str, *,
+                    worker_state: WorkerState = WorkerState.IDLE, detail: str | None = None,
+                    ) -> bool:
+    """Pre-send compensation: the WORK never left, so everything is rewound exactly (the task
+    keeps its queue place, the dispatch count goes back, no attempt is counted)."""
+    row = _take(tx, rank, token, unsent_only=True)
+    if row is None:
+        return False
+    if not set_state(tx, row.task_id, TaskState.ACTIVE, TaskState.QUEUED, dispatches_delta=-1):
+        raise FenceError(f"task {row.task_id} of dispatch {token[:12]} was not active")
+    set_workers(tx, [(rank, worker_state)])
+    tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=row.task_id, detail=detail)
+    return True
+
+
+def set_ready_mark(tx: Tx, rank: int, token: str) -> bool:
+    """R2: the current READY for (rank, token) was observed. False if already set or stale."""
+    res = tx.conn.execute(update(dispatches).where(and_(
+        dispatches.c.rank == rank, dispatches.c.token == token, dispatches.c.ready_at.is_(None)
+    )).values(ready_at=tx.now))
+    if res.rowcount:
+        tx.event(EventKind.READY, rank=rank, token=token)
+    return res.rowcount == 1
+
+
+def set_invalid_mark(tx: Tx, rank: int, token: str, reason: str) -> bool:
+    """R2: a missing/malformed/invalid current RESULT was observed for (rank, token)."""
+    res = tx.conn.execute(update(dispatches).where(and_(
+        dispatches.c.rank == rank, dispatches.c.token == token
+    )).values(invalid_reason=reason))
+    if res.rowcount:
+        tx.event(EventKind.INVALID, rank=rank, token=token, detail=reason)
+    return res.rowcount == 1
+
+
+def commit_results(tx: Tx, items: Sequence[CommitItem],
+                   active: dict[int, ActiveDispatch]) -> None:
+    """Only a current RESULT commits (R3): result row, task done, dispatch and its leases gone
+    (a later valid RESULT also clears an earlier invalid mark, R5). The rank becomes idle only
+    if its current READY was already seen; otherwise it waits for that READY."""
+    if not items:
+        return
+    for it in items:
+        a = active.get(it.rank)
+        if a is None or a.token != it.token:
+            raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
+    res = tx.conn.execute(
+        delete(dispatches).where(and_(dispatches.c.rank == bindparam("r"),
+                                      dispatches.c.token == bindparam("t"))),
+        [{"r": it.rank, "t": it.token} for it in items])
+    if res.rowcount != len(items):
+        raise FenceError(f"{len(items) - res.rowcount} dispatches vanished before their commit")
+    tx.conn.execute(insert(results), [
+        {"task_id": active[it.rank].task_id, "token": it.token, "rank": it.rank,
+         "incarnation": tx.incarnation, "committed_at": tx.now, "status": it.status,
+         "value": None if it.value is None else json.dumps(it.value, sort_keys=True),
+         "testcases": it.testcases, "new_tasks": it.new_tasks} for it in items])
+    res = tx.conn.execute(
+        update(tasks).where(and_(tasks.c.id == bindparam("tid"),
+                                 tasks.c.state == TaskState.ACTIVE.value))
+        .values(state=TaskState.DONE.value, updated_at=tx.now, reason=None),
+        [{"tid": active[it.rank].task_id} for it in items])
+    if res.rowcount != len(items):
+        raise FenceError("a committed task was not active")
+    set_workers(tx, [(it.rank, WorkerState.IDLE if active[it.rank].ready else WorkerState.BUSY)
+                     for it in items])
+    for it in items:
+        tx.event(EventKind.COMMITTED, rank=it.rank, token=it.token,
+                 task_id=active[it.rank].task_id, detail=it.status)
+
+
+def find_joined(tx: Tx) -> list[tuple[int, str]]:
+    """R3: the dispatches whose ready mark and invalid mark name the same token, one query."""
+    return [(r.rank, r.token) for r in tx.conn.execute(
+        select(dispatches.c.rank, dispatches.c.token).where(and_(
+            dispatches.c.ready_at.is_not(None), dispatches.c.invalid_reason.is_not(None)))
+        .order_by(dispatches.c.rank))]
+
+
+def find_expired(tx: Tx) -> list[tuple[int, str]]:
+    """Dispatches past their watchdog deadline with no current READY."""
+    return [(r.rank, r.token) for r in tx.conn.execute(
+        select(dispatches.c.rank, dispatches.c.token).where(and_(
+            dispatches.c.deadline.is_not(None), dispatches.c.deadline < tx.now,
+            dispatches.c.ready_at.is_(None))).order_by(dispatches.c.rank))]
+
+
+def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str) -> Recovery:
+    """Post-send compensation plus the retry policy: the attempt counts (the worker may have
+    consumed the input), then requeue at the head, defer, or hold as failed."""
+    attempts = tx.conn.execute(select(tasks.c.attempts).where(tasks.c.id == task_id)).scalar_one()
+    attempts += 1
+    decision = retry_decision(attempts, tx.policy)
+    if decision is TaskState.DEFERRED:
+        try:
+            with tx.savepoint():
+                ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.DEFERRED,
+                               attempts_delta=1, reason=reason)
+                tx.event(EventKind.DEFERRED, rank=rank, token=token, task_id=task_id,
+                         detail=reason)
+        except DBAPIError as e:
+            # R8: a deferral that cannot be written must not lose the task: keep it queued.
+            ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
+                           queue_pos=head_position(tx), attempts_delta=1,
+                           reason=f"deferral failed: {e.orig or e}")
+            tx.event(EventKind.DEFER_FAILED, rank=rank, token=token, task_id=task_id,
+                     detail=str(e.orig or e)[:500])
+            if not ok:
+                raise FenceError(f"task {task_id} was not active") from None
+            return Recovery(rank or 0, token, task_id, TaskState.QUEUED, attempts, True)
+    elif decision is TaskState.QUEUED:
+        ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
+                       queue_pos=head_position(tx), attempts_delta=1, reason=reason)
+        tx.event(EventKind.REQUEUED, rank=rank, token=token, task_id=task_id, detail=reason)
+    else:
+        why = f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); last: {reason}"
+        ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
+                       reason=why)
+        tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=why)
+    if not ok:
+        raise FenceError(f"task {task_id} was not active")
+    return Recovery(rank or 0, token, task_id, decision, attempts)
+
+
+def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventKind.RECOVERED,
+                     reason: str | None = None,
+                     worker_state: WorkerState | None = None) -> Recovery | None:
+    """R6: roll back exactly the dispatch (rank, token) and hand its task to the retry policy.
+
+    A stale token (or a rank with another dispatch) changes nothing and returns None. The rank
+    becomes idle if its current READY was seen, else `worker_state` (e.g. parked, failed).
+    """
+    row = _take(tx, rank, token)
+    if row is None:
+        return None
+    detail = reason or cause.value
+    tx.event(cause, rank=rank, token=token, task_id=row.task_id, detail=detail)
+    rec = _apply_retry(tx, rank, token, row.task_id, detail)
+    if row.ready_at is not None:
+        set_workers(tx, [(rank, WorkerState.IDLE)])
+    elif worker_state is not None:
+        set_workers(tx, [(rank, worker_state)],
+                    parked_token=token if worker_state is WorkerState.PARKED else None)
+    return rec
+
+
+def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool) -> list[int]:
+    """Return dispatched work to the queue head, oldest dispatch first.
+
+    Graceful stop (`earlier_incarnations=False`): this incarnation's dispatches; no attempt is
+    counted. Resume (`True`): dispatches an earlier incarnation left behind when it died; the
+    attempt counts (the task may be what killed the job) and the ceiling applies, but the
+    immediate-retry budget does not (a coordinator crash is not a protocol failure).
+    """
+    cond = (dispatches.c.incarnation < tx.incarnation if earlier_incarnations
+            else dispatches.c.incarnation == tx.incarnation)
+    rows = tx.conn.execute(select(dispatches.c.rank, dispatches.c.token, dispatches.c.task_id)
+                           .where(cond).order_by(dispatches.c.created_at.desc(),
+                                                 dispatches.c.rank.desc())).all()
+    kind = EventKind.INTERRUPTED if earlier_incarnations else EventKind.STOP_REQUEUED
+    for r in rows:  # newest first, each to the head: the oldest ends up first
+        _take(tx, r.rank, r.token)
+        tx.event(kind, rank=r.rank, token=r.token, task_id=r.task_id)
+        if earlier_incarnations:
+            attempts = tx.conn.execute(
+                select(tasks.c.attempts).where(tasks.c.id == r.task_id)).scalar_one() + 1
+            if attempts >= tx.policy.max_attempts:
+                why = (f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); "
+                       f"last: interrupted by a coordinator restart")
+                set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
+                          reason=why)
+                tx.event(EventKind.FAILED, rank=r.rank, token=r.token, task_id=r.task_id,
+                         detail=why)
+                continue
+        set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.QUEUED,
+                  queue_pos=head_position(tx), attempts_delta=int(earlier_incarnations))
+    if not earlier_incarnations and rows:
+        set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows])
+    return [r.task_id for r in rows]

@@ -1,0 +1,119 @@
+"""The one engine factory: every pragma set in one place, each with its reason, and our own BEGIN.
+
+Only rank 0 opens the database. Pragmas are per connection, so they are set in a `connect`
+listener; pysqlite's own transaction handling is switched off so that the `begin` listener can
+emit `BEGIN IMMEDIATE` (SQLAlchemy's documented pysqlite recipe): a write transaction takes the
+write lock at its start, so it can never fail half-way with SQLITE_BUSY on lock upgrade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy.pool import NullPool
+
+from .errors import StoreWriteError, UnsafeDatabaseError
+
+#: FULL: every acknowledged commit survives a power loss (measured: NORMAL lost up to 19
+#: acknowledged transactions in 65 of 80 simulated power losses; FULL lost none). NORMAL is
+#: about 5x more commits per second and still never corrupts; a power loss can then undo the
+#: last few dispatches and results, which restart recovery re-runs (duplicated CPU, no loss).
+SYNCHRONOUS_MODES = ("FULL", "NORMAL")
+DEFAULT_SYNCHRONOUS = "FULL"
+
+#: Wait this long for a lock held by a reader (e.g. a `sqlite3` shell or `coordinator status`)
+#: instead of failing the master's write at once.
+BUSY_TIMEOUT_MS = 10_000
+
+#: WAL relies on shared memory and POSIX locks that these filesystems do not provide reliably.
+NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "9p", "fuse.sshfs", "beegfs", "ceph"}
+)
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The filesystem type of the mount holding `path`, from /proc/mounts (None if unknown)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point = fields[1].replace("\\040", " ")
+        prefix = mount_point.rstrip("/") + "/"
+        if (target == mount_point or target.startswith(prefix)) and len(mount_point) > len(best):
+            best, best_type = mount_point, fields[2]
+    return best_type
+
+
+def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNCHRONOUS,
+                write: bool = True) -> Engine:
+    """An engine on the SQLite file at `path`, verified safe to run the protocol on.
+
+    `write=False` gives an engine whose transactions start with a deferred `BEGIN`, for
+    inspection commands that must not take the write lock while a master runs.
+    """
+    synchronous = synchronous.upper()
+    if synchronous not in SYNCHRONOUS_MODES:
+        raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, not {synchronous!r}")
+    db_path = Path(path).absolute()
+    fstype = filesystem_type(db_path.parent)
+    if fstype in NETWORK_FILESYSTEMS:
+        raise UnsafeDatabaseError(
+            f"{db_path} is on a {fstype} filesystem; SQLite WAL needs a node-local filesystem "
+            f"(put the campaign database on local disk, e.g. under /tmp or the node's scratch)"
+        )
+    # NullPool: one process, one connection at a time; a pooled connection kept across a fork
+    # (mpiexec launch helpers, executors) would be unsafe.
+    engine = create_engine(f"sqlite:///{db_path}", poolclass=NullPool)
+
+    @event.listens_for(engine, "connect")
+    def _set_pragmas(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (see module docstring)
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            # Leases are owned by their dispatch and removed with it (ON DELETE CASCADE).
+            cur.execute("PRAGMA foreign_keys = ON")
+            mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise UnsafeDatabaseError(
+                    f"{db_path}: SQLite refused WAL mode (journal_mode is {mode!r}); the file is "
+                    f"probably on a network or read-only filesystem. Use a node-local path."
+                )
+            cur.execute(f"PRAGMA synchronous = {synchronous}")
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+def read_pragmas(conn: Connection) -> dict[str, object]:
+    """The pragmas actually in force on `conn` (tests read them back; `status` reports them)."""
+    names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
+    return {n: conn.exec_driver_sql(f"PRAGMA {n}").scalar() for n in names}
+
+
+@contextlib.contextmanager
+def write_tx(engine: Engine, operation: str) -> Iterator[Connection]:
+    """One write transaction; a driver failure becomes `StoreWriteError` (outcome unknown)."""
+    try:
+        with engine.begin() as conn:
+            yield conn
+    except exc.DBAPIError as e:
+        if isinstance(e, exc.IntegrityError):
+            raise  # an invariant the schema enforces: a bug, not a storage fault
+        raise StoreWriteError(operation, e.orig or e) from e

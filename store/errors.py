@@ -1,0 +1,61 @@
+"""One root exception for everything the store refuses, with a few leaves that carry data.
+
+Driver errors are translated once, at the store boundary (`engine.write_tx`), so callers never
+see `sqlite3` or SQLAlchemy exception types.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Root of every error the store raises on purpose."""
+
+
+class UnsafeDatabaseError(StoreError):
+    """The file cannot be run safely: WAL did not take effect, or a pragma did not stick."""
+
+
+class SchemaVersionError(StoreError):
+    """The database's schema revision is not the one this code was written for."""
+
+    def __init__(self, path: str, found: str | None, expected: str, newer: bool):
+        self.path, self.found, self.expected, self.newer = path, found, expected, newer
+        if newer:
+            msg = (
+                f"{path}: schema revision {found} is newer than this coordinator knows "
+                f"(head {expected}); upgrade the coordinator, do not open it with this version"
+            )
+        else:
+            msg = (
+                f"{path}: schema revision {found or '(none)'} is older than this coordinator's "
+                f"{expected}; bring it forward with `coordinator db upgrade --db {path}` "
+                f"(or `alembic -x db={path} upgrade head` from the repository root)"
+            )
+        super().__init__(msg)
+
+
+class CampaignExistsError(StoreError):
+    """A campaign is already stored in the file and the caller did not ask to resume it."""
+
+    def __init__(self, path: str, tasks: int):
+        self.path, self.tasks = path, tasks
+        super().__init__(
+            f"{path} already holds a campaign ({tasks} tasks); pass --resume (or set "
+            f"SYMCC_RESUME=1) to continue it, or choose a new --db path"
+        )
+
+
+class StoreWriteError(StoreError):
+    """A write failed (disk full, I/O error, read-only file, lock timeout).
+
+    The outcome of a failed COMMIT is unknown (it can still be durable), so the caller must not
+    retry blindly: stop, and let restart recovery decide.
+    """
+
+    def __init__(self, operation: str, cause: BaseException):
+        self.operation, self.cause = operation, cause
+        super().__init__(f"database write failed during {operation}: {cause}")
+
+
+class FenceError(StoreError):
+    """A fenced write matched no row: the (rank, token, state) it named is not current."""

@@ -1,0 +1,86 @@
+"""The transaction context every transition runs in, and the append-only logs it writes.
+
+A `Tx` is one write transaction. Transitions append their event and quarantine rows to it;
+the rows are inserted with one `executemany` per table when the transaction ends, so a master
+round that applies many messages costs a few statements, not one per message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, insert
+
+from .schema import Channel, EventKind, QuarantineReason, events, quarantine
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """SPEC §3 R7/R8: immediate requeues, then deferral; a total ceiling holds a task as failed.
+
+    `retries`: post-send failures requeued at the head of the queue (0–16, default 1).
+    `max_attempts`: post-send failures after which the task is held as failed (attempts are
+    stored, so the budget and the ceiling both survive a restart).
+    """
+
+    retries: int = 1
+    max_attempts: int = 5
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.retries, int) and 0 <= self.retries <= 16):
+            raise ValueError(f"retries must be an integer in 0..16, not {self.retries!r}")
+        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+            raise ValueError(f"max_attempts must be an integer >= 1, not {self.max_attempts!r}")
+
+
+@dataclass
+class Tx:
+    conn: Connection
+    incarnation: int
+    now: float
+    policy: RetryPolicy
+    _events: list[dict[str, Any]] = field(default_factory=list)
+    _quarantine: list[dict[str, Any]] = field(default_factory=list)
+
+    def event(self, kind: EventKind, *, rank: int | None = None, token: str | None = None,
+              task_id: int | None = None, detail: str | None = None) -> None:
+        self._events.append({"at": self.now, "incarnation": self.incarnation, "kind": kind.value,
+                             "rank": rank, "token": token, "task_id": task_id,
+                             "detail": detail})
+
+    def quarantine(self, channel: Channel, reason: QuarantineReason, rank: int, *,
+                   token: object = None, expected: str | None = None,
+                   detail: str | None = None) -> None:
+        # Only a string is stored as the token: a list or a number is what made it malformed.
+        shown = token if isinstance(token, str) else None
+        if not isinstance(token, str) and token is not None and detail is None:
+            detail = f"token of type {type(token).__name__}"
+        self._quarantine.append({"at": self.now, "incarnation": self.incarnation,
+                                 "channel": channel.value, "reason": reason.value, "rank": rank,
+                                 "token": shown[:200] if shown else shown,
+                                 "expected": expected,
+                                 "detail": detail[:1000] if detail else detail})
+
+    def flush(self) -> None:
+        if self._events:
+            self.conn.execute(insert(events), self._events)
+            self._events = []
+        if self._quarantine:
+            self.conn.execute(insert(quarantine), self._quarantine)
+            self._quarantine = []
+
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A nested transaction whose journal rows vanish with it if it rolls back."""
+        n_events, n_quarantine = len(self._events), len(self._quarantine)
+        nested = self.conn.begin_nested()
+        try:
+            yield
+        except BaseException:
+            nested.rollback()
+            del self._events[n_events:], self._quarantine[n_quarantine:]
+            raise
+        nested.commit()

@@ -1,0 +1,263 @@
+"""The campaign database: SQLAlchemy Core tables with the protocol's invariants in the schema.
+
+The database refuses what the code must never do:
+
+- one active dispatch per rank and per task (UNIQUE `dispatches.rank`, `dispatches.task_id`);
+- at most one committed result per task (`results.task_id` is the primary key);
+- a lease is owned by its dispatch and removed with it (FK ... ON DELETE CASCADE), and a
+  resource is leased at most once (UNIQUE (kind, key));
+- every state is a small lowercase enum with a CHECK constraint;
+- a token is 64 lowercase hex characters (CHECK).
+
+The schema notes for `sqlite3` users are in README.md ("Inspecting a campaign").
+"""
+
+from __future__ import annotations
+
+import enum
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+class TaskState(str, enum.Enum):
+    QUEUED = "queued"      # waiting for a rank, ordered by queue_pos
+    ACTIVE = "active"      # held by exactly one dispatch row
+    DONE = "done"          # exactly one results row
+    DEFERRED = "deferred"  # past the immediate-retry budget; reclaimed by the next --resume
+    FAILED = "failed"      # past the attempt ceiling; held until `coordinator requeue`
+
+
+#: Allowed task transitions (tested against what the store does).
+TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
+    TaskState.QUEUED: frozenset({TaskState.ACTIVE}),
+    TaskState.ACTIVE: frozenset(
+        {TaskState.DONE, TaskState.QUEUED, TaskState.DEFERRED, TaskState.FAILED}
+    ),
+    TaskState.DONE: frozenset(),
+    TaskState.DEFERRED: frozenset({TaskState.QUEUED}),
+    TaskState.FAILED: frozenset({TaskState.QUEUED}),
+}
+
+
+class WorkerState(str, enum.Enum):
+    UNKNOWN = "unknown"  # not heard from in this incarnation
+    IDLE = "idle"        # may receive WORK
+    BUSY = "busy"        # holds a dispatch (or its READY is awaited after the commit)
+    PARKED = "parked"    # its dispatch was retired by the watchdog; waits for READY(retired)
+    FAILED = "failed"    # the MPI runtime reported the process dead
+    STOPPED = "stopped"  # acknowledged STOP
+
+
+class Channel(str, enum.Enum):
+    READY = "ready"
+    RESULT = "result"
+
+
+class QuarantineReason(str, enum.Enum):
+    MISSING = "missing"
+    MALFORMED = "malformed"
+    STALE = "stale"
+    UNOWNED = "unowned"
+    PAYLOAD = "payload"      # a current RESULT whose payload failed validation
+
+
+class LeaseKind(str, enum.Enum):
+    WORK = "work"        # the task itself (semantic id)
+    TARGET = "target"    # a target branch being solved
+    CONTENT = "content"  # the input's content hash
+    SCHEDULE = "schedule"  # the schedule prefix being explored
+
+
+class EventKind(str, enum.Enum):
+    CAMPAIGN = "campaign"            # an incarnation started (detail: resume or new)
+    ENQUEUED = "enqueued"
+    DISPATCHED = "dispatched"        # dispatch row recorded (before the send)
+    SEND_FAILED = "send_failed"      # pre-send compensation: rewound exactly
+    READY = "ready"                  # current READY: ready mark set
+    INVALID = "invalid"              # invalid-result mark set
+    COMMITTED = "committed"
+    RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
+    REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)
+    DEFERRED = "deferred"            # protocol deferral (past the retry budget)
+    DEFER_FAILED = "defer_failed"    # the deferral could not be written; task kept queued
+    FAILED = "failed"                # past the attempt ceiling
+    INTERRUPTED = "interrupted"      # dispatch of an earlier incarnation rolled back at resume
+    STOP_REQUEUED = "stop_requeued"  # in-flight work returned to the queue by a graceful stop
+    RECLAIMED = "reclaimed"          # deferred task put back at the head by --resume
+    NOT_ADMITTED = "not_admitted"    # deferred task whose input is gone: stays deferred
+    WATCHDOG = "watchdog"            # dispatch past its deadline: recovered, rank parked
+    WORKER_RECOVERED = "worker_recovered"  # a parked rank echoed its retired token
+    WORKER_FAILED = "worker_failed"  # the runtime reported the rank dead; its work recovered
+    MANUAL_REQUEUE = "manual_requeue"
+
+
+def _enum_check(column: str, enum_cls: type[enum.Enum]) -> CheckConstraint:
+    values = ", ".join(f"'{m.value}'" for m in enum_cls)
+    return CheckConstraint(f"{column} IN ({values})", name=f"{column}_enum")
+
+
+TOKEN_CHECK = "length({c}) = 64 AND {c} NOT GLOB '*[^0-9a-f]*'"
+
+campaign = Table(
+    "campaign",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("created_at", Float, nullable=False),
+    # Bumped at every coordinator start; every event and dispatch carries the one it ran in.
+    Column("incarnation", Integer, nullable=False),
+    # Random per incarnation, hashed into every token: tokens never repeat across restarts.
+    Column("epoch", Text, nullable=False),
+    Column("bitmap_version", Integer, nullable=False, server_default=text("0")),
+    CheckConstraint("id = 1", name="single_row"),
+)
+
+blobs = Table(
+    "blobs",
+    metadata,
+    Column("hash", Text, primary_key=True),  # sha256 hex of data: content-addressed inputs
+    Column("data", LargeBinary, nullable=False),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    # sha256 of the canonical JSON of the semantic payload: stable across dispatches/restarts.
+    Column("semantic_id", Text, nullable=False, unique=True),
+    Column("payload", Text, nullable=False),  # canonical JSON (sorted keys, no NaN)
+    Column("input_hash", Text, ForeignKey("blobs.hash"), nullable=True),
+    Column("state", Text, nullable=False),
+    # Post-send failures of this task, persistent: a restart does not refill the budget.
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("dispatches", Integer, nullable=False, server_default=text("0")),
+    # Queue order among queued tasks: new work at the tail (positive, growing), requeued and
+    # reclaimed work at the head (negative, shrinking).
+    Column("queue_pos", BigInteger, nullable=False),
+    Column("depth", Integer, nullable=False, server_default=text("0")),
+    Column("parent_id", Integer, ForeignKey("tasks.id"), nullable=True),
+    Column("origin", Text, nullable=False, server_default=text("''")),
+    Column("reason", Text, nullable=True),  # why deferred / failed / not admitted
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    _enum_check("state", TaskState),
+    CheckConstraint(TOKEN_CHECK.format(c="semantic_id"), name="semantic_id_hex"),
+    CheckConstraint("attempts >= 0 AND dispatches >= 0", name="counts"),
+)
+Index("ix_tasks_queue", tasks.c.queue_pos, sqlite_where=tasks.c.state == "queued")
+Index("ix_tasks_state", tasks.c.state)
+
+dispatches = Table(
+    "dispatches",
+    metadata,
+    Column("token", Text, primary_key=True),
+    Column("rank", Integer, nullable=False, unique=True),
+    Column("task_id", Integer, ForeignKey("tasks.id"), nullable=False, unique=True),
+    Column("incarnation", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    # NULL until WORK has left the master: decides pre-send vs post-send compensation.
+    Column("sent_at", Float, nullable=True),
+    Column("deadline", Float, nullable=True),  # watchdog: NULL = none
+    # The two independent facts of the generation gate (R2); both refer to this row's token.
+    Column("ready_at", Float, nullable=True),
+    Column("invalid_reason", Text, nullable=True),
+    CheckConstraint(TOKEN_CHECK.format(c="token"), name="token_hex"),
+    CheckConstraint("rank >= 1", name="worker_rank"),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("token", Text, ForeignKey("dispatches.token", ondelete="CASCADE"), nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    UniqueConstraint("kind", "key"),
+    _enum_check("kind", LeaseKind),
+)
+Index("ix_leases_token", leases.c.token)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("rank", Integer, primary_key=True),
+    Column("state", Text, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    Column("bitmap_version", Integer, nullable=False, server_default=text("-1")),
+    Column("profile_version", Text, nullable=False, server_default=text("''")),
+    Column("parked_token", Text, nullable=True),  # the retired token a parked rank must echo
+    Column("host", Text, nullable=True),
+    Column("pid", Integer, nullable=True),
+    Column("last_seen", Float, nullable=True),
+    _enum_check("state", WorkerState),
+)
+
+results = Table(
+    "results",
+    metadata,
+    Column("task_id", Integer, ForeignKey("tasks.id"), primary_key=True),
+    Column("token", Text, nullable=False, unique=True),  # the dispatch it was committed from
+    Column("rank", Integer, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    Column("committed_at", Float, nullable=False),
+    Column("status", Text, nullable=False),  # executor outcome: ok / error / timeout
+    Column("value", Text, nullable=True),  # JSON
+    Column("testcases", Integer, nullable=False, server_default=text("0")),
+    Column("new_tasks", Integer, nullable=False, server_default=text("0")),
+)
+
+quarantine = Table(
+    "quarantine",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    Column("channel", Text, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("token", Text, nullable=True),  # what the message said, if it was a string
+    Column("expected", Text, nullable=True),  # the rank's active token at the time
+    Column("detail", Text, nullable=True),
+    _enum_check("channel", Channel),
+    _enum_check("reason", QuarantineReason),
+)
+Index("ix_quarantine_channel_reason", quarantine.c.channel, quarantine.c.reason)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("rank", Integer, nullable=True),
+    Column("token", Text, nullable=True),
+    Column("task_id", Integer, nullable=True),
+    Column("detail", Text, nullable=True),
+    _enum_check("kind", EventKind),
+)
+Index("ix_events_kind", events.c.kind)
+Index("ix_events_task", events.c.task_id)

@@ -1,0 +1,83 @@
+"""Statistics read from the rows they count (SPEC §3 R10), and the stats text.
+
+Nothing is counted in memory: the numbers are queries over the append-only quarantine and
+event tables, so they survive restarts and always equal the rows a post-mortem would read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import Connection, func, select
+
+from .schema import Channel, EventKind, campaign, events, quarantine, results
+from .tasks import count_by_state
+from .versioning import current_revision
+
+
+@dataclass(frozen=True)
+class Stats:
+    tasks: dict[str, int]
+    results: int
+    quarantine: dict[str, dict[str, int]]  # channel -> reason -> count
+    requeued: int
+    deferred: int
+    watchdog_timeouts: int
+    watchdog_recoveries: int
+    incarnation: int
+    schema_revision: str | None
+    events: dict[str, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, object]:
+        """The stable keys of `coordinator status --json` (documented in README.md)."""
+        return {
+            "tasks": self.tasks,
+            "results": self.results,
+            "quarantine": {"result": self.quarantine.get("result", {}),
+                           "ready": self.quarantine.get("ready", {})},
+            "requeued": self.requeued,
+            "deferred": self.deferred,
+            "watchdog_timeouts": self.watchdog_timeouts,
+            "watchdog_recoveries": self.watchdog_recoveries,
+            "incarnation": self.incarnation,
+            "schema_revision": self.schema_revision,
+        }
+
+
+def read_stats(conn: Connection) -> Stats:
+    q: dict[str, dict[str, int]] = {c.value: {} for c in Channel}
+    for channel, reason, n in conn.execute(
+            select(quarantine.c.channel, quarantine.c.reason, func.count())
+            .group_by(quarantine.c.channel, quarantine.c.reason)):
+        q[channel][reason] = n
+    ev = dict(conn.execute(select(events.c.kind, func.count()).group_by(events.c.kind)).all())
+    return Stats(
+        tasks=count_by_state(conn),
+        results=conn.execute(select(func.count()).select_from(results)).scalar_one(),
+        quarantine=q,
+        requeued=ev.get(EventKind.REQUEUED.value, 0),
+        deferred=ev.get(EventKind.DEFERRED.value, 0),
+        watchdog_timeouts=ev.get(EventKind.WATCHDOG.value, 0),
+        watchdog_recoveries=ev.get(EventKind.WORKER_RECOVERED.value, 0),
+        incarnation=conn.execute(select(campaign.c.incarnation)).scalar() or 0,
+        schema_revision=current_revision(conn),
+        events=ev,
+    )
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    total = sum(counts.values())
+    inner = ",".join(f"{r}={n}" for r, n in sorted(counts.items()) if n)
+    return f"{total} ({inner})" if total else "0"
+
+
+def stats_text(s: Stats) -> str:
+    """The periodic stats file and the final summary, with the SPEC's exact labels."""
+    return "\n".join([
+        f"Quarantined worker results: {_reasons(s.quarantine.get('result', {}))}",
+        f"Quarantined worker ready messages: {_reasons(s.quarantine.get('ready', {}))}",
+        f"Protocol-requeued dispatches: {s.requeued}",
+        f"Protocol-deferred dispatches: {s.deferred}",
+        f"Dispatch watchdog timeouts: {s.watchdog_timeouts}",
+        f"Dispatch watchdog worker recoveries: {s.watchdog_recoveries}",
+    ]) + "\n"

@@ -1,0 +1,243 @@
+"""Tasks: enqueue by semantic id, queue order, the retry decision, admission and reclaim."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, func, select, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from .journal import RetryPolicy, Tx
+from .schema import EventKind, LeaseKind, TaskState, blobs, leases, tasks
+from .semantic import canonical_json, content_hash, is_self_contained, normalize, semantic_id
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    id: int
+    semantic_id: str
+    payload: dict[str, Any]
+    input_hash: str | None
+    state: TaskState
+    attempts: int
+    dispatches: int
+    depth: int
+    reason: str | None
+
+    def lease_keys(self) -> list[tuple[LeaseKind, str]]:
+        """Every side-table reservation a dispatch of this task holds (one lease row each)."""
+        keys = [(LeaseKind.WORK, self.semantic_id)]
+        if self.payload.get("target_branch"):
+            keys.append((LeaseKind.TARGET, str(self.payload["target_branch"])))
+        if self.input_hash:
+            keys.append((LeaseKind.CONTENT, self.input_hash))
+        if self.payload.get("schedule_prefix"):
+            keys.append((LeaseKind.SCHEDULE, canonical_json(self.payload["schedule_prefix"])))
+        return keys
+
+
+_TASK_COLUMNS = (tasks.c.id, tasks.c.semantic_id, tasks.c.payload, tasks.c.input_hash,
+                 tasks.c.state, tasks.c.attempts, tasks.c.dispatches, tasks.c.depth,
+                 tasks.c.reason)
+
+
+def _record(row: Any) -> TaskRecord:
+    return TaskRecord(row.id, row.semantic_id, json.loads(row.payload), row.input_hash,
+                      TaskState(row.state), row.attempts, row.dispatches, row.depth, row.reason)
+
+
+@dataclass(frozen=True)
+class NewTask:
+    payload: Mapping[str, Any]
+    input_bytes: bytes | None = None
+    origin: str = ""
+    depth: int = 0
+    parent_id: int | None = None
+
+
+def tail_position(tx: Tx) -> int:
+    top = tx.conn.execute(
+        select(func.max(tasks.c.queue_pos)).where(tasks.c.state == TaskState.QUEUED.value)
+    ).scalar()
+    return (top or 0) + 1
+
+
+def head_position(tx: Tx) -> int:
+    low = tx.conn.execute(
+        select(func.min(tasks.c.queue_pos)).where(tasks.c.state == TaskState.QUEUED.value)
+    ).scalar()
+    return min(low or 0, 0) - 1
+
+
+def enqueue_tasks(tx: Tx, new: Iterable[NewTask]) -> list[int]:
+    """Enqueue at the tail; returns the ids of tasks that were not already known.
+
+    The same semantic payload twice is one task (UNIQUE semantic_id, INSERT OR IGNORE).
+    Input bytes are stored content-addressed, so the task no longer needs the file.
+    """
+    created: list[int] = []
+    pos = tail_position(tx)
+    for item in new:
+        canon = normalize(item.payload)
+        sid = semantic_id(canon)
+        ihash = None
+        if item.input_bytes is not None:
+            ihash = content_hash(item.input_bytes)
+            tx.conn.execute(sqlite_insert(blobs).values(hash=ihash, data=item.input_bytes)
+                            .on_conflict_do_nothing())
+        res = tx.conn.execute(
+            sqlite_insert(tasks).values(
+                semantic_id=sid, payload=canonical_json(canon), input_hash=ihash,
+                state=TaskState.QUEUED.value, queue_pos=pos, depth=item.depth,
+                parent_id=item.parent_id, origin=item.origin, created_at=tx.now,
+                updated_at=tx.now,
+            ).on_conflict_do_nothing(index_elements=["semantic_id"])
+        )
+        if res.rowcount == 1:
+            task_id = res.inserted_primary_key[0]
+            created.append(task_id)
+            tx.event(EventKind.ENQUEUED, task_id=task_id, detail=item.origin or None)
+            pos += 1
+    return created
+
+
+def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
+    """Up to `n` queued tasks in queue order whose leases are all free.
+
+    A task whose target branch, input content or schedule prefix is held by a running dispatch
+    waits (it keeps its place); so does the second of two queued tasks that want the same one.
+    """
+    if n <= 0:
+        return []
+    held = {(LeaseKind(k), key) for k, key in tx.conn.execute(
+        select(leases.c.kind, leases.c.key).where(leases.c.kind != LeaseKind.WORK.value))}
+    picked: list[TaskRecord] = []
+    window = max(4 * n, 16)
+    offset = 0
+    while len(picked) < n:
+        rows = tx.conn.execute(
+            select(*_TASK_COLUMNS).where(tasks.c.state == TaskState.QUEUED.value)
+            .order_by(tasks.c.queue_pos, tasks.c.id).limit(window).offset(offset)
+        ).all()
+        for row in rows:
+            rec = _record(row)
+            keys = [k for k in rec.lease_keys() if k[0] is not LeaseKind.WORK]
+            if any(k in held for k in keys):
+                continue
+            held.update(keys)
+            picked.append(rec)
+            if len(picked) == n:
+                break
+        if len(rows) < window:
+            break
+        offset += window
+    return picked
+
+
+def get_task(tx: Tx, task_id: int) -> TaskRecord | None:
+    row = tx.conn.execute(select(*_TASK_COLUMNS).where(tasks.c.id == task_id)).first()
+    return _record(row) if row else None
+
+
+def input_bytes(tx: Tx, input_hash: str | None) -> bytes | None:
+    if input_hash is None:
+        return None
+    return tx.conn.execute(select(blobs.c.data).where(blobs.c.hash == input_hash)).scalar()
+
+
+def retry_decision(attempts: int, policy: RetryPolicy) -> TaskState:
+    """Where a task goes after its `attempts`-th post-send failure (R7, R8, the ceiling)."""
+    if attempts >= policy.max_attempts:
+        return TaskState.FAILED
+    if attempts <= policy.retries:
+        return TaskState.QUEUED
+    return TaskState.DEFERRED
+
+
+def set_state(tx: Tx, task_id: int, expected: TaskState, new: TaskState, *,
+              queue_pos: int | None = None, reason: str | None = None,
+              attempts_delta: int = 0, dispatches_delta: int = 0) -> bool:
+    """The one fenced task transition: changes the row only if it is in `expected`."""
+    values: dict[str, Any] = {"state": new.value, "updated_at": tx.now, "reason": reason}
+    if queue_pos is not None:
+        values["queue_pos"] = queue_pos
+    if attempts_delta:
+        values["attempts"] = tasks.c.attempts + attempts_delta
+    if dispatches_delta:
+        values["dispatches"] = tasks.c.dispatches + dispatches_delta
+    res = tx.conn.execute(
+        update(tasks).where(and_(tasks.c.id == task_id, tasks.c.state == expected.value))
+        .values(**values)
+    )
+    return res.rowcount == 1
+
+
+def input_available(payload: Mapping[str, Any]) -> bool:
+    """The default admission check for a plain seed task: its input file is still there."""
+    return os.path.exists(payload["path"])
+
+
+def reclaim_deferred(tx: Tx, available: Callable[[Mapping[str, Any]], bool] = input_available,
+                     ) -> tuple[list[int], list[int]]:
+    """R9: put every admissible deferred task at the head, oldest deferral first.
+
+    A plain task whose input is gone and was never stored is not admitted: it stays deferred
+    with the reason (never deleted). Returns (reclaimed ids, refused ids).
+    """
+    rows = tx.conn.execute(
+        select(*_TASK_COLUMNS).where(tasks.c.state == TaskState.DEFERRED.value)
+        .order_by(tasks.c.updated_at, tasks.c.id)
+    ).all()
+    admitted: list[TaskRecord] = []
+    refused: list[int] = []
+    for row in rows:
+        rec = _record(row)
+        if is_self_contained(rec.payload, rec.input_hash is not None) or available(rec.payload):
+            admitted.append(rec)
+            continue
+        reason = f"input unavailable: {rec.payload['path']}"
+        tx.conn.execute(update(tasks).where(tasks.c.id == rec.id).values(reason=reason))
+        tx.event(EventKind.NOT_ADMITTED, task_id=rec.id, detail=reason)
+        refused.append(rec.id)
+    pos = head_position(tx) - len(admitted) + 1
+    for rec in admitted:
+        set_state(tx, rec.id, TaskState.DEFERRED, TaskState.QUEUED, queue_pos=pos)
+        tx.event(EventKind.RECLAIMED, task_id=rec.id)
+        pos += 1
+    return [r.id for r in admitted], refused
+
+
+def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
+                                                             TaskState.DEFERRED),
+                  ids: Sequence[int] | None = None, reset_attempts: bool = True) -> list[int]:
+    """Operator requeue: failed/deferred tasks back to the tail (by state, or by id)."""
+    allowed = [s.value for s in states if s in (TaskState.FAILED, TaskState.DEFERRED)]
+    q = select(tasks.c.id, tasks.c.state).where(tasks.c.state.in_(allowed))
+    if ids is not None:
+        q = q.where(tasks.c.id.in_(list(ids)))
+    rows = tx.conn.execute(q.order_by(tasks.c.id)).all()
+    pos = tail_position(tx)
+    done: list[int] = []
+    for row in rows:
+        values: dict[str, Any] = {"state": TaskState.QUEUED.value, "queue_pos": pos,
+                                  "reason": None, "updated_at": tx.now}
+        if reset_attempts:
+            values["attempts"] = 0
+        tx.conn.execute(update(tasks).where(and_(tasks.c.id == row.id,
+                                                 tasks.c.state == row.state)).values(**values))
+        tx.event(EventKind.MANUAL_REQUEUE, task_id=row.id, detail=f"from {row.state}")
+        done.append(row.id)
+        pos += 1
+    return done
+
+
+def count_by_state(tx_or_conn: Any) -> dict[str, int]:
+    conn = getattr(tx_or_conn, "conn", tx_or_conn)
+    counts = {s.value: 0 for s in TaskState}
+    for state, n in conn.execute(select(tasks.c.state, func.count()).group_by(tasks.c.state)):
+        counts[state] = n
+    return counts

@@ -1,0 +1,72 @@
+"""Schema revisions: the code's head, the file's revision, and bringing a file forward.
+
+Alembic ships inside the package (`migrations/`), so `coordinator db upgrade` needs no
+alembic.ini; `alembic -x db=PATH upgrade head` from the repository root does the same.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection
+
+import migrations
+
+from .engine import open_engine
+from .errors import SchemaVersionError
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    return cfg
+
+
+@lru_cache(maxsize=1)
+def _script() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config())
+
+
+def head_revision() -> str:
+    heads = _script().get_heads()
+    if len(heads) != 1:
+        raise RuntimeError(f"migrations have {len(heads)} heads: {heads}")
+    return heads[0]
+
+
+def current_revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
+    """Refuse a file whose revision is not the code's head, naming the way forward."""
+    found, head = current_revision(conn), head_revision()
+    if found == head:
+        return
+    known = {rev.revision for rev in _script().walk_revisions()}
+    raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
+
+
+def upgrade(path: str | os.PathLike[str], revision: str = "head") -> tuple[str | None, str]:
+    """Create or upgrade the database at `path`; returns (revision before, revision after)."""
+    engine = open_engine(path)
+    try:
+        with engine.connect() as conn:
+            before = current_revision(conn)
+            known = {rev.revision for rev in _script().walk_revisions()}
+            if before is not None and before not in known:
+                raise SchemaVersionError(str(path), before, head_revision(), newer=True)
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+            conn.commit()
+            after = current_revision(conn)
+        return before, after
+    finally:
+        engine.dispose()
