@@ -84,7 +84,13 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
             cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             # Leases are owned by their dispatch and removed with it (ON DELETE CASCADE).
             cur.execute("PRAGMA foreign_keys = ON")
-            mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            try:
+                mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                raise UnsafeDatabaseError(
+                    f"{db_path}: cannot switch the database to WAL mode ({e}); the file or its "
+                    f"directory is probably read-only. Use a writable node-local path."
+                ) from e
             if str(mode).lower() != "wal":
                 raise UnsafeDatabaseError(
                     f"{db_path}: SQLite refused WAL mode (journal_mode is {mode!r}); the file is "

@@ -1,0 +1,599 @@
+"""What a worker rank runs for one task.
+
+Nothing here knows about MPI, tokens or the store: an executor turns one semantic task (plus its
+input bytes, if the master shipped them) into an :class:`ExecOutcome`. A failing target or a
+raising user callable is an *outcome*, never an exception, because the worker must always send
+exactly one RESULT per dispatch (SPEC R1); only programming errors raise.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "CommandExecutor",
+    "DemoExecutor",
+    "ExecOutcome",
+    "Executor",
+    "PythonExecutor",
+    "EXECUTOR_KINDS",
+    "collatz_steps",
+    "demo_digest",
+    "make_executor",
+]
+
+STATUS_OK = "ok"
+STATUS_TIMEOUT = "timeout"
+STATUS_ERROR = "error"
+
+# Enough of a crashing target's stderr to see the reason, small enough for one RESULT message.
+DETAIL_MAX_BYTES = 2048
+
+EXECUTOR_KINDS = ("command", "python", "demo")
+
+
+@dataclass
+class ExecOutcome:
+    status: str  # "ok" | "timeout" | "error" (exception / nonzero exit / bad input)
+    value: Any = None  # JSON-serialisable result (python/demo executors); None for command
+    testcases: list[tuple[str, bytes]] = field(default_factory=list)  # (basename, content)
+    returncode: int | None = None
+    duration_s: float = 0.0
+    detail: str = ""  # short human text: stderr tail, the exception, dropped-file counts
+
+
+@runtime_checkable
+class Executor(Protocol):
+    def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome: ...
+
+
+def _clip(text: str, limit: int = DETAIL_MAX_BYTES) -> str:
+    # Keep the tail: the last lines of a failing run are the ones that say why.
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= limit:
+        return text
+    return data[-limit:].decode("utf-8", errors="replace")
+
+
+def _join_detail(*parts: str) -> str:
+    return _clip("\n".join(p for p in parts if p))
+
+
+# --------------------------------------------------------------------------------------------
+# command executor (SymCC targets and any other program)
+# --------------------------------------------------------------------------------------------
+
+
+class _TailReader(threading.Thread):
+    """Drains a pipe and keeps only its last bytes.
+
+    A pipe (rather than a file in workdir) bounds both memory and disk for targets that log
+    without end; draining in a thread keeps a chatty target from blocking on a full pipe.
+    """
+
+    def __init__(self, stream: Any, keep: int) -> None:
+        super().__init__(name="executor-stderr-tail", daemon=True)
+        self._stream = stream
+        self._keep = keep
+        self._buf = bytearray()
+
+    def run(self) -> None:
+        try:
+            while chunk := self._stream.read1(65536):
+                self._buf += chunk
+                if len(self._buf) > 2 * self._keep:
+                    del self._buf[: -self._keep]
+        except (OSError, ValueError):
+            pass  # pipe closed under us: what we have is the tail
+        finally:
+            try:
+                self._stream.close()
+            except OSError:
+                pass
+
+    def text(self) -> str:
+        return bytes(self._buf[-self._keep :]).decode("utf-8", errors="replace")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # group already empty
+
+
+def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until the child exits *without reaping it*; True if it exited in time.
+
+    While the leader is an unreaped zombie its pid (= the process-group id) cannot be reused,
+    so a following killpg() can only hit the target's own leftovers, never an unrelated group.
+    """
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError:  # kernel older than 5.3: fall back to polling
+            pass
+        else:
+            try:
+                poller = select.poll()
+                poller.register(pidfd, select.POLLIN)
+                return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+            finally:
+                os.close(pidfd)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if info is not None:
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.05)
+
+
+class CommandExecutor:
+    """Runs an external program once per task (the SymCC way).
+
+    ``@@`` in ``argv`` becomes the input file path; without ``@@`` the input goes to stdin.
+    The program runs in its own session, so on timeout the whole process group is killed.
+    Regular files the program leaves directly in ``$SYMCC_OUTPUT_DIR`` become test cases,
+    whatever the exit status (SymCC targets often exit nonzero after writing useful inputs;
+    on a timeout the files written so far are kept too).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        timeout_s: float,
+        max_files: int = 1000,
+        max_file_bytes: int = 1 << 20,
+        max_total_bytes: int = 64 << 20,
+    ) -> None:
+        if isinstance(argv, (str, bytes)) or not argv:
+            raise ValueError("command executor needs a non-empty argv list, e.g. ['./target', '@@']")
+        if not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"command argv must be a list of strings, got {list(argv)!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"command timeout must be > 0 seconds, got {timeout_s!r}")
+        for name, limit in (
+            ("max_files", max_files),
+            ("max_file_bytes", max_file_bytes),
+            ("max_total_bytes", max_total_bytes),
+        ):
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+                raise ValueError(f"{name} must be a positive integer, got {limit!r}")
+        self.argv = list(argv)
+        self.timeout_s = float(timeout_s)
+        self.max_files = max_files
+        self.max_file_bytes = max_file_bytes
+        self.max_total_bytes = max_total_bytes
+        self.uses_file_arg = any("@@" in a for a in self.argv)
+
+    def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome:
+        started = time.perf_counter()
+        workdir = pathlib.Path(workdir).resolve()
+        try:
+            input_path = self._materialise_input(task, input_bytes, workdir)
+            out_dir = workdir / "out"
+            out_dir.mkdir(exist_ok=True)
+        except (OSError, ValueError) as exc:
+            return ExecOutcome(
+                status=STATUS_ERROR,
+                duration_s=time.perf_counter() - started,
+                detail=_clip(f"cannot materialise input: {exc}"),
+            )
+        outcome = self._execute(input_path, out_dir, workdir)
+        outcome.testcases, dropped_note = self._collect(out_dir)
+        outcome.detail = _join_detail(outcome.detail, dropped_note)
+        outcome.duration_s = time.perf_counter() - started
+        return outcome
+
+    def _materialise_input(
+        self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path
+    ) -> pathlib.Path:
+        if input_bytes is not None:
+            path = workdir / "input"
+            path.write_bytes(input_bytes)
+            return path
+        raw = task.get("path") if isinstance(task, dict) else None
+        if not isinstance(raw, str) or not raw:
+            raise ValueError("task has neither input bytes nor a 'path'")
+        # Absolute: the target runs with workdir as its cwd.
+        path = pathlib.Path(raw).absolute()
+        if not path.is_file():
+            raise ValueError(f"input file {raw!r} does not exist or is not a regular file")
+        return path
+
+    def _environment(self, input_path: pathlib.Path, out_dir: pathlib.Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SYMCC_OUTPUT_DIR"] = str(out_dir)
+        if self.uses_file_arg:
+            env["SYMCC_INPUT_FILE"] = str(input_path)
+        else:
+            # SymCC treats stdin as symbolic only while SYMCC_INPUT_FILE is unset; an inherited
+            # value would silently make a stdin-mode run fully concrete.
+            env.pop("SYMCC_INPUT_FILE", None)
+        return env
+
+    def _execute(
+        self, input_path: pathlib.Path, out_dir: pathlib.Path, workdir: pathlib.Path
+    ) -> ExecOutcome:
+        argv = [a.replace("@@", str(input_path)) for a in self.argv]
+        try:
+            stdin_file = None if self.uses_file_arg else open(input_path, "rb")
+        except OSError as exc:
+            return ExecOutcome(status=STATUS_ERROR, detail=_clip(f"cannot open input for stdin: {exc}"))
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                cwd=workdir,
+                env=self._environment(input_path, out_dir),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            return ExecOutcome(status=STATUS_ERROR, detail=_clip(f"cannot start {argv[0]!r}: {exc}"))
+        finally:
+            if stdin_file is not None:
+                stdin_file.close()
+        tail = _TailReader(proc.stderr, DETAIL_MAX_BYTES)
+        tail.start()
+        timed_out = not self._wait(proc)
+        # Also reaps anything the target left running in its group after a normal exit.
+        _kill_group(proc.pid)
+        returncode = proc.wait()
+        # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.
+        tail.join(timeout=2.0)
+        stderr_tail = tail.text()
+        if timed_out:
+            return ExecOutcome(
+                status=STATUS_TIMEOUT,
+                returncode=returncode,
+                detail=_join_detail(f"timed out after {self.timeout_s:g} s; process group killed", stderr_tail),
+            )
+        if returncode != 0:
+            return ExecOutcome(
+                status=STATUS_ERROR,
+                returncode=returncode,
+                detail=_join_detail(_describe_exit(returncode), stderr_tail),
+            )
+        return ExecOutcome(status=STATUS_OK, returncode=0, detail=stderr_tail)
+
+    def _wait(self, proc: subprocess.Popen) -> bool:
+        if hasattr(os, "waitid"):
+            return _wait_exit_unreaped(proc, self.timeout_s)
+        try:  # platforms without waitid: the group kill after a normal exit is best effort
+            proc.wait(timeout=self.timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def _collect(self, out_dir: pathlib.Path) -> tuple[list[tuple[str, bytes]], str]:
+        try:
+            with os.scandir(out_dir) as it:
+                entries = sorted(
+                    (e for e in it if not e.name.startswith(".") and e.is_file(follow_symlinks=False)),
+                    key=lambda e: e.name,
+                )
+        except OSError as exc:
+            return [], f"cannot list output directory: {exc}"
+        kept: list[tuple[str, bytes]] = []
+        total = 0
+        dropped = {"count": 0, "too_big": 0}
+        for entry in entries:
+            if len(kept) >= self.max_files or total >= self.max_total_bytes:
+                dropped["count"] += 1
+                continue
+            content = _read_bounded(entry.path, self.max_file_bytes)
+            if content is None:
+                dropped["count"] += 1
+                dropped["too_big"] += 1
+                continue
+            if total + len(content) > self.max_total_bytes:
+                dropped["count"] += 1
+                continue
+            kept.append((entry.name, content))
+            total += len(content)
+        note = ""
+        if dropped["count"]:
+            note = (
+                f"dropped {dropped['count']} of {len(entries)} output files "
+                f"({dropped['too_big']} over {self.max_file_bytes} bytes; limits: "
+                f"{self.max_files} files, {self.max_total_bytes} bytes in total)"
+            )
+        return kept, note
+
+
+def _read_bounded(path: str, limit: int) -> bytes | None:
+    """The file's bytes, or None if it is larger than ``limit`` or unreadable."""
+    try:
+        # O_NOFOLLOW: the scandir check and this open must agree even if the target raced us.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    return None if len(data) > limit else data
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"target killed by {name}"
+    return f"target exited with status {returncode}"
+
+
+# --------------------------------------------------------------------------------------------
+# python executor (generic task farms)
+# --------------------------------------------------------------------------------------------
+
+
+_SPEC_FORMS = "'module:function' or 'path/to/file.py:function'"
+
+
+def _load_callable(spec: str) -> Callable[..., Any]:
+    """Resolves a callable spec; every failure is a ValueError that names the spec."""
+    try:
+        return _resolve(spec)
+    except ValueError as exc:
+        raise ValueError(f"callable spec {spec!r}: {exc}") from exc.__cause__
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    if not isinstance(spec, str):
+        raise ValueError(f"must be a string like {_SPEC_FORMS}")
+    where, _, attr_path = spec.rpartition(":")
+    if not where or not attr_path:
+        raise ValueError(f"must look like {_SPEC_FORMS}")
+    try:
+        module = _import_file(where) if _looks_like_file(where) else importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as exc:  # an import runs arbitrary user code: any failure is a bad spec
+        raise ValueError(f"cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
+    target: Any = module
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"{where!r} has no attribute {attr_path!r}") from None
+    if not callable(target):
+        raise ValueError(f"{attr_path!r} is not callable")
+    return target
+
+
+def _looks_like_file(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or os.sep in where
+
+
+def _import_file(where: str) -> Any:
+    path = pathlib.Path(where).resolve()
+    if not path.is_file():
+        raise ValueError(f"file {where!r} does not exist")
+    # A name unique per file, so two task files with the same stem do not replace each other.
+    name = f"_coordinator_task_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"file {where!r} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered before running it: dataclasses and pickling look the module up by name.
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _wants_input_bytes(fn: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature available (some builtins): call with the task only
+        return False
+    return True
+
+
+def _exception_detail(exc: BaseException) -> str:
+    return _clip(f"{type(exc).__name__}: {exc}")
+
+
+def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
+    """Moves ``value["testcases"]`` (name -> bytes) out of a dict result."""
+    if not isinstance(value, dict) or "testcases" not in value:
+        return value, []
+    raw = value["testcases"]
+    if not isinstance(raw, dict):
+        raise ValueError(f"result['testcases'] must be a dict of name -> bytes, got {type(raw).__name__}")
+    testcases: list[tuple[str, bytes]] = []
+    for name, content in raw.items():
+        if not isinstance(name, str) or not isinstance(content, (bytes, bytearray, memoryview)):
+            raise ValueError(
+                "result['testcases'] must map str names to bytes, got "
+                f"{type(name).__name__} -> {type(content).__name__}"
+            )
+        testcases.append((name, bytes(content)))
+    rest = {k: v for k, v in value.items() if k != "testcases"}
+    return rest, testcases
+
+
+def _as_json(value: Any) -> Any:
+    """The value as the master will see it, or ValueError if it is not strict JSON."""
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"result is not JSON-serialisable: {type(exc).__name__}: {exc}") from None
+    return json.loads(text)
+
+
+class PythonExecutor:
+    """Calls ``fn(task)`` (or ``fn(task, input_bytes)`` if it takes two arguments) per task.
+
+    There is no timeout: the call runs in the worker's own process. Use the command executor
+    for work that may hang.
+    """
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.fn = _load_callable(spec)
+        self.pass_input_bytes = _wants_input_bytes(self.fn)
+
+    def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome:
+        started = time.perf_counter()
+        # A copy, so a callable that mutates its task cannot change what the worker reports.
+        args: tuple[Any, ...] = (copy.deepcopy(task),)
+        if self.pass_input_bytes:
+            args += (input_bytes,)
+        try:
+            result = self.fn(*args)
+        except (Exception, SystemExit) as exc:
+            return ExecOutcome(
+                status=STATUS_ERROR,
+                duration_s=time.perf_counter() - started,
+                detail=_exception_detail(exc),
+            )
+        duration = time.perf_counter() - started
+        try:
+            value, testcases = _split_testcases(result)
+            value = _as_json(value)
+        except ValueError as exc:
+            return ExecOutcome(status=STATUS_ERROR, duration_s=duration, detail=_clip(str(exc)))
+        return ExecOutcome(status=STATUS_OK, value=value, testcases=testcases, duration_s=duration)
+
+
+# --------------------------------------------------------------------------------------------
+# demo executor (built-in workload for trying the farm without a target)
+# --------------------------------------------------------------------------------------------
+
+DEMO_DIGEST_ROUNDS = 64
+# Collatz is only known to terminate in practice; bound n so a hostile task cannot spin forever.
+DEMO_MAX_N = 1 << 64
+
+
+def demo_digest(n: int) -> str:
+    digest = f"demo:{n}".encode()
+    for _ in range(DEMO_DIGEST_ROUNDS):
+        digest = hashlib.sha256(digest).digest()
+    return digest.hex()
+
+
+def collatz_steps(n: int) -> int:
+    steps = 0
+    while n > 1:
+        n = n // 2 if n % 2 == 0 else 3 * n + 1
+        steps += 1
+    return steps
+
+
+def _burn_cpu(work_ms: float) -> None:
+    deadline = time.perf_counter() + work_ms / 1000.0
+    block = b"burn"
+    while time.perf_counter() < deadline:
+        for _ in range(64):
+            block = hashlib.sha256(block).digest()
+
+
+class DemoExecutor:
+    """Deterministic built-in workload: task ``{"data": {"n": n}}`` -> digest and Collatz steps.
+
+    A task without ``data.n`` but with an input (bytes or ``path``) gets ``n`` derived from the
+    SHA-256 of that input, so AFL-style tasks work too.
+    """
+
+    def __init__(self, work_ms: float = 0.0) -> None:
+        if not work_ms >= 0:
+            raise ValueError(f"demo work must be >= 0 ms, got {work_ms!r}")
+        self.work_ms = float(work_ms)
+
+    def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome:
+        started = time.perf_counter()
+        try:
+            n = self._task_number(task, input_bytes)
+        except (OSError, ValueError) as exc:
+            return ExecOutcome(status=STATUS_ERROR, duration_s=time.perf_counter() - started, detail=_clip(str(exc)))
+        if self.work_ms > 0:
+            _burn_cpu(self.work_ms)
+        value = {"n": n, "digest": demo_digest(n), "collatz_steps": collatz_steps(n)}
+        return ExecOutcome(status=STATUS_OK, value=value, duration_s=time.perf_counter() - started)
+
+    @staticmethod
+    def _task_number(task: dict, input_bytes: bytes | None) -> int:
+        data = task.get("data") if isinstance(task, dict) else None
+        if isinstance(data, dict) and "n" in data:
+            n = data["n"]
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < DEMO_MAX_N:
+                raise ValueError(f"demo task needs data.n as an integer in [0, 2**64), got {n!r}")
+            return n
+        if input_bytes is None:
+            path = task.get("path") if isinstance(task, dict) else None
+            if not isinstance(path, str) or not path:
+                raise ValueError("demo task needs data.n, input bytes or a 'path'")
+            input_bytes = pathlib.Path(path).read_bytes()
+        return int.from_bytes(hashlib.sha256(input_bytes).digest()[:4], "big") % 1_000_000 + 1
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def make_executor(
+    kind: str,
+    *,
+    argv: Sequence[str] | None = None,
+    callable_spec: str | None = None,
+    timeout_s: float = 30.0,
+    demo_work_ms: float = 0.0,
+) -> Executor:
+    """Builds the executor a worker uses; ValueError explains a bad combination of options."""
+    if kind == "command":
+        if callable_spec is not None:
+            raise ValueError("a command executor takes a command line, not a callable spec")
+        if demo_work_ms:
+            raise ValueError("demo work time only applies to the demo executor")
+        if not argv:
+            raise ValueError("the command executor needs a command line, e.g. -- ./target_symcc @@")
+        return CommandExecutor(list(argv), timeout_s)
+    if kind == "python":
+        if argv:
+            raise ValueError("a python executor takes a callable spec, not a command line")
+        if demo_work_ms:
+            raise ValueError("demo work time only applies to the demo executor")
+        if not callable_spec:
+            raise ValueError("the python executor needs a callable spec like 'module:function'")
+        return PythonExecutor(callable_spec)
+    if kind == "demo":
+        if argv or callable_spec is not None:
+            raise ValueError("the demo executor takes neither a command line nor a callable spec")
+        return DemoExecutor(demo_work_ms)
+    raise ValueError(f"unknown executor kind {kind!r}; choose one of {', '.join(EXECUTOR_KINDS)}")

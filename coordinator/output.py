@@ -1,0 +1,147 @@
+"""Writes committed test cases into the output directory on the master.
+
+The directory is often an AFL sync directory (``afl_out/<name>/queue``) that AFL reads while we
+write, so every file appears atomically under its final name, and AFL-style ids only grow
+(AFL's sync remembers the highest id it imported from each foreign queue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import re
+import secrets
+
+__all__ = ["TestcaseWriter", "sanitize_src"]
+
+_AFL_ID = re.compile(r"^id:(\d+)")
+_UNSAFE_SRC = re.compile(r"[^A-Za-z0-9._-]")
+_SRC_MAX = 40
+# Our temp files are dot files: AFL and our own scan skip them.
+_TMP_PREFIX = ".tcw-tmp-"
+
+
+def sanitize_src(src: str) -> str:
+    """``src`` reduced to ``[A-Za-z0-9._-]``, at most 40 characters (never empty)."""
+    cleaned = _UNSAFE_SRC.sub("_", str(src))[:_SRC_MAX]
+    return cleaned or "unknown"
+
+
+class TestcaseWriter:
+    """Atomic, content-deduplicated writer of test cases.
+
+    Hashes of every file already in ``out_dir`` are loaded at construction, so a content written
+    before a master restart is not written again. Names never come from a worker: they are
+    ``id:NNNNNN,src:<src>`` (AFL style) or the first 16 hex digits of the content's SHA-256.
+    Single-threaded use (the master loop) is assumed.
+    """
+
+    __test__ = False  # the name starts with "Test"; keep pytest from collecting it
+
+    def __init__(self, out_dir: pathlib.Path, afl_style: bool) -> None:
+        self.out_dir = pathlib.Path(out_dir)
+        self.afl_style = afl_style
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._hashes: set[str] = set()
+        self._next_id = 0
+        self._scan_existing()
+
+    def __len__(self) -> int:
+        """Number of distinct contents in the directory (existing and written)."""
+        return len(self._hashes)
+
+    def _scan_existing(self) -> None:
+        with os.scandir(self.out_dir) as it:
+            entries = list(it)
+        for entry in entries:
+            if entry.name.startswith(_TMP_PREFIX):
+                _remove_quietly(entry.path)  # left by a master killed mid-write
+                continue
+            if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                continue
+            match = _AFL_ID.match(entry.name)
+            if match:
+                self._next_id = max(self._next_id, int(match.group(1)) + 1)
+            digest = _hash_file(entry.path)
+            if digest is not None:
+                self._hashes.add(digest)
+
+    def write(self, content: bytes, src: str) -> pathlib.Path | None:
+        """Writes ``content`` once; returns its path, or None if the content is already there."""
+        content = bytes(content)
+        digest = hashlib.sha256(content).hexdigest()
+        if digest in self._hashes:
+            return None
+        target = self._free_name(digest, src)
+        self._write_atomically(target, content)
+        self._hashes.add(digest)
+        return target
+
+    def _free_name(self, digest: str, src: str) -> pathlib.Path:
+        if not self.afl_style:
+            target = self.out_dir / digest[:16]
+            # Same 64-bit prefix with different content: astronomically rare, but never clobber.
+            return target if not target.exists() else self.out_dir / digest
+        safe_src = sanitize_src(src)
+        while True:
+            target = self.out_dir / f"id:{self._next_id:06d},src:{safe_src}"
+            self._next_id += 1
+            if not target.exists():
+                return target
+
+    def _write_atomically(self, target: pathlib.Path, content: bytes) -> None:
+        fd, tmp = _create_temp(self.out_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        _fsync_dir(self.out_dir)
+
+
+def _hash_file(path: str) -> str | None:
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return None  # vanished or unreadable: it cannot make a new write a duplicate
+    return h.hexdigest()
+
+
+def _create_temp(directory: pathlib.Path) -> tuple[int, str]:
+    # Not mkstemp: its 0600 mode would hide test cases from an AFL running as another user;
+    # O_CREAT with 0666 lets the user's umask decide, as for any file they create.
+    while True:
+        path = os.path.join(directory, _TMP_PREFIX + secrets.token_hex(8))
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), path
+        except FileExistsError:
+            continue
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    # Makes the new name durable before the result is committed to the store.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the file itself is synced
+    finally:
+        os.close(fd)

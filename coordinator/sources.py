@@ -1,0 +1,232 @@
+"""Where tasks come from, on the master.
+
+Sources only *find* work and return semantic payloads; the caller decides what to enqueue (the
+store deduplicates by semantic id, so returning a task twice across restarts is harmless).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "AflQueueSource",
+    "NewInput",
+    "SEMANTIC_FIELDS",
+    "TASK_FILE_FIELDS",
+    "TaskFileError",
+    "demo_tasks",
+    "load_tasks_jsonl",
+]
+
+# The semantic payload fields of a task (SPEC section 4, plus `data` for generic farms).
+SEMANTIC_FIELDS = frozenset(
+    {"path", "data", "focus_bytes", "target_branch", "s2f_actions", "schedule_prefix", "continuation"}
+)
+# What a line of a tasks file may hold: the semantic fields plus where to read the input from.
+TASK_FILE_FIELDS = SEMANTIC_FIELDS | {"input_file"}
+
+
+@dataclass
+class NewInput:
+    payload: dict
+    input_bytes: bytes | None
+    origin: str
+
+
+# --------------------------------------------------------------------------------------------
+# AFL queue
+# --------------------------------------------------------------------------------------------
+
+
+class AflQueueSource:
+    """Watches ``afl_out/<fuzzer>/queue/`` for new ``id:*`` entries.
+
+    AFL writes a queue entry in place (no rename), so a file is only taken once it has settled:
+    its mtime is at least ``settle_s`` old and its size did not change since the previous poll.
+    Names already handled are remembered, so a poll stats only names it has not finished with;
+    listing a 10,000-entry queue each second is a few milliseconds.
+    """
+
+    def __init__(self, afl_out: pathlib.Path, fuzzer: str, settle_s: float = 0.5) -> None:
+        if not fuzzer or "/" in fuzzer or fuzzer in (".", ".."):
+            raise ValueError(f"fuzzer name {fuzzer!r} must be a single directory name, like 'main'")
+        if not settle_s >= 0:
+            raise ValueError(f"settle time must be >= 0 seconds, got {settle_s!r}")
+        self.fuzzer = fuzzer
+        self.queue_dir = (pathlib.Path(afl_out) / fuzzer / "queue").absolute()
+        self.settle_s = float(settle_s)
+        self._handled: set[str] = set()
+        # name -> (size, mtime_ns) seen by the previous poll, for files not settled yet
+        self._unsettled: dict[str, tuple[int, int]] = {}
+        self._seen_hashes: set[str] = set()
+
+    def poll(self) -> list[NewInput]:
+        names = self._new_names()
+        if names is None:
+            return []
+        now = time.time()
+        found: list[NewInput] = []
+        still_unsettled: dict[str, tuple[int, int]] = {}
+        for name in sorted(names):
+            new_input = self._take(name, now, still_unsettled)
+            if new_input is not None:
+                found.append(new_input)
+        # Names that vanished before settling are forgotten, so a later file of that name is new.
+        self._unsettled = still_unsettled
+        return found
+
+    def _new_names(self) -> list[str] | None:
+        try:
+            with os.scandir(self.queue_dir) as it:
+                names = []
+                for entry in it:
+                    if entry.name in self._handled:
+                        continue
+                    if not entry.name.startswith("id:") or entry.is_dir():
+                        # Dot files, AFL's .state/ and anything else are never queue entries.
+                        self._handled.add(entry.name)
+                        continue
+                    names.append(entry.name)
+                return names
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # AFL has not created the queue yet
+
+    def _take(
+        self, name: str, now: float, still_unsettled: dict[str, tuple[int, int]]
+    ) -> NewInput | None:
+        path = self.queue_dir / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            still_unsettled[name] = (-1, -1)  # unreadable for now; look again next poll
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self._handled.add(name)
+            return None
+        observed = (st.st_size, st.st_mtime_ns)
+        previous = self._unsettled.get(name)
+        if now - st.st_mtime < self.settle_s or (previous is not None and previous != observed):
+            still_unsettled[name] = observed
+            return None
+        try:
+            content = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            still_unsettled[name] = observed
+            return None
+        if len(content) != st.st_size:
+            still_unsettled[name] = (len(content), st.st_mtime_ns)  # grew while we read it
+            return None
+        self._handled.add(name)
+        digest = hashlib.sha256(content).hexdigest()
+        if digest in self._seen_hashes:
+            return None
+        self._seen_hashes.add(digest)
+        return NewInput(payload={"path": str(path)}, input_bytes=content, origin=f"afl:{self.fuzzer}/{name}")
+
+
+# --------------------------------------------------------------------------------------------
+# tasks file (JSON Lines)
+# --------------------------------------------------------------------------------------------
+
+
+class TaskFileError(ValueError):
+    """A tasks file line that cannot become a task; the message names the file and line."""
+
+    def __init__(self, path: os.PathLike[str] | str, lineno: int, reason: str) -> None:
+        self.path = os.fspath(path)
+        self.lineno = lineno
+        self.reason = reason
+        super().__init__(f"{self.path}:{lineno}: {reason}")
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN/Infinity are not JSON, and a task's identity is canonical JSON without them.
+    raise ValueError(f"{name} is not allowed in a task")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads would keep the last of two equal keys; a task that says two things is a typo.
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _parse_line(path: pathlib.Path, lineno: int, raw: bytes) -> NewInput | None:
+    try:
+        # utf-8-sig on the first line: editors on some systems start the file with a BOM.
+        text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError:
+        raise TaskFileError(path, lineno, "not valid UTF-8") from None
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except ValueError as exc:
+        raise TaskFileError(path, lineno, f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise TaskFileError(path, lineno, "not a JSON object")
+    unknown = sorted(set(obj) - TASK_FILE_FIELDS)
+    if unknown:
+        raise TaskFileError(
+            path, lineno, f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(TASK_FILE_FIELDS))})"
+        )
+    if "path" not in obj and "data" not in obj:
+        raise TaskFileError(path, lineno, "a task needs 'path' or 'data'")
+    if "path" in obj and (not isinstance(obj["path"], str) or not obj["path"]):
+        raise TaskFileError(path, lineno, "'path' must be a non-empty string")
+    payload = {k: v for k, v in obj.items() if k != "input_file"}
+    return NewInput(payload=payload, input_bytes=_read_input_file(path, lineno, obj), origin=f"{path}:{lineno}")
+
+
+def _read_input_file(path: pathlib.Path, lineno: int, obj: dict) -> bytes | None:
+    if "input_file" not in obj:
+        return None
+    input_file = obj["input_file"]
+    if not isinstance(input_file, str) or not input_file:
+        raise TaskFileError(path, lineno, "'input_file' must be a non-empty string")
+    try:
+        return pathlib.Path(input_file).read_bytes()
+    except OSError as exc:
+        raise TaskFileError(path, lineno, f"cannot read input_file {input_file!r}: {exc.strerror or exc}") from None
+
+
+def load_tasks_jsonl(path: os.PathLike[str] | str) -> list[NewInput]:
+    """Reads one task per non-blank line; any bad line rejects the whole file.
+
+    All-or-nothing, so a typo on line 900 does not leave 899 tasks half-enqueued. Relative
+    ``path`` and ``input_file`` values are taken relative to the current directory.
+    """
+    path = pathlib.Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read tasks file {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    tasks: list[NewInput] = []
+    for lineno, raw in enumerate(data.splitlines(), start=1):
+        task = _parse_line(path, lineno, raw)
+        if task is not None:
+            tasks.append(task)
+    return tasks
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def demo_tasks(n: int) -> list[NewInput]:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"number of demo tasks must be a non-negative integer, got {n!r}")
+    return [NewInput(payload={"data": {"n": i}}, input_bytes=None, origin="demo") for i in range(n)]

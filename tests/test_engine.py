@@ -1,0 +1,99 @@
+"""The engine's pragmas, read back from real files, and the refusals that keep a campaign safe."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+
+import pytest
+from sqlalchemy import text
+
+from store.campaign import Store
+from store.engine import BUSY_TIMEOUT_MS, filesystem_type, open_engine, read_pragmas
+from store.errors import CampaignExistsError, UnsafeDatabaseError
+
+
+@pytest.mark.parametrize("mode, level", [("FULL", 2), ("NORMAL", 1)])
+def test_every_pragma_reads_back(db_path, mode, level):
+    engine = open_engine(db_path, synchronous=mode)
+    with engine.connect() as conn:
+        got = read_pragmas(conn)
+    engine.dispose()
+    assert got == {"journal_mode": "wal", "synchronous": level, "foreign_keys": 1,
+                   "busy_timeout": BUSY_TIMEOUT_MS}
+
+
+def test_default_is_full(db_path):
+    store = Store.open(db_path)
+    with store.reading() as conn:
+        assert read_pragmas(conn)["synchronous"] == 2
+    store.close()
+
+
+def test_unknown_synchronous_mode_is_refused(db_path):
+    with pytest.raises(ValueError, match="synchronous"):
+        open_engine(db_path, synchronous="OFF")
+
+
+def test_writes_begin_immediate(db_path):
+    """A write transaction holds the write lock from its first statement: a second writer
+    cannot even begin while it is open (no half-done transaction can fail on lock upgrade)."""
+    engine = open_engine(db_path)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE t (x)"))
+    with engine.begin() as conn:
+        other = sqlite3.connect(db_path, timeout=0.05, isolation_level=None)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("BEGIN IMMEDIATE")
+        other.close()
+    engine.dispose()
+
+
+def test_read_only_file_is_refused_with_a_clear_error(tmp_path):
+    """SQLite cannot switch a read-only file to WAL. As root, file modes do not stop us, so
+    the file is made immutable (ext4 `chattr +i`), which binds root too."""
+    path = tmp_path / "c.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        os.chmod(path, 0o444)
+        if os.access(path, os.W_OK):
+            pytest.skip("neither chattr +i nor a read-only mode can protect the file here")
+    try:
+        engine = open_engine(path)
+        with pytest.raises(UnsafeDatabaseError, match="WAL"):
+            with engine.connect():
+                pass
+        engine.dispose()
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+
+
+def test_journal_mode_in_force_is_wal(db_path):
+    """`PRAGMA journal_mode` returns the mode actually in force; ours must be wal."""
+    engine = open_engine(db_path)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    engine.dispose()
+
+
+def test_network_filesystem_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("store.engine.filesystem_type", lambda p: "nfs")
+    with pytest.raises(UnsafeDatabaseError, match="node-local"):
+        open_engine(tmp_path / "c.db")
+
+
+def test_filesystem_type_of_tmp_is_known(tmp_path):
+    assert filesystem_type(tmp_path)  # /proc/mounts names the mount holding tmp_path
+
+
+def test_existing_campaign_needs_resume(db_path, farm):
+    farm.enqueue({"data": 1})
+    with pytest.raises(CampaignExistsError, match="--resume"):
+        Store.open(db_path)
+    again = Store.open(db_path, resume=True)
+    assert again.incarnation == 2 and again.epoch != farm.store.epoch
+    again.close()

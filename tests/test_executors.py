@@ -1,0 +1,403 @@
+"""Executors against real subprocesses and real Python modules (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import textwrap
+import time
+
+import pytest
+
+from coordinator.executors import (
+    CommandExecutor,
+    DemoExecutor,
+    Executor,
+    PythonExecutor,
+    collatz_steps,
+    make_executor,
+)
+
+# Writes two outputs (named so that name order != creation order) plus things that must be
+# ignored, reports what it saw on stderr, and exits 3 for inputs starting with b"fail".
+TARGET = textwrap.dedent(
+    """
+    import os, sys
+    out = os.environ["SYMCC_OUTPUT_DIR"]
+    args = sys.argv[1:]
+    if args:
+        path = args[0].split("=", 1)[-1]
+        data = open(path, "rb").read()
+    else:
+        data = sys.stdin.buffer.read()
+    with open(os.path.join(out, "000001"), "wb") as f:
+        f.write(data[::-1])
+    with open(os.path.join(out, "000000"), "wb") as f:
+        f.write(b"A" + data)
+    with open(os.path.join(out, ".hidden"), "wb") as f:
+        f.write(b"dot file")
+    os.mkdir(os.path.join(out, "subdir"))
+    with open(os.path.join(out, "subdir", "nested"), "wb") as f:
+        f.write(b"nested")
+    os.symlink("/etc/hostname", os.path.join(out, "link"))
+    sys.stderr.write("input-env=%s\\n" % os.environ.get("SYMCC_INPUT_FILE"))
+    sys.exit(3 if data.startswith(b"fail") else 0)
+    """
+)
+
+# Forks a grandchild in the same process group, records both pids, writes one test case, hangs.
+HANGING_TARGET = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(os.path.join(os.environ["SYMCC_OUTPUT_DIR"], "early"), "wb") as f:
+        f.write(b"written before the hang")
+    with open(sys.argv[1], "w") as f:
+        f.write("%d %d" % (os.getpid(), child.pid))
+    time.sleep(60)
+    """
+)
+
+# Writes N files of the given sizes: argv = [N, size].
+MANY_FILES_TARGET = textwrap.dedent(
+    """
+    import os, sys
+    out = os.environ["SYMCC_OUTPUT_DIR"]
+    count, size = int(sys.argv[1]), int(sys.argv[2])
+    for i in range(count):
+        with open(os.path.join(out, "tc%03d" % i), "wb") as f:
+            f.write(bytes([i]) * size)
+    """
+)
+
+
+def write_script(tmp_path: pathlib.Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(body)
+    return str(path)
+
+
+@pytest.fixture
+def workdir(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+# ---------------------------------------------------------------------------------- command
+
+
+def test_command_file_mode_with_input_bytes(tmp_path, workdir):
+    target = write_script(tmp_path, "target.py", TARGET)
+    ex = CommandExecutor([sys.executable, target, "@@"], timeout_s=30)
+    out = ex.run({"path": "/nonexistent/ignored"}, b"hello", workdir)
+    assert out.status == "ok"
+    assert out.returncode == 0
+    assert out.value is None
+    # sorted by name; dot file, subdirectory and symlink are not test cases
+    assert out.testcases == [("000000", b"Ahello"), ("000001", b"olleh")]
+    assert (workdir / "input").read_bytes() == b"hello"
+    assert f"input-env={workdir.resolve() / 'input'}" in out.detail
+    assert out.duration_s > 0
+
+
+def test_command_file_mode_uses_task_path_inside_an_argument(tmp_path, workdir):
+    target = write_script(tmp_path, "target.py", TARGET)
+    seed = tmp_path / "seed"
+    seed.write_bytes(b"xyz")
+    ex = CommandExecutor([sys.executable, target, "--input=@@"], timeout_s=30)
+    out = ex.run({"path": str(seed)}, None, workdir)
+    assert out.status == "ok", out.detail
+    assert out.testcases == [("000000", b"Axyz"), ("000001", b"zyx")]
+    assert not (workdir / "input").exists()
+
+
+def test_command_stdin_mode_and_no_inherited_input_file(tmp_path, workdir, monkeypatch):
+    # An inherited SYMCC_INPUT_FILE would make SymCC treat stdin as concrete.
+    monkeypatch.setenv("SYMCC_INPUT_FILE", "/bogus/from/the/environment")
+    target = write_script(tmp_path, "target.py", TARGET)
+    ex = CommandExecutor([sys.executable, target], timeout_s=30)
+    out = ex.run({}, b"stdin data", workdir)
+    assert out.status == "ok", out.detail
+    assert out.testcases == [("000000", b"Astdin data"), ("000001", b"atad nidts")]
+    assert "input-env=None" in out.detail
+
+
+def test_command_nonzero_exit_is_an_error_but_keeps_testcases(tmp_path, workdir):
+    target = write_script(tmp_path, "target.py", TARGET)
+    ex = CommandExecutor([sys.executable, target, "@@"], timeout_s=30)
+    out = ex.run({}, b"fail!", workdir)
+    assert out.status == "error"
+    assert out.returncode == 3
+    assert "exited with status 3" in out.detail
+    assert [name for name, _ in out.testcases] == ["000000", "000001"]
+
+
+def test_command_missing_input_is_an_outcome_not_an_exception(tmp_path, workdir):
+    target = write_script(tmp_path, "target.py", TARGET)
+    ex = CommandExecutor([sys.executable, target, "@@"], timeout_s=30)
+    out = ex.run({"path": str(tmp_path / "gone")}, None, workdir)
+    assert out.status == "error"
+    assert "cannot materialise input" in out.detail
+    assert ex.run({}, None, workdir).status == "error"
+
+
+def test_command_missing_program(tmp_path, workdir):
+    ex = CommandExecutor([str(tmp_path / "no-such-target"), "@@"], timeout_s=30)
+    out = ex.run({}, b"x", workdir)
+    assert out.status == "error"
+    assert "cannot start" in out.detail
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # a zombie waiting for an init that does not reap is dead for our purposes
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_command_timeout_kills_the_whole_process_group(tmp_path, workdir):
+    target = write_script(tmp_path, "hang.py", HANGING_TARGET)
+    pid_file = tmp_path / "pids"
+    ex = CommandExecutor([sys.executable, target, str(pid_file)], timeout_s=1.0)
+    out = ex.run({}, b"x", workdir)
+    assert out.status == "timeout"
+    assert "timed out" in out.detail
+    assert out.testcases == [("early", b"written before the hang")]
+    assert pid_file.exists(), "the target did not start within the timeout"
+    pids = [int(p) for p in pid_file.read_text().split()]
+    # SIGKILL delivery is asynchronous; bounded wait, not a timing assertion
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(_gone(p) for p in pids), f"still alive: {[p for p in pids if not _gone(p)]}"
+
+
+def test_command_file_count_limit(tmp_path, workdir):
+    target = write_script(tmp_path, "many.py", MANY_FILES_TARGET)
+    ex = CommandExecutor([sys.executable, target, "5", "10"], timeout_s=30, max_files=2)
+    out = ex.run({}, b"", workdir)
+    assert out.status == "ok"
+    assert [name for name, _ in out.testcases] == ["tc000", "tc001"]
+    assert "dropped 3 of 5 output files" in out.detail
+
+
+def test_command_file_size_limits(tmp_path, workdir):
+    target = write_script(tmp_path, "many.py", MANY_FILES_TARGET)
+    too_big = CommandExecutor([sys.executable, target, "2", "100"], timeout_s=30, max_file_bytes=99)
+    out = too_big.run({}, b"", workdir)
+    assert out.testcases == []
+    assert "dropped 2 of 2 output files (2 over 99 bytes" in out.detail
+
+    workdir2 = tmp_path / "work2"
+    workdir2.mkdir()
+    total = CommandExecutor([sys.executable, target, "4", "100"], timeout_s=30, max_total_bytes=250)
+    out = total.run({}, b"", workdir2)
+    assert [name for name, _ in out.testcases] == ["tc000", "tc001"]
+    assert sum(len(c) for _, c in out.testcases) <= 250
+    assert "dropped 2 of 4 output files" in out.detail
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"argv": [], "timeout_s": 1},
+        {"argv": "./target @@", "timeout_s": 1},
+        {"argv": ["./t"], "timeout_s": 0},
+        {"argv": ["./t"], "timeout_s": 1, "max_files": 0},
+    ],
+)
+def test_command_rejects_bad_configuration(kwargs):
+    with pytest.raises(ValueError):
+        CommandExecutor(**kwargs)
+
+
+# ----------------------------------------------------------------------------------- python
+
+TASK_MODULE = textwrap.dedent(
+    """
+    NOT_CALLABLE = 42
+
+    def square(task):
+        n = task["data"]["n"]
+        task["data"]["n"] = "mutated"
+        return {"n": n, "square": n * n, "pair": (n, n)}
+
+    def size(task, input_bytes):
+        return {"size": None if input_bytes is None else len(input_bytes)}
+
+    def boom(task):
+        raise RuntimeError("kaput for " + str(task["data"]))
+
+    def leaves(task):
+        raise SystemExit(7)
+
+    def not_json(task):
+        return {"x": object()}
+
+    def nan(task):
+        return [float("nan")]
+
+    def emits(task):
+        return {"found": 2, "testcases": {"a": b"first", "b": bytearray(b"second")}}
+
+    def bad_testcases(task):
+        return {"testcases": {"a": "not bytes"}}
+    """
+)
+
+
+@pytest.fixture
+def task_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "farm_tasks.py"
+    path.write_text(TASK_MODULE)
+    return path
+
+
+def test_python_happy_path_from_file_spec(task_file, workdir):
+    ex = PythonExecutor(f"{task_file}:square")
+    task = {"data": {"n": 7}}
+    out = ex.run(task, None, workdir)
+    assert out.status == "ok", out.detail
+    assert out.value == {"n": 7, "square": 49, "pair": [7, 7]}  # as JSON will carry it
+    assert task == {"data": {"n": 7}}  # the callable got a copy
+    assert out.testcases == []
+
+
+def test_python_module_spec_and_two_argument_form(tmp_path, workdir, monkeypatch):
+    module_name = f"farm_{tmp_path.name}"
+    (tmp_path / f"{module_name}.py").write_text(TASK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        ex = PythonExecutor(f"{module_name}:size")
+        assert ex.run({"path": "p"}, b"12345", workdir).value == {"size": 5}
+        assert ex.run({"path": "p"}, None, workdir).value == {"size": None}
+    finally:
+        sys.modules.pop(module_name, None)
+
+
+def test_python_exception_becomes_an_error_outcome(task_file, workdir):
+    out = PythonExecutor(f"{task_file}:boom").run({"data": 1}, None, workdir)
+    assert out.status == "error"
+    assert out.detail == "RuntimeError: kaput for 1"
+    out = PythonExecutor(f"{task_file}:leaves").run({"data": 1}, None, workdir)
+    assert out.status == "error"
+    assert out.detail.startswith("SystemExit")
+
+
+@pytest.mark.parametrize("function", ["not_json", "nan", "bad_testcases"])
+def test_python_non_json_result_is_an_error(task_file, workdir, function):
+    out = PythonExecutor(f"{task_file}:{function}").run({"data": 1}, None, workdir)
+    assert out.status == "error"
+    assert out.value is None
+    assert out.detail
+
+
+def test_python_testcases_are_moved_out_of_the_value(task_file, workdir):
+    out = PythonExecutor(f"{task_file}:emits").run({"data": 1}, None, workdir)
+    assert out.status == "ok"
+    assert out.value == {"found": 2}
+    assert out.testcases == [("a", b"first"), ("b", b"second")]
+
+
+def test_python_bad_specs_name_the_spec(tmp_path, task_file):
+    broken = tmp_path / "broken_mod.py"
+    broken.write_text("raise ImportError('needs numpy')\n")
+    for spec in [
+        "no_colon_here",
+        ":square",
+        f"{task_file}:",
+        "surely_no_such_module_xyz:fn",
+        f"{tmp_path / 'missing.py'}:fn",
+        f"{task_file}:missing",
+        f"{task_file}:NOT_CALLABLE",
+        f"{broken}:fn",
+    ]:
+        with pytest.raises(ValueError) as err:
+            PythonExecutor(spec)
+        assert repr(spec) in str(err.value)
+
+
+# ------------------------------------------------------------------------------------- demo
+
+
+def test_demo_is_deterministic(workdir):
+    task = {"data": {"n": 27}}
+    first = DemoExecutor().run(task, None, workdir)
+    second = DemoExecutor(work_ms=2).run(dict(task), None, workdir)
+    assert first.status == second.status == "ok"
+    assert first.value == second.value
+    assert first.value["n"] == 27
+    assert first.value["collatz_steps"] == collatz_steps(27) == 111
+    assert len(first.value["digest"]) == 64
+    json.dumps(first.value, allow_nan=False)
+    other = DemoExecutor().run({"data": {"n": 28}}, None, workdir)
+    assert other.value["digest"] != first.value["digest"]
+
+
+def test_demo_from_input_bytes_or_path(tmp_path, workdir):
+    seed = tmp_path / "seed"
+    seed.write_bytes(b"some input")
+    by_path = DemoExecutor().run({"path": str(seed)}, None, workdir)
+    by_bytes = DemoExecutor().run({"path": "elsewhere"}, b"some input", workdir)
+    assert by_path.status == "ok"
+    assert by_path.value == by_bytes.value
+
+
+@pytest.mark.parametrize("task", [{"data": {"n": -1}}, {"data": {"n": True}}, {"data": {"n": "5"}}, {}])
+def test_demo_bad_task_is_an_error_outcome(workdir, task):
+    out = DemoExecutor().run(task, None, workdir)
+    assert out.status == "error"
+    assert out.detail
+
+
+# ------------------------------------------------------------------------------------ factory
+
+
+def test_make_executor_kinds(task_file):
+    assert isinstance(make_executor("command", argv=["./t", "@@"], timeout_s=5), CommandExecutor)
+    assert isinstance(make_executor("python", callable_spec=f"{task_file}:square"), PythonExecutor)
+    demo = make_executor("demo", demo_work_ms=1)
+    assert isinstance(demo, DemoExecutor)
+    assert isinstance(demo, Executor)
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [
+        ("nope", {}),
+        ("command", {}),
+        ("command", {"argv": ["./t"], "callable_spec": "m:f"}),
+        ("command", {"argv": ["./t"], "demo_work_ms": 5}),
+        ("python", {}),
+        ("python", {"callable_spec": "m:f", "argv": ["./t"]}),
+        ("demo", {"argv": ["./t"]}),
+        ("demo", {"callable_spec": "m:f"}),
+        ("demo", {"demo_work_ms": -1}),
+    ],
+)
+def test_make_executor_rejects_bad_combinations(kind, kwargs):
+    with pytest.raises(ValueError):
+        make_executor(kind, **kwargs)
+
+
+def test_command_limits_do_not_read_huge_files_into_memory(tmp_path, workdir):
+    # A sparse 1 GiB file: only max_file_bytes + 1 bytes may be read before it is dropped.
+    script = textwrap.dedent(
+        """
+        import os
+        path = os.path.join(os.environ["SYMCC_OUTPUT_DIR"], "huge")
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)
+        """
+    )
+    target = write_script(tmp_path, "huge.py", script)
+    out = CommandExecutor([sys.executable, target], timeout_s=30).run({}, b"", workdir)
+    assert out.status == "ok"
+    assert out.testcases == []
+    assert "dropped 1 of 1" in out.detail
+    assert os.path.getsize(workdir / "out" / "huge") == 1 << 30

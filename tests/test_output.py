@@ -1,0 +1,78 @@
+"""TestcaseWriter against a real directory."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+from coordinator.output import TestcaseWriter, sanitize_src
+
+
+def listing(directory: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_afl_style_names_and_content(tmp_path):
+    out = tmp_path / "deep" / "queue"  # parents are created
+    writer = TestcaseWriter(out, afl_style=True)
+    first = writer.write(b"alpha", "worker3")
+    second = writer.write(b"beta", "worker4")
+    assert first == out / "id:000000,src:worker3"
+    assert second == out / "id:000001,src:worker4"
+    assert first.read_bytes() == b"alpha"
+    assert listing(out) == ["id:000000,src:worker3", "id:000001,src:worker4"]  # no temp files
+
+
+def test_plain_names_are_the_content_hash(tmp_path):
+    writer = TestcaseWriter(tmp_path, afl_style=False)
+    path = writer.write(b"gamma", "ignored")
+    assert path == tmp_path / hashlib.sha256(b"gamma").hexdigest()[:16]
+    assert path.read_bytes() == b"gamma"
+
+
+def test_duplicate_content_is_written_once(tmp_path):
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    assert writer.write(b"same", "a") is not None
+    assert writer.write(b"same", "b") is None
+    assert len(listing(tmp_path)) == 1
+    assert len(writer) == 1
+
+
+def test_dedupe_and_ids_survive_a_new_writer(tmp_path):
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    first.write(b"one", "x")
+    first.write(b"two", "x")
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert again.write(b"one", "y") is None
+    assert again.write(b"three", "y") == tmp_path / "id:000002,src:y"
+
+
+def test_ids_continue_after_the_highest_existing_id(tmp_path):
+    (tmp_path / "id:000041,src:afl").write_bytes(b"from before")
+    (tmp_path / "id:000007,orig:seed").write_bytes(b"older")
+    (tmp_path / ".hidden").write_bytes(b"not counted")
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    assert writer.write(b"from before", "z") is None  # existing content is known
+    assert writer.write(b"new", "z") == tmp_path / "id:000042,src:z"
+
+
+def test_hostile_src_never_escapes_or_breaks_the_name(tmp_path):
+    out = tmp_path / "out"
+    writer = TestcaseWriter(out, afl_style=True)
+    hostile = "../../etc/passwd,orig:x\n\x00" + "A" * 100
+    path = writer.write(b"payload", hostile)
+    assert path.parent == out
+    assert path.name.startswith("id:000000,src:")
+    src = path.name[len("id:000000,src:") :]
+    assert len(src) <= 40
+    assert set(src) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+    assert listing(tmp_path) == ["out"]
+    assert sanitize_src("") == "unknown"
+    assert sanitize_src("rank-3_w.1") == "rank-3_w.1"
+
+
+def test_stale_temp_files_are_removed_and_ignored(tmp_path):
+    (tmp_path / ".tcw-tmp-deadbeef").write_bytes(b"half written")
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    assert listing(tmp_path) == []
+    assert writer.write(b"half written", "s") == tmp_path / "id:000000,src:s"

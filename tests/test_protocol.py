@@ -1,0 +1,113 @@
+"""The SPEC's tables as tests of the pure protocol rules (no I/O)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from coordinator.protocol import (
+    ReadyStatus,
+    ResultStatus,
+    classify_ready,
+    classify_result,
+    is_token,
+    mint_token,
+    sanitize_bitmap_version,
+    should_recover,
+)
+
+T = mint_token("e" * 32, 1, 1)
+OLD = mint_token("e" * 32, 1, 0)
+
+
+def ready(token):
+    return {"rank": 1, "bitmap_version": 0, "empirical_profile_version": "",
+            "completed_dispatch_token": token}
+
+
+def test_tokens_are_canonical_and_unique():
+    seen = {mint_token(e, r, s) for e in ("a" * 32, "b" * 32) for r in range(1, 5)
+            for s in range(50)}
+    assert len(seen) == 2 * 4 * 50
+    assert all(is_token(t) for t in seen)
+
+
+@pytest.mark.parametrize("value", [
+    T.upper(), T[:-1], T + "0", [T], None, 7, b"0" * 64, "g" * 64, " " + T[1:], T[:63] + "\n",
+])
+def test_non_canonical_tokens(value):
+    assert not is_token(value)
+
+
+@given(st.text(alphabet="0123456789abcdef", min_size=64, max_size=64))
+def test_every_64_lower_hex_string_is_a_token(s):
+    assert is_token(s)
+
+
+@pytest.mark.parametrize("msg, expected, status", [
+    # idle: no active dispatch, empty or any valid old token
+    (ready(""), None, ReadyStatus.IDLE),
+    (ready(None), None, ReadyStatus.IDLE),
+    (ready(OLD), None, ReadyStatus.IDLE),
+    # current
+    (ready(T), T, ReadyStatus.CURRENT),
+    # missing: active dispatch, token absent or empty
+    (ready(""), T, ReadyStatus.MISSING),
+    ({"rank": 1, "bitmap_version": 0}, T, ReadyStatus.MISSING),
+    # malformed: not a mapping, or a non-canonical token, even with no active dispatch
+    ([1, 2], T, ReadyStatus.MALFORMED),
+    ("READY", None, ReadyStatus.MALFORMED),
+    (ready([T]), T, ReadyStatus.MALFORMED),
+    (ready([T]), None, ReadyStatus.MALFORMED),
+    (ready(T.upper()), T, ReadyStatus.MALFORMED),
+    (ready(T.upper()), None, ReadyStatus.MALFORMED),
+    (ready(12), None, ReadyStatus.MALFORMED),
+    # stale: a valid token that is not the current one
+    (ready(OLD), T, ReadyStatus.STALE),
+])
+def test_ready_table(msg, expected, status):
+    assert classify_ready(msg, expected) is status
+
+
+def test_ready_unowned_when_ownership_is_inconsistent():
+    assert classify_ready(ready(T), T, consistent=False) is ReadyStatus.UNOWNED
+    # ...but a malformed message is malformed first: it says nothing about ownership.
+    assert classify_ready(ready([T]), T, consistent=False) is ReadyStatus.MALFORMED
+
+
+@pytest.mark.parametrize("msg, expected, status", [
+    ({"token": T}, None, ResultStatus.UNOWNED),
+    ("garbage", None, ResultStatus.UNOWNED),
+    ({"token": T}, T, ResultStatus.CURRENT),
+    ({"token": OLD}, T, ResultStatus.STALE),
+    ({"status": "ok"}, T, ResultStatus.MISSING),
+    ({"token": ""}, T, ResultStatus.MISSING),
+    ({"token": None}, T, ResultStatus.MISSING),
+    ({"token": [T]}, T, ResultStatus.MALFORMED),
+    ({"token": T.upper()}, T, ResultStatus.MALFORMED),
+    ({"token": 5}, T, ResultStatus.MALFORMED),
+    ([T], T, ResultStatus.MALFORMED),
+    (b"\x00", T, ResultStatus.MALFORMED),
+])
+def test_result_table(msg, expected, status):
+    assert classify_result(msg, expected) is status
+
+
+@pytest.mark.parametrize("value, current, out", [
+    (3, 5, 3), (5, 5, 5), (0, 5, 0), (-1, 5, -1),
+    (6, 5, -1),          # future version
+    (-2, 5, -1),         # below -1
+    (True, 5, -1), (False, 5, -1),  # bools are not versions
+    (3.0, 5, -1), ("3", 5, -1), (None, 5, -1), ([3], 5, -1),
+])
+def test_bitmap_version_fails_closed(value, current, out):
+    assert sanitize_bitmap_version(value, current) == out
+
+
+def test_join_rule():
+    assert should_recover(T, T, T)
+    assert not should_recover(T, None, T)     # READY alone
+    assert not should_recover(None, T, T)     # invalid RESULT alone
+    assert not should_recover(T, OLD, T)      # stale invalid + current READY
+    assert not should_recover(OLD, T, T)      # stale READY + current invalid

@@ -1,0 +1,220 @@
+"""Task sources against real directories and files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+import pytest
+
+from coordinator.sources import AflQueueSource, NewInput, TaskFileError, demo_tasks, load_tasks_jsonl
+
+# ------------------------------------------------------------------------------------ AFL queue
+
+
+def put(queue: pathlib.Path, name: str, content: bytes, age_s: float = 100.0) -> pathlib.Path:
+    """A queue file whose mtime is ``age_s`` in the past (settled unless age_s is small)."""
+    path = queue / name
+    path.write_bytes(content)
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+@pytest.fixture
+def queue(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "afl_out" / "main" / "queue"
+    path.mkdir(parents=True)
+    return path
+
+
+def names(found: list[NewInput]) -> list[str]:
+    return [pathlib.Path(n.payload["path"]).name for n in found]
+
+
+def test_afl_returns_new_entries_sorted_and_only_once(tmp_path, queue):
+    put(queue, "id:000001,src:000000,op:havoc", b"two")
+    put(queue, "id:000000,time:0,orig:seed", b"one")
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
+    found = source.poll()
+    assert names(found) == ["id:000000,time:0,orig:seed", "id:000001,src:000000,op:havoc"]
+    first = found[0]
+    assert first.input_bytes == b"one"
+    assert first.payload == {"path": str(queue / "id:000000,time:0,orig:seed")}
+    assert pathlib.Path(first.payload["path"]).is_absolute()
+    assert first.origin.startswith("afl:main/")
+    assert source.poll() == []
+    put(queue, "id:000002,src:000001", b"three")
+    assert names(source.poll()) == ["id:000002,src:000001"]
+
+
+def test_afl_ignores_dot_files_directories_and_other_names(tmp_path, queue):
+    (queue / ".state").mkdir()
+    (queue / ".state" / "id:000009").write_bytes(b"nested")
+    (queue / "id:000005,dir").mkdir()
+    put(queue, ".id:000003.tmp", b"hidden")
+    put(queue, "README.txt", b"not an entry")
+    put(queue, "id:000000", b"real")
+    found = AflQueueSource(tmp_path / "afl_out", "main").poll()
+    assert names(found) == ["id:000000"]
+
+
+def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=30)
+    fresh = put(queue, "id:000000", b"partial", age_s=0)
+    assert source.poll() == []
+    # it grew, and its mtime now looks old: the size change since the last poll still holds it
+    with open(fresh, "ab") as f:
+        f.write(b" and the rest")
+    then = time.time() - 100
+    os.utime(fresh, (then, then))
+    assert source.poll() == []
+    found = source.poll()
+    assert names(found) == ["id:000000"]
+    assert found[0].input_bytes == b"partial and the rest"
+
+
+def test_afl_deduplicates_by_content(tmp_path, queue):
+    put(queue, "id:000000", b"same bytes")
+    put(queue, "id:000001", b"same bytes")
+    put(queue, "id:000002", b"other bytes")
+    source = AflQueueSource(tmp_path / "afl_out", "main")
+    assert names(source.poll()) == ["id:000000", "id:000002"]
+    put(queue, "id:000003", b"same bytes")
+    assert source.poll() == []
+
+
+def test_afl_missing_directory_is_not_an_error(tmp_path):
+    source = AflQueueSource(tmp_path / "afl_out", "main")
+    assert source.poll() == []
+    queue = tmp_path / "afl_out" / "main" / "queue"
+    queue.mkdir(parents=True)
+    put(queue, "id:000000", b"late")
+    assert names(source.poll()) == ["id:000000"]
+
+
+def test_afl_file_vanishing_before_it_settles_is_forgotten(tmp_path, queue):
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=30)
+    path = put(queue, "id:000000", b"first", age_s=0)
+    assert source.poll() == []
+    path.unlink()
+    assert source.poll() == []
+    put(queue, "id:000000", b"second")
+    assert [n.input_bytes for n in source.poll()] == [b"second"]
+
+
+@pytest.mark.parametrize("fuzzer", ["", "a/b", ".."])
+def test_afl_rejects_bad_fuzzer_names(tmp_path, fuzzer):
+    with pytest.raises(ValueError):
+        AflQueueSource(tmp_path, fuzzer)
+
+
+# ---------------------------------------------------------------------------------- tasks file
+
+
+def write_lines(path: pathlib.Path, lines: list[str]) -> pathlib.Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_good_file(tmp_path):
+    seed = tmp_path / "seed.bin"
+    seed.write_bytes(b"\x00seed")
+    tasks = write_lines(
+        tmp_path / "tasks.jsonl",
+        [
+            json.dumps({"path": "/data/a", "target_branch": 5, "s2f_actions": [[5, "solve"]]}),
+            "",
+            "   ",
+            json.dumps({"data": {"n": 3}}),
+            json.dumps({"path": "b", "input_file": str(seed), "schedule_prefix": [1, 2]}),
+        ],
+    )
+    found = load_tasks_jsonl(tasks)
+    assert [t.payload for t in found] == [
+        {"path": "/data/a", "target_branch": 5, "s2f_actions": [[5, "solve"]]},
+        {"data": {"n": 3}},
+        {"path": "b", "schedule_prefix": [1, 2]},
+    ]
+    assert [t.input_bytes for t in found] == [None, None, b"\x00seed"]
+    assert found[1].origin == f"{tasks}:4"
+    assert load_tasks_jsonl(write_lines(tmp_path / "empty.jsonl", [""])) == []
+
+
+@pytest.mark.parametrize(
+    "bad_line, reason",
+    [
+        ("[1, 2]", "not a JSON object"),
+        ('"just a string"', "not a JSON object"),
+        ('{"path": "x"', "not valid JSON"),
+        ('{"path": "x", "data": NaN}', "not valid JSON"),
+        ('{"focus_bytes": [1]}', "needs 'path' or 'data'"),
+        ('{"path": 7}', "'path' must be a non-empty string"),
+        ('{"path": "a", "path": "b"}', "duplicate key 'path'"),
+        ('{"path": "x", "input_file": 3}', "'input_file' must be a non-empty string"),
+    ],
+)
+def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_path, bad_line, reason):
+    tasks = write_lines(tmp_path / "tasks.jsonl", ['{"path": "a"}', "", bad_line, '{"path": "b"}'])
+    with pytest.raises(TaskFileError) as err:
+        load_tasks_jsonl(tasks)
+    assert err.value.lineno == 3
+    assert reason in err.value.reason
+    assert str(err.value).startswith(f"{tasks}:3: ")
+    assert isinstance(err.value, ValueError)
+
+
+def test_jsonl_message_format(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_lines(tmp_path / "tasks.jsonl", ['{"path": "a"}'] * 6 + ["[]"])
+    with pytest.raises(TaskFileError, match=r"^tasks\.jsonl:7: not a JSON object$"):
+        load_tasks_jsonl("tasks.jsonl")
+
+
+def test_jsonl_unknown_key_is_named(tmp_path):
+    tasks = write_lines(tmp_path / "tasks.jsonl", ['{"path": "a", "priority": 3}'])
+    with pytest.raises(TaskFileError, match="unknown key 'priority'") as err:
+        load_tasks_jsonl(tasks)
+    assert err.value.lineno == 1
+
+
+def test_jsonl_missing_input_file_names_the_line(tmp_path):
+    tasks = write_lines(
+        tmp_path / "tasks.jsonl",
+        ['{"data": 1}', json.dumps({"path": "a", "input_file": str(tmp_path / "nope")})],
+    )
+    with pytest.raises(TaskFileError, match=r":2: cannot read input_file") as err:
+        load_tasks_jsonl(tasks)
+    assert err.value.lineno == 2
+
+
+def test_jsonl_invalid_utf8_names_the_line(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_bytes(b'{"path": "a"}\n{"path": "\xff"}\n')
+    with pytest.raises(TaskFileError, match=":2: not valid UTF-8"):
+        load_tasks_jsonl(tasks)
+
+
+def test_jsonl_accepts_a_byte_order_mark(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_bytes(b'\xef\xbb\xbf{"path": "a"}\r\n{"path": "b"}\r\n')
+    assert [t.payload["path"] for t in load_tasks_jsonl(tasks)] == ["a", "b"]
+
+
+def test_jsonl_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="cannot read tasks file"):
+        load_tasks_jsonl(tmp_path / "absent.jsonl")
+
+
+# ----------------------------------------------------------------------------------------- demo
+
+
+def test_demo_tasks():
+    tasks = demo_tasks(3)
+    assert [t.payload for t in tasks] == [{"data": {"n": 0}}, {"data": {"n": 1}}, {"data": {"n": 2}}]
+    assert all(t.input_bytes is None and t.origin == "demo" for t in tasks)
+    assert demo_tasks(0) == []
+    with pytest.raises(ValueError):
+        demo_tasks(-1)
