@@ -305,4 +305,4 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool) -> list[int]:
                   queue_pos=head_position(tx), attempts_delta=int(earlier_incarnations))
     if not earlier_incarnations and rows:
         set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows])
-    return [r.task_id for r in rows]
+    return [r.task_id for r in reversed(rows)]  # oldest dispatch first, as queued

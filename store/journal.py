@@ -30,9 +30,9 @@ class RetryPolicy:
     max_attempts: int = 5
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.retries, int) and 0 <= self.retries <= 16):
+        if not (type(self.retries) is int and 0 <= self.retries <= 16):
             raise ValueError(f"retries must be an integer in 0..16, not {self.retries!r}")
-        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+        if not (type(self.max_attempts) is int and self.max_attempts >= 1):
             raise ValueError(f"max_attempts must be an integer >= 1, not {self.max_attempts!r}")
 
 

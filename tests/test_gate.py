@@ -1,0 +1,364 @@
+"""The user's scenarios (seed note §7) against a real campaign file: the join, the rollback,
+the retry policy, payload identity and the stats text."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from sqlalchemy import select
+
+from coordinator.protocol import ReadyStatus, ResultStatus
+from store.journal import RetryPolicy
+from store.schema import TaskState, dispatches, events, leases, results, tasks, workers
+from store.semantic import PayloadError, normalize, semantic_id
+from store.stats import read_stats, stats_text
+
+from conftest import Farm
+
+
+def rows(farm: Farm, table, *where):
+    with farm.store.reading() as conn:
+        return conn.execute(select(table).where(*where)).all()
+
+
+def task_state(farm: Farm, task_id: int) -> str:
+    return rows(farm, tasks, tasks.c.id == task_id)[0].state
+
+
+def worker_state(farm: Farm, rank: int) -> str:
+    return rows(farm, workers, workers.c.rank == rank)[0].state
+
+
+def started(farm: Farm, payload=None, rank=1) -> tuple[int, str]:
+    """One task dispatched to `rank`, which has shown its first READY."""
+    [tid] = farm.enqueue(payload or {"path": "/seed/a", "target_branch": 7})
+    farm.ready(rank, "")
+    token = farm.dispatch(rank)[rank]
+    return tid, token
+
+
+def snapshot(farm: Farm):
+    """Every row the protocol owns, for 'changes nothing' assertions (events excluded)."""
+    with sqlite3.connect(farm.path) as c:
+        return {t: sorted(c.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
+                for t in ("tasks", "dispatches", "leases", "workers", "results")}
+
+
+# -- the join (R2-R5) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["ready_first", "result_first"])
+def test_valid_result_commits_in_either_order(farm, order):
+    tid, tok = started(farm)
+    if order == "ready_first":
+        farm.ready(1, tok)
+        assert worker_state(farm, 1) == "busy"  # current READY alone does not free the rank
+        farm.result(1, tok)
+    else:
+        farm.result(1, tok)
+        assert worker_state(farm, 1) == "busy"  # waits for its READY
+        farm.ready(1, tok)
+    assert task_state(farm, tid) == "done"
+    assert worker_state(farm, 1) == "idle"
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+    assert [r.token for r in rows(farm, results)] == [tok]
+
+
+@pytest.mark.parametrize("order", ["ready_first", "result_first"])
+def test_invalid_result_joined_with_ready_recovers_in_either_order(farm, order):
+    tid, tok = started(farm)
+    steps = [lambda: farm.ready(1, tok), lambda: farm.result(1, None)]
+    for step in steps if order == "ready_first" else steps[::-1]:
+        step()
+    [rec] = farm.sweep()
+    assert (rec.rank, rec.token, rec.task_id, rec.outcome) == (1, tok, tid, TaskState.QUEUED)
+    assert task_state(farm, tid) == "queued"
+    assert worker_state(farm, 1) == "idle"
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+
+
+def test_late_valid_result_cancels_the_recovery(farm):
+    """RESULT(invalid) then RESULT(valid) drained before the sweep: the valid one commits."""
+    tid, tok = started(farm)
+    farm.ready(1, tok)
+    farm.result(1, "not-a-token")      # malformed -> invalid mark
+    out = farm.result(1, tok)          # late valid current RESULT (R5)
+    assert out.statuses == [(1, ResultStatus.CURRENT)]
+    assert farm.sweep() == []
+    assert task_state(farm, tid) == "done"
+    assert len(rows(farm, results)) == 1
+
+
+@pytest.mark.parametrize("case", ["ready_alone", "invalid_alone", "stale_result_current_ready",
+                                  "stale_ready_current_invalid"])
+def test_these_never_recover(farm, case):
+    tid, tok = started(farm)
+    old = "ab" * 32
+    if case == "ready_alone":
+        farm.ready(1, tok)
+    elif case == "invalid_alone":
+        farm.result(1, [tok])
+    elif case == "stale_result_current_ready":
+        farm.result(1, old)
+        farm.ready(1, tok)
+    else:
+        farm.ready(1, old)
+        farm.result(1, None)
+    before = snapshot(farm)
+    assert farm.sweep() == []
+    assert snapshot(farm) == before
+    assert task_state(farm, tid) == "active"
+
+
+def test_stale_result_does_not_mark_the_current_dispatch(farm):
+    _, tok = started(farm)
+    farm.result(1, "cd" * 32)
+    [d] = rows(farm, dispatches)
+    assert d.token == tok and d.invalid_reason is None
+
+
+def test_invalid_payload_of_a_current_result_sets_the_mark(farm):
+    _, tok = started(farm)
+    out = farm.result(1, tok, status="bogus")
+    assert out.statuses == [(1, ResultStatus.CURRENT)] and out.committed == []
+    [d] = rows(farm, dispatches)
+    assert d.invalid_reason == "payload"
+    farm.ready(1, tok)
+    assert len(farm.sweep()) == 1
+
+
+def test_duplicate_result_after_commit_is_quarantined_unowned(farm):
+    _, tok = started(farm)
+    farm.result(1, tok)
+    out = farm.result(1, tok)
+    assert out.statuses == [(1, ResultStatus.UNOWNED)]
+    assert len(rows(farm, results)) == 1
+
+
+# -- READY classification against the store ----------------------------------------------
+
+def test_ready_statuses_and_their_effects(farm):
+    with farm.store.transaction() as tx:  # the master's bitmap is at version 3
+        tx.conn.execute(tasks.metadata.tables["campaign"].update().values(bitmap_version=3))
+    assert farm.ready(1, "", bitmap_version=2).statuses == [(1, ReadyStatus.IDLE)]
+    assert rows(farm, workers)[0].bitmap_version == 2
+    assert farm.ready(2, "", bitmap_version=9).statuses == [(2, ReadyStatus.IDLE)]  # future
+    assert rows(farm, workers, workers.c.rank == 2)[0].bitmap_version == -1
+    farm.ready(2, "", bitmap_version=True)
+    assert rows(farm, workers, workers.c.rank == 2)[0].bitmap_version == -1
+    farm.enqueue({"data": "x"})
+    tok = farm.dispatch(1)[1]
+    before = snapshot(farm)
+    cases = [({"completed_dispatch_token": ""}, ReadyStatus.MISSING),
+             ({"completed_dispatch_token": [tok]}, ReadyStatus.MALFORMED),
+             ({"completed_dispatch_token": tok.upper()}, ReadyStatus.MALFORMED),
+             ({"completed_dispatch_token": "ef" * 32}, ReadyStatus.STALE)]
+    for body, status in cases:
+        body = {"bitmap_version": 0, "empirical_profile_version": "x", **body}
+        assert farm.ready_raw(1, body).statuses == [(1, status)]
+    assert farm.ready_raw(1, ["not", "a", "mapping"]).statuses == [(1, ReadyStatus.MALFORMED)]
+    assert snapshot(farm) == before  # no version, idle-set or dispatch change
+    assert farm.ready(1, tok).statuses == [(1, ReadyStatus.CURRENT)]
+
+
+def test_unowned_ready_is_quarantined_and_visible(farm):
+    _, tok = started(farm)
+    with farm.store.transaction() as tx:  # break an invariant behind the protocol's back
+        tx.conn.execute(leases.delete().where(leases.c.kind == "work"))
+    assert farm.ready(1, tok).statuses == [(1, ReadyStatus.UNOWNED)]
+    with farm.store.reading() as conn:
+        s = read_stats(conn)
+    assert s.quarantine["ready"] == {"unowned": 1}
+
+
+# -- rollback (R6, R7) -------------------------------------------------------------------
+
+def test_stale_token_rollback_changes_no_row(farm):
+    from store.dispatches import recover_dispatch
+    _, tok = started(farm)
+    farm.ready(1, tok)
+    before = snapshot(farm)
+    with farm.store.transaction() as tx:
+        assert recover_dispatch(tx, 1, "99" * 32) is None
+        assert recover_dispatch(tx, 2, tok) is None  # right token, wrong rank
+    assert snapshot(farm) == before
+
+
+def test_current_token_rollback_removes_everything_in_one_transaction(farm):
+    from store.dispatches import recover_dispatch
+    tid, tok = started(farm, {"path": "/seed/b", "target_branch": 9,
+                              "schedule_prefix": [1, 2]})
+    farm.enqueue({"path": "/seed/c", "target_branch": 9})  # waits: target 9 is leased
+    assert len(rows(farm, leases)) == 3  # work, target, schedule
+    assert farm.dispatch(2) == {}
+    farm.ready(1, tok)
+    farm.result(1, None)
+    with farm.store.transaction() as tx:
+        rec = recover_dispatch(tx, 1, tok)
+    assert rec is not None and rec.outcome is TaskState.QUEUED
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.state, t.attempts, t.dispatches) == ("queued", 1, 1)
+    # requeued at the head, ahead of the task that waited behind it
+    farm.ready(2, "")
+    assert 2 in farm.dispatch(2)
+    assert rows(farm, dispatches, dispatches.c.rank == 2)[0].task_id == tid
+
+
+def test_rollback_is_atomic_when_the_transaction_fails(farm):
+    from store.dispatches import recover_dispatch
+    _, tok = started(farm)
+    farm.ready(1, tok)
+    before = snapshot(farm)
+    with pytest.raises(RuntimeError):
+        with farm.store.transaction() as tx:
+            assert recover_dispatch(tx, 1, tok) is not None
+            raise RuntimeError("crash before COMMIT")
+    assert snapshot(farm) == before
+
+
+def test_pre_send_compensation_rewinds_exactly(farm):
+    from store.dispatches import cancel_dispatch, mark_sent
+    tid, tok = started(farm)
+    with farm.store.transaction() as tx:
+        assert cancel_dispatch(tx, 1, tok, detail="send failed")
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.state, t.attempts, t.dispatches) == ("queued", 0, 0)
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+    tok2 = farm.dispatch(1)[1]
+    with farm.store.transaction() as tx:
+        mark_sent(tx, [tok2])
+        assert not cancel_dispatch(tx, 1, tok2)  # after the send it is no longer pre-send
+
+
+# -- retry policy (R7, R8) ---------------------------------------------------------------
+
+def fail_once(farm: Farm, rank: int = 1):
+    farm.ready(rank, "")
+    tok = farm.dispatch(rank)[rank]
+    farm.result(rank, None)
+    farm.ready(rank, tok)
+    return farm.sweep()
+
+
+def test_retries_one_requeues_then_defers_with_the_same_id(farm):
+    [tid] = farm.enqueue({"path": "/seed/x", "focus_bytes": [1, 2]})
+    sid = rows(farm, tasks)[0].semantic_id
+    [first] = fail_once(farm)
+    assert first.outcome is TaskState.QUEUED
+    assert [t.id for t in rows(farm, tasks, tasks.c.state == "queued")] == [tid]
+    [second] = fail_once(farm)
+    assert second.outcome is TaskState.DEFERRED
+    [t] = rows(farm, tasks)
+    assert (t.id, t.semantic_id, t.state, t.attempts) == (tid, sid, "deferred", 2)
+    with farm.store.reading() as conn:
+        kinds = [e.kind for e in conn.execute(select(events).where(events.c.task_id == tid))]
+    assert kinds.count("requeued") == 1 and kinds.count("deferred") == 1
+
+
+def test_retries_zero_defers_at_once(db_path):
+    farm = Farm(db_path, policy=RetryPolicy(retries=0))
+    farm.enqueue({"data": 1})
+    assert fail_once(farm)[0].outcome is TaskState.DEFERRED
+    farm.close()
+
+
+def test_ceiling_holds_the_task_as_failed_with_its_reason(db_path):
+    farm = Farm(db_path, policy=RetryPolicy(retries=16, max_attempts=3))
+    [tid] = farm.enqueue({"data": 1})
+    outcomes = [fail_once(farm)[0].outcome for _ in range(3)]
+    assert outcomes == [TaskState.QUEUED, TaskState.QUEUED, TaskState.FAILED]
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert t.state == "failed" and "3 failed attempts" in t.reason
+    farm.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 17, True, "1"])
+def test_retry_budget_range(bad):
+    with pytest.raises(ValueError, match="0..16"):
+        RetryPolicy(retries=bad)
+
+
+def test_failed_deferral_leaves_the_task_queued_and_reported(farm):
+    """R8 with a real failing write: the database itself refuses the deferral."""
+    [tid] = farm.enqueue({"data": 1})
+    fail_once(farm)
+    with sqlite3.connect(farm.path) as c:
+        c.execute("CREATE TRIGGER refuse_defer BEFORE UPDATE OF state ON tasks "
+                  "WHEN NEW.state = 'deferred' BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+    [rec] = fail_once(farm)
+    assert rec.defer_failed and rec.outcome is TaskState.QUEUED
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert t.state == "queued" and "deferral failed" in t.reason
+    with farm.store.reading() as conn:
+        s = read_stats(conn)
+    assert s.deferred == 0 and s.events["defer_failed"] == 1
+
+
+# -- payload identity (R7, §4) -------------------------------------------------------------
+
+FULL = {"path": "/q/id:000001", "focus_bytes": [3, 1, 4], "target_branch": 2**63,
+        "s2f_actions": [[7, "skip"], [2, "solve"]], "schedule_prefix": [5, 0, 5],
+        "continuation": {"kind": "resume", "state": {"depth": 2}}}
+
+
+def test_payload_round_trips_through_the_store(farm):
+    [tid] = farm.enqueue(FULL)
+    with farm.store.transaction() as tx:
+        from store.tasks import get_task
+        rec = get_task(tx, tid)
+    assert rec.payload == normalize(FULL)
+    assert rec.payload["s2f_actions"] == [[2, "solve"], [7, "skip"]]
+    assert rec.payload["focus_bytes"] == [3, 1, 4]
+    assert rec.semantic_id == semantic_id(FULL)
+
+
+def test_identity_ignores_key_order_and_tokens_and_defaults(farm):
+    reordered = dict(reversed(list(FULL.items())))
+    assert semantic_id(reordered) == semantic_id(FULL)
+    assert semantic_id({"path": "p", "target_branch": 0}) == semantic_id({"path": "p"})
+    assert semantic_id({"path": "p", "target_branch": 2**64}) == semantic_id({"path": "p"})
+    assert farm.enqueue(FULL, reordered) == [1]  # the same payload twice is one task
+    farm.ready(1, "")
+    assert farm.dispatch(1)  # a token now exists for it; the stored identity is unchanged
+    assert rows(farm, tasks)[0].semantic_id == semantic_id(FULL)
+    with pytest.raises(PayloadError, match="unknown"):
+        semantic_id({**FULL, "token": "ab" * 32})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({}, "path"), ({"path": 3}, "path"), ({"path": "p", "focus_bytes": [-1]}, ">= 0"),
+    ({"path": "p", "s2f_actions": [[1, "solve"], [1, "skip"]]}, "twice"),
+    ({"path": "p", "s2f_actions": [[1, "fly"]]}, "solve"),
+    ({"path": "p", "s2f_actions": [[i, "skip"] for i in range(65)]}, "at most 64"),
+    ({"data": float("nan")}, "JSON"), ({"path": "p", "continuation": []}, "mapping"),
+])
+def test_bad_payloads_are_refused_clearly(bad, match):
+    with pytest.raises(PayloadError, match=match):
+        normalize(bad)
+
+
+# -- stats text (R10) --------------------------------------------------------------------
+
+def test_stats_text_labels(farm):
+    for p in ({"data": 1}, {"data": 2}):
+        farm.enqueue(p)
+    farm.ready(1, "")
+    farm.ready(2, "")
+    toks = farm.dispatch(1, 2)
+    old = "12" * 32
+    farm.ready_raw(1, "garbage")                       # ready malformed
+    farm.ready(2, old)                                 # ready stale
+    farm.result(1, [toks[1]])                          # result malformed
+    farm.result(2, old)                                # result stale
+    farm.result(1, "34" * 32)                          # result stale
+    farm.ready(1, toks[1])
+    farm.sweep()                                       # rank 1: joined -> requeued
+    farm.dispatch(1)
+    with farm.store.reading() as conn:
+        text = stats_text(read_stats(conn))
+    assert "Quarantined worker ready messages: 2 (malformed=1,stale=1)\n" in text
+    assert "Quarantined worker results: 3 (malformed=1,stale=2)\n" in text
+    assert "Protocol-requeued dispatches: 1\n" in text
+    assert "Protocol-deferred dispatches: 0\n" in text
+    assert "Dispatch watchdog timeouts: 0\n" in text

@@ -1,0 +1,138 @@
+"""Restart recovery (R9), graceful stop, and the persistent retry budget, across real reopens."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from store.dispatches import requeue_in_flight
+from store.journal import RetryPolicy
+from store.schema import dispatches, events, leases, tasks
+from store.tasks import NewTask, enqueue_tasks, get_task, requeue_tasks, take_queued
+
+from conftest import Farm
+from test_gate import fail_once, rows
+
+
+def defer(farm: Farm, payload, input_bytes=None) -> int:
+    """Enqueue a task and fail it twice (retries=1): it ends deferred."""
+    [tid] = farm.enqueue(payload, input_bytes=input_bytes)
+    for _ in range(2):
+        fail_once(farm)
+    assert rows(farm, tasks, tasks.c.id == tid)[0].state == "deferred"
+    return tid
+
+
+def queue_order(farm: Farm) -> list[int]:
+    with farm.store.transaction() as tx:
+        return [t.id for t in take_queued(tx, 100)]
+
+
+def test_deferred_tasks_come_back_first_and_rebuilt_exactly(db_path, tmp_path):
+    seed = tmp_path / "seed"
+    seed.write_bytes(b"AFL")
+    farm = Farm(db_path)
+    payload = {"path": str(seed), "focus_bytes": [0, 2], "target_branch": 11,
+               "s2f_actions": [[11, "solve"]], "schedule_prefix": [1],
+               "continuation": {"k": 1}}
+    tid = defer(farm, payload)
+    original = rows(farm, tasks, tasks.c.id == tid)[0]
+    farm.enqueue({"data": "queued before the restart"})
+    farm.close()
+
+    farm = Farm(db_path, resume=True)
+    assert farm.store.resume_report.reclaimed == [tid]
+    with farm.store.transaction() as tx:
+        enqueue_tasks(tx, [NewTask({"data": "new after the restart"})])
+        rebuilt = get_task(tx, tid)
+    order = queue_order(farm)
+    assert order[0] == tid and len(order) == 3
+    after = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (after.semantic_id, after.payload, after.attempts) == \
+        (original.semantic_id, original.payload, original.attempts)
+    assert rebuilt.payload["s2f_actions"] == [[11, "solve"]]
+    farm.close()
+
+
+def test_plain_task_with_its_input_gone_stays_deferred_with_reason(db_path, tmp_path):
+    gone = tmp_path / "id:000007"
+    gone.write_bytes(b"x")
+    farm = Farm(db_path)
+    plain = defer(farm, {"path": str(gone)})
+    stored = defer(farm, {"path": str(tmp_path / "id:000008")}, input_bytes=b"kept")
+    cont = defer(farm, {"path": str(tmp_path / "id:000009"), "continuation": {"c": 1}})
+    farm.close()
+    gone.unlink()  # AFL moved or deleted the seed while the coordinator was down
+
+    farm = Farm(db_path, resume=True)
+    report = farm.store.resume_report
+    assert report.refused == [plain]
+    assert sorted(report.reclaimed) == sorted([stored, cont])
+    t = rows(farm, tasks, tasks.c.id == plain)[0]
+    assert t.state == "deferred" and t.reason == f"input unavailable: {gone}"
+    assert queue_order(farm)[:2] == [stored, cont]  # oldest deferral first
+    farm.close()
+    # Never deleted: still there on the next resume, and admitted once the input is back.
+    gone.write_bytes(b"x")
+    farm = Farm(db_path, resume=True)
+    assert farm.store.resume_report.reclaimed == [plain]
+    farm.close()
+
+
+def test_dispatches_of_a_dead_incarnation_are_requeued_on_resume(db_path):
+    farm = Farm(db_path)
+    ids = farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.dispatch(1, 2)
+    farm.close()  # the master died: two dispatches and their leases are left behind
+
+    farm = Farm(db_path, resume=True)
+    assert farm.store.resume_report.interrupted == ids[:2]
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+    assert queue_order(farm) == ids  # the interrupted ones first, in dispatch order
+    assert [t.attempts for t in rows(farm, tasks)] == [1, 1, 0]  # post-send: attempt counts
+    with farm.store.reading() as conn:
+        kinds = [e.kind for e in conn.execute(select(events.c.kind))]
+    assert kinds.count("interrupted") == 2
+    farm.close()
+
+
+def test_retry_budget_survives_a_restart(db_path):
+    farm = Farm(db_path)
+    [tid] = farm.enqueue({"data": 1})
+    assert fail_once(farm)[0].outcome.value == "queued"
+    farm.close()
+    farm = Farm(db_path, resume=True)
+    # The budget (1) was spent before the restart: the next failure defers.
+    assert fail_once(farm)[0].outcome.value == "deferred"
+    assert rows(farm, tasks, tasks.c.id == tid)[0].attempts == 2
+    farm.close()
+
+
+def test_restarts_cannot_retry_a_poison_task_forever(db_path):
+    farm = Farm(db_path, policy=RetryPolicy(max_attempts=3))
+    [tid] = farm.enqueue({"data": "kills its worker, and the job with it"})
+    for _ in range(3):
+        farm.ready(1, "")
+        farm.dispatch(1)
+        farm.close()
+        farm = Farm(db_path, resume=True, policy=RetryPolicy(max_attempts=3))
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert t.state == "failed" and "interrupted" in t.reason
+    with farm.store.transaction() as tx:
+        assert requeue_tasks(tx) == [tid]
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.state, t.attempts, t.reason) == ("queued", 0, None)
+    farm.close()
+
+
+def test_graceful_stop_returns_in_flight_work_without_counting_it(farm):
+    ids = farm.enqueue({"data": 1}, {"data": 2})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.dispatch(1, 2)
+    with farm.store.transaction() as tx:
+        assert sorted(requeue_in_flight(tx, earlier_incarnations=False)) == ids
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+    assert [(t.state, t.attempts) for t in rows(farm, tasks)] == [("queued", 0)] * 2
+    assert queue_order(farm) == ids
