@@ -22,7 +22,7 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
 from .engine import DEFAULT_SYNCHRONOUS, open_engine, write_tx
-from .errors import CampaignExistsError
+from .errors import CampaignExistsError, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
 from .versioning import check_revision, current_revision, upgrade
@@ -81,6 +81,28 @@ class Store:
             engine.dispose()
             raise
         return cls(path, engine, incarnation, epoch, policy, report, clock)
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str], *,
+               policy: RetryPolicy | None = None) -> Store:
+        """Open an existing campaign for maintenance (requeue) without starting an
+        incarnation or running restart recovery: safe while a master is running."""
+        path = Path(path)
+        if not path.exists():
+            raise StoreError(f"{path}: no such campaign database")
+        engine = open_engine(path)
+        try:
+            with engine.connect() as conn:
+                check_revision(conn, path)
+                row = conn.execute(select(campaign.c.incarnation, campaign.c.epoch)).first()
+        except BaseException:
+            engine.dispose()
+            raise
+        if row is None:
+            engine.dispose()
+            raise StoreError(f"{path}: holds no campaign yet")
+        return cls(path, engine, row.incarnation, row.epoch, policy or RetryPolicy(),
+                   ResumeReport())
 
     @contextlib.contextmanager
     def transaction(self, operation: str = "master round") -> Iterator[Tx]:

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, exc
-from sqlalchemy.pool import NullPool
 
 from .errors import StoreWriteError, UnsafeDatabaseError
 
@@ -72,9 +71,10 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
             f"{db_path} is on a {fstype} filesystem; SQLite WAL needs a node-local filesystem "
             f"(put the campaign database on local disk, e.g. under /tmp or the node's scratch)"
         )
-    # NullPool: one process, one connection at a time; a pooled connection kept across a fork
-    # (mpiexec launch helpers, executors) would be unsafe.
-    engine = create_engine(f"sqlite:///{db_path}", poolclass=NullPool)
+    # The default pool keeps the connection open between transactions: opening one costs a
+    # file open plus the pragmas above, too much for every round of the master. Only the
+    # master process ever opens the database, and it never forks with it open.
+    engine = create_engine(f"sqlite:///{db_path}")
 
     @event.listens_for(engine, "connect")
     def _set_pragmas(dbapi_conn: sqlite3.Connection, _record: object) -> None:

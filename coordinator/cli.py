@@ -1,0 +1,307 @@
+"""`coordinator` / `python -m coordinator`: run, status, requeue, db upgrade."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import (
+    DEFAULT_DEMO_TASKS,
+    ENV_MAX_ATTEMPTS,
+    ENV_RESUME,
+    ENV_RETRIES,
+    ENV_TIMEOUT,
+    ENV_WATCHDOG,
+    ConfigError,
+    RunConfig,
+    int_range,
+    non_negative_float,
+    resolve_run,
+)
+
+EXIT_USAGE = 2
+
+RUN_EPILOG = f"""\
+environment (a flag wins over its variable):
+  {ENV_RESUME}=1                        same as --resume
+  {ENV_RETRIES}=N     same as --retries (0..16, default 1)
+  {ENV_MAX_ATTEMPTS}=N        same as --max-attempts (default 5)
+  {ENV_TIMEOUT}=S                       same as --timeout (default 30)
+  {ENV_WATCHDOG}=S         same as --watchdog (default max(120, 4 x timeout))
+
+Started outside mpiexec, `run` launches itself with the bundled mpiexec and --np ranks
+(rank 0 is the master, the others are workers). Under mpiexec it uses the ranks it was given.
+
+examples:
+  coordinator run --db demo.db                      # {DEFAULT_DEMO_TASKS} built-in demo tasks, 4 ranks
+  mpiexec -n 64 coordinator run --db campaign.db --afl-out afl_out --fuzzer main \\
+      --name symcc -- ./target_symcc @@
+  coordinator run --db farm.db --tasks tasks.jsonl --callable mypkg.work:solve
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="coordinator",
+        description="A durable coordinator for MPI task farms: every master transition is one "
+                    "SQLite transaction, so nothing is lost or committed twice across crashes.")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run (or resume) a campaign under MPI",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RUN_EPILOG)
+    r.add_argument("--db", type=Path, required=True, help="campaign database (node-local disk)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the campaign stored in --db: interrupted and deferred work "
+                        "is dispatched first")
+    r.add_argument("--retries", type=int_range(0, 16), default=None,
+                   help="immediate requeues of a task whose dispatch broke, before it is "
+                        "deferred to the next --resume (0..16, default 1)")
+    r.add_argument("--max-attempts", type=int_range(1), default=None,
+                   help="failed dispatches after which a task is held as failed until "
+                        "`coordinator requeue` (default 5; counted across restarts)")
+    r.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
+                   help="FULL (default): every dispatch and commit survives a power loss; "
+                        "NORMAL: faster, a power loss may re-run the last few tasks")
+    src = r.add_argument_group("task sources (choose one; default: --demo "
+                               f"{DEFAULT_DEMO_TASKS})")
+    src.add_argument("--demo", type=int_range(0), default=None, metavar="N",
+                     help="N built-in demo tasks")
+    src.add_argument("--tasks", type=Path, default=None, metavar="FILE",
+                     help="a JSONL file of task payloads (one object per line)")
+    src.add_argument("--afl-out", type=Path, default=None, metavar="DIR",
+                     help="AFL output directory; watches DIR/FUZZER/queue for new inputs and "
+                          "writes results to DIR/NAME/queue (runs until SIGINT/SIGTERM)")
+    src.add_argument("--fuzzer", default=None, help="the AFL instance whose queue is read")
+    src.add_argument("--name", default="symcc",
+                     help="this coordinator's AFL instance directory (default symcc)")
+    ex = r.add_argument_group("executors")
+    ex.add_argument("--executor", choices=("command", "python", "demo"), default=None,
+                    help="default: command if a command follows --, python with --callable, "
+                         "else demo")
+    ex.add_argument("--callable", default=None, metavar="MODULE:FUNCTION",
+                    help="python executor: called with each task payload, returns JSON")
+    ex.add_argument("--timeout", type=non_negative_float, default=None, metavar="S",
+                    help="command executor: kill the command's process group after S seconds "
+                         "(default 30)")
+    ex.add_argument("--demo-work-ms", type=non_negative_float, default=0.0, metavar="MS",
+                    help="demo executor: CPU time burnt per task (default 0)")
+    r.add_argument("--watchdog", type=non_negative_float, default=None, metavar="S",
+                   help="per-dispatch deadline; past it the dispatch is recovered and the rank "
+                        "parked (default max(120, 4 x timeout); 0 disables)")
+    r.add_argument("--max-depth", type=int_range(0), default=0,
+                   help="feedback depth limit for test cases found by results (0 = unlimited)")
+    r.add_argument("--out", type=Path, default=None,
+                   help="where committed test cases go without --afl-out (default DB.out/)")
+    r.add_argument("--stats-file", type=Path, default=None,
+                   help="stats text, rewritten every --stats-interval and at exit "
+                        "(default DB.stats)")
+    r.add_argument("--stats-interval", type=non_negative_float, default=60.0, metavar="S")
+    r.add_argument("--grace", type=non_negative_float, default=10.0, metavar="S",
+                   help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
+    r.add_argument("--stop-wait", type=non_negative_float, default=10.0, metavar="S",
+                   help="bounded wait for each worker's STOP_ACK (default 10)")
+    r.add_argument("--max-message-bytes", type=int_range(1024), default=64 << 20,
+                   help="larger worker messages are quarantined as malformed (default 64 MiB)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   default=sys.stderr.isatty(), help="live progress display (default: on a "
+                                                     "terminal)")
+    r.add_argument("--np", type=int_range(2), default=4,
+                   help="ranks to launch when started outside mpiexec (default 4)")
+    r.add_argument("--mpiexec", default=None,
+                   help="mpiexec to self-launch with (default: the one beside this Python)")
+    r.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- COMMAND ARGS...: the command executor's command; @@ is the input")
+
+    s = sub.add_parser("status", help="what a campaign database holds")
+    s.add_argument("--db", type=Path, required=True)
+    s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
+
+    q = sub.add_parser("requeue", help="put failed or deferred tasks back in the queue")
+    q.add_argument("--db", type=Path, required=True)
+    q.add_argument("--state", choices=("failed", "deferred", "all"), default="all")
+    q.add_argument("--id", type=int, action="append", dest="ids", metavar="TASK_ID",
+                   help="only this task (repeatable)")
+
+    d = sub.add_parser("db", help="schema maintenance")
+    dsub = d.add_subparsers(dest="db_cmd", required=True)
+    u = dsub.add_parser("upgrade", help="create or bring a campaign database to the code's "
+                                        "schema (same as `alembic -x db=PATH upgrade head`)")
+    u.add_argument("--db", type=Path, required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    ns = _parser().parse_args(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if ns.cmd == "run":
+            cfg = resolve_run(ns)
+            if not _under_mpi_launcher():
+                return _self_launch(ns, args)
+            from .runtime import run
+            return run(cfg)
+        if ns.cmd == "status":
+            return _status(ns.db, ns.json)
+        if ns.cmd == "requeue":
+            return _requeue(ns)
+        if ns.cmd == "db":
+            return _db_upgrade(ns.db)
+    except ConfigError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+# -- launching -----------------------------------------------------------------------------
+
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK",
+                  "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+
+
+def _under_mpi_launcher() -> bool:
+    return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def find_mpiexec(explicit: str | None = None) -> str | None:
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def mpiexec_flags(mpiexec: str, np: int) -> list[str]:
+    """The flags a newcomer would otherwise have to know: Open MPI refuses root without
+    --allow-run-as-root and more ranks than cores without --oversubscribe."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    flags = ["-n", str(np)]
+    if "Open MPI" in version or "OpenRTE" in version or "prte" in version.lower():
+        flags.append("--oversubscribe")
+        if os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+    return flags
+
+
+def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
+    mpiexec = find_mpiexec(ns.mpiexec)
+    if mpiexec is None:
+        print("coordinator: no mpiexec found; install the project (it brings Open MPI) or "
+              "start the job with your MPI's mpiexec", file=sys.stderr)
+        return EXIT_USAGE
+    rest = _strip_launch_options(args)
+    cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np), sys.executable, "-m", "coordinator", *rest]
+    sys.stdout.flush()
+    os.execv(mpiexec, cmd)
+    return 0  # not reached
+
+
+def _strip_launch_options(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a == "--":
+            out.extend(args[i:])
+            break
+        if a in ("--np", "--mpiexec"):
+            skip = True
+            continue
+        if a.startswith(("--np=", "--mpiexec=")):
+            continue
+        out.append(a)
+    return out
+
+
+# -- inspection commands -------------------------------------------------------------------
+
+def _open_readonly(db: Path):
+    from store.engine import open_engine
+    from store.errors import StoreError
+    if not db.exists():
+        print(f"coordinator: {db}: no such campaign database", file=sys.stderr)
+        return None
+    try:
+        return open_engine(db, write=False)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return None
+
+
+def _status(db: Path, as_json: bool) -> int:
+    from store.errors import StoreError
+    from store.stats import read_stats, stats_text
+    from store.versioning import check_revision
+    engine = _open_readonly(db)
+    if engine is None:
+        return EXIT_USAGE
+    try:
+        with engine.connect() as conn:
+            check_revision(conn, db)
+            s = read_stats(conn)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        engine.dispose()
+    if as_json:
+        print(json.dumps(s.as_json(), indent=2, sort_keys=True))
+        return 0
+    t = s.tasks
+    print(f"campaign {db} (incarnation {s.incarnation}, schema {s.schema_revision})")
+    print(f"tasks: {sum(t.values())} = {t['done']} done, {t['queued']} queued, "
+          f"{t['active']} active, {t['deferred']} deferred, {t['failed']} failed")
+    print(f"committed results: {s.results}")
+    print(stats_text(s), end="")
+    return 0
+
+
+def _requeue(ns: argparse.Namespace) -> int:
+    from store.campaign import Store
+    from store.errors import StoreError
+    from store.schema import TaskState
+    from store.tasks import requeue_tasks
+    states = {"failed": (TaskState.FAILED,), "deferred": (TaskState.DEFERRED,),
+              "all": (TaskState.FAILED, TaskState.DEFERRED)}[ns.state]
+    try:
+        store = Store.attach(ns.db)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with store.transaction("manual requeue") as tx:
+            done = requeue_tasks(tx, states=states, ids=ns.ids)
+    finally:
+        store.close()
+    print(f"requeued {len(done)} task(s)" + (f": {', '.join(map(str, done))}" if done else ""))
+    return 0
+
+
+def _db_upgrade(db: Path) -> int:
+    from store.errors import StoreError
+    from store.versioning import upgrade
+    try:
+        before, after = upgrade(db)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{db}: schema {before or '(new)'} -> {after}" if before != after
+          else f"{db}: schema already at {after}")
+    return 0
+
+
+def describe(cfg: RunConfig) -> str:
+    src = (f"{cfg.demo} demo tasks" if cfg.demo is not None else
+           f"tasks from {cfg.tasks_file}" if cfg.tasks_file else
+           f"AFL queue {cfg.afl_out}/{cfg.fuzzer}/queue")
+    return f"{src}, {cfg.executor} executor"

@@ -1,0 +1,154 @@
+"""Flags and `SYMCC_*` variables, validated once, with the flag winning over the variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_RESUME = "SYMCC_RESUME"
+ENV_RETRIES = "SYMCC_DISPATCH_PROTOCOL_RETRIES"
+ENV_MAX_ATTEMPTS = "SYMCC_DISPATCH_MAX_ATTEMPTS"
+ENV_TIMEOUT = "SYMCC_TIMEOUT"
+ENV_WATCHDOG = "SYMCC_DISPATCH_WATCHDOG_SEC"
+
+DEFAULT_DEMO_TASKS = 300
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class ConfigError(ValueError):
+    """A setting the user gave that cannot be used; the message names it."""
+
+
+def _env_int(name: str, lo: int, hi: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < lo or (hi is not None and value > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(f"{name}={value} is out of range ({rng})")
+    return value
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not value >= 0:
+        raise ConfigError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+def int_range(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range ({rng})")
+        return value
+    return parse
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    db: Path
+    resume: bool
+    retries: int
+    max_attempts: int
+    synchronous: str
+    executor: str                  # command | python | demo
+    argv: list[str]
+    callable_spec: str | None
+    timeout_s: float
+    watchdog_s: float
+    demo: int | None
+    tasks_file: Path | None
+    afl_out: Path | None
+    fuzzer: str | None
+    name: str
+    out: Path | None
+    max_depth: int
+    stats_file: Path
+    stats_interval_s: float
+    grace_s: float
+    stop_wait_s: float
+    max_message_bytes: int
+    demo_work_ms: float
+    progress: bool
+
+
+def resolve_run(ns: argparse.Namespace) -> RunConfig:
+    """Merge flags with the environment and check the combinations (raises ConfigError)."""
+    resume = bool(ns.resume) or os.environ.get(ENV_RESUME, "") not in ("", "0")
+    retries = ns.retries if ns.retries is not None else _env_int(ENV_RETRIES, 0, 16)
+    max_attempts = (ns.max_attempts if ns.max_attempts is not None
+                    else _env_int(ENV_MAX_ATTEMPTS, 1, None))
+    timeout = ns.timeout if ns.timeout is not None else _env_float(ENV_TIMEOUT)
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+    watchdog = ns.watchdog if ns.watchdog is not None else _env_float(ENV_WATCHDOG)
+    if watchdog is None:
+        watchdog = max(120.0, 4 * timeout)
+
+    argv = list(ns.command or [])
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    sources = [s for s in (ns.demo is not None, ns.tasks is not None, ns.afl_out is not None)
+               if s]
+    if len(sources) > 1:
+        raise ConfigError("choose one task source: --demo N, --tasks FILE or --afl-out DIR")
+    demo = ns.demo
+    if not sources:
+        demo = DEFAULT_DEMO_TASKS  # the embedded default: a built-in demo workload
+    if ns.afl_out is not None and not ns.fuzzer:
+        raise ConfigError("--afl-out needs --fuzzer NAME (the AFL instance whose queue to read)")
+    if ns.fuzzer and ns.afl_out is None:
+        raise ConfigError("--fuzzer needs --afl-out DIR")
+    if ns.fuzzer and ns.fuzzer == ns.name:
+        raise ConfigError(f"--name {ns.name!r} is the fuzzer's own instance; the coordinator "
+                          f"must write to its own directory (choose another --name)")
+
+    executor = ns.executor
+    if executor is None:
+        executor = "command" if argv else "python" if ns.callable else "demo"
+    if executor == "command" and not argv:
+        raise ConfigError("the command executor needs a command after --, e.g. "
+                          "-- ./target_symcc @@")
+    if executor == "python" and not ns.callable:
+        raise ConfigError("the python executor needs --callable module:function")
+    if executor != "command" and argv:
+        raise ConfigError(f"a command after -- is only used with --executor command "
+                          f"(executor is {executor})")
+
+    stats_file = ns.stats_file or ns.db.with_name(ns.db.name + ".stats")
+    return RunConfig(
+        db=ns.db, resume=resume, retries=1 if retries is None else retries,
+        max_attempts=5 if max_attempts is None else max_attempts,
+        synchronous=ns.synchronous, executor=executor, argv=argv, callable_spec=ns.callable,
+        timeout_s=timeout, watchdog_s=watchdog, demo=demo, tasks_file=ns.tasks,
+        afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
+        max_depth=ns.max_depth, stats_file=stats_file, stats_interval_s=ns.stats_interval,
+        grace_s=ns.grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
+        demo_work_ms=ns.demo_work_ms, progress=ns.progress,
+    )

@@ -1,0 +1,332 @@
+"""The master rank: the five phases of a round, in the SPEC's order, over the durable store.
+
+    drain READY -> dispatch to idle ranks -> drain RESULT -> recovery sweep -> watchdog sweep
+
+Phases 1–2 share one transaction and phases 3–5 another (group commit: every message drained
+in a phase is applied in one transaction). Every dispatch is committed before its WORK is
+sent; a WORK that fails to leave is compensated pre-send in the next transaction, and the
+sends that did leave are marked there, so a rollback afterwards is post-send.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import exists, select
+
+from store import dispatches as dsp
+from store import tasks as task_ops
+from store.campaign import Store
+from store.journal import Tx
+from store.schema import WorkerState, dispatches, tasks, workers
+from store.stats import read_stats, stats_text
+from store.workers import set_workers
+
+from .gate import Gate, Inbound
+from .output import TestcaseWriter
+from .progress import Progress
+from .protocol import mint_token
+from .sources import NewInput
+from .transport import Backoff, SendFailed, Transport
+from .wire import (
+    TAG_READY,
+    TAG_RESULT,
+    TAG_STOP_ACK,
+    Stop,
+    Work,
+    check_result,
+    decode_inbound,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MasterConfig:
+    max_message_bytes: int = 64 << 20
+    watchdog_s: float = 0.0          # 0: no per-dispatch deadline
+    grace_s: float = 10.0            # after SIGINT/SIGTERM: let in-flight work finish
+    stop_wait_s: float = 10.0        # bounded wait for READY and STOP_ACK from every worker
+    stats_file: Path | None = None
+    stats_interval_s: float = 60.0
+    max_depth: int = 0               # feedback loop depth limit, 0 = unlimited
+    exit_when_drained: bool = True   # --demo/--tasks: stop when nothing is queued or active
+    source_interval_s: float = 1.0
+    progress: bool = False
+
+
+@dataclass
+class Summary:
+    exit_status: int = 0
+    rounds: int = 0
+    transactions: int = 0
+    elapsed_s: float = 0.0
+    stopped_by_signal: str | None = None
+    unacked_ranks: list[int] = field(default_factory=list)
+
+
+class Master:
+    def __init__(self, store: Store, transport: Transport, config: MasterConfig, *,
+                 sources: Sequence[Callable[[], list[NewInput]]] = (),
+                 writer: TestcaseWriter | None = None):
+        self.store, self.transport, self.config = store, transport, config
+        self.sources, self.writer = list(sources), writer
+        self.gate = Gate(store, validate=lambda body: check_result(body)[1],
+                         commit=self._commit)
+        self.summary = Summary()
+        self._stop_signal: str | None = None
+        self._stop_at = 0.0
+        self._sent: list[str] = []                 # WORK left: mark post-send next tx
+        self._unsent: list[tuple[int, str, str]] = []  # (rank, token, why): compensate pre-send
+        self._failed_ranks: set[int] = set()
+        self._idle: list[int] = []
+        self._may_have_queued = True
+        self._next_source = 0.0
+        self._next_watchdog = 0.0
+        self._next_stats = 0.0
+        self._stop_seq = 0
+        self._progress = Progress(enabled=config.progress)
+
+    # -- the round ---------------------------------------------------------------------------
+    def run(self) -> Summary:
+        start = time.monotonic()
+        self._install_signal_handlers()
+        backoff = Backoff(start=50e-6, cap=5e-3)
+        self._next_stats = time.monotonic() + self.config.stats_interval_s
+        self._progress.start()
+        try:
+            while True:
+                progressed = self._round()
+                self.summary.rounds += 1
+                if self._stop_signal is not None and self._stop_ready():
+                    break
+                if self._stop_signal is None and self.config.exit_when_drained \
+                        and not progressed and self._drained():
+                    break
+                if progressed:
+                    backoff.reset()
+                else:
+                    backoff.wait()
+                self._periodic()
+            self._shutdown()
+        finally:
+            self._progress.stop()
+            self.summary.elapsed_s = time.monotonic() - start
+            self.write_stats()
+        return self.summary
+
+    def _round(self) -> bool:
+        dispatching = self._stop_signal is None
+        readies = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
+                   for r in self.transport.drain(TAG_READY)]
+        plan: list[tuple[dsp.Planned, bytes | None]] = []
+        if readies or (dispatching and self._idle and self._may_have_queued):
+            with self._tx("drain READY and dispatch") as tx:
+                self.gate.apply_ready(tx, readies)
+                if dispatching:
+                    plan = self._plan(tx)
+        for p, data in plan:  # committed: now the WORK may leave
+            self._send_work(p, data)
+        results = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
+                   for r in self.transport.drain(TAG_RESULT)]
+        now = time.monotonic()
+        poll_sources = dispatching and self.sources and now >= self._next_source
+        watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
+        if results or self._sent or self._unsent or poll_sources or watchdog_due:
+            new_inputs = self._poll_sources() if poll_sources else []
+            with self._tx("drain RESULT, recovery and watchdog sweeps") as tx:
+                self._settle_sends(tx)
+                rr = self.gate.apply_results(tx, results)
+                recovered = self.gate.sweep(tx)
+                if watchdog_due:
+                    # Deadlines are seconds apart: checking a few times a second is enough.
+                    self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
+                    recovered += self.gate.watchdog(tx)
+                if new_inputs:
+                    task_ops.enqueue_tasks(tx, [task_ops.NewTask(
+                        i.payload, i.input_bytes, origin=i.origin) for i in new_inputs])
+                if recovered or new_inputs or any(c.new_tasks for c in rr.committed):
+                    self._may_have_queued = True
+                self._refresh_idle(tx)
+        return bool(readies or plan or results)
+
+    def _plan(self, tx: Tx) -> list[tuple[dsp.Planned, bytes | None]]:
+        self._refresh_idle(tx)
+        if not self._idle:
+            return []
+        planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
+                                            or None)
+        if len(planned) < len(self._idle):
+            self._may_have_queued = False  # nothing dispatchable left until something changes
+        self._idle = self._idle[len(planned):]
+        return [(p, task_ops.input_bytes(tx, p.task.input_hash)) for p in planned]
+
+    def _send_work(self, p: dsp.Planned, data: bytes | None) -> None:
+        try:
+            self.transport.send_work(encode(Work(token=p.token, task=p.task.payload,
+                                                 input=data)), p.rank)
+            self._sent.append(p.token)
+        except SendFailed as e:
+            log.error("%s", e)
+            self._unsent.append((p.rank, p.token, str(e.cause)[:300]))
+
+    def _settle_sends(self, tx: Tx) -> None:
+        dsp.mark_sent(tx, self._sent)
+        self._sent = []
+        for rank, token, why in self._unsent:
+            dsp.cancel_dispatch(tx, rank, token, worker_state=WorkerState.FAILED,
+                                detail=f"send failed: {why}")
+            self._failed_ranks.add(rank)
+        if self._unsent:
+            self._may_have_queued = True
+        self._unsent = []
+
+    def _refresh_idle(self, tx: Tx) -> None:
+        busy = select(dispatches.c.rank).where(dispatches.c.rank == workers.c.rank)
+        self._idle = [r for (r,) in tx.conn.execute(
+            select(workers.c.rank).where(workers.c.state == WorkerState.IDLE.value,
+                                         ~exists(busy)).order_by(workers.c.rank))
+            if r not in self._failed_ranks]
+
+    def _drained(self) -> bool:
+        with self.store.reading() as conn:
+            live = conn.execute(select(exists(select(tasks.c.id).where(
+                tasks.c.state.in_(("queued", "active")))))).scalar()
+        return not live and not self._sent
+
+    def _poll_sources(self) -> list[NewInput]:
+        self._next_source = time.monotonic() + self.config.source_interval_s
+        out: list[NewInput] = []
+        for poll in self.sources:
+            out.extend(poll())
+        return out
+
+    def _commit(self, tx: Tx, active: dsp.ActiveDispatch, body) -> dsp.CommitItem:
+        res, _ = check_result(body)
+        assert res is not None  # validated by the gate just before
+        written, new = 0, []
+        if res.testcases:
+            task = task_ops.get_task(tx, active.task_id)
+            assert task is not None
+            depth = task.depth + 1
+            for name, content in res.testcases:
+                path = self.writer.write(content, src=f"{task.id:06d}") if self.writer else None
+                if path is None:
+                    continue  # duplicate content: already known
+                written += 1
+                if self.config.max_depth == 0 or depth <= self.config.max_depth:
+                    new.append(task_ops.NewTask({"path": str(path)}, content, origin="result",
+                                                depth=depth, parent_id=task.id))
+        created = task_ops.enqueue_tasks(tx, new) if new else []
+        return dsp.CommitItem(active.rank, active.token, status=res.status, value=res.value,
+                              testcases=written, new_tasks=len(created))
+
+    def _tx(self, operation: str):
+        self.summary.transactions += 1
+        return self.store.transaction(operation)
+
+    # -- stats and progress ----------------------------------------------------------------
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        if self._progress.due(now):
+            with self.store.reading() as conn:
+                self._progress.update(read_stats(conn))
+        if now >= self._next_stats:
+            self._next_stats = now + self.config.stats_interval_s
+            self.write_stats()
+
+    def write_stats(self) -> None:
+        if self.config.stats_file is None:
+            return
+        with self.store.reading() as conn:
+            text = stats_text(read_stats(conn))
+        tmp = self.config.stats_file.with_name(self.config.stats_file.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.config.stats_file)
+
+    # -- graceful stop -----------------------------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: object) -> None:
+            if self._stop_signal is None:
+                self._stop_signal = signal.Signals(signum).name
+                self._stop_at = time.monotonic()
+                print(f"coordinator: {self._stop_signal}: no new dispatches; giving in-flight "
+                      f"work {self.config.grace_s:g} s", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def _stop_ready(self) -> bool:
+        """Stop once in-flight work has finished, or the grace period is over."""
+        if time.monotonic() - self._stop_at >= self.config.grace_s:
+            return True
+        with self.store.reading() as conn:
+            return not conn.execute(select(exists(select(dispatches.c.token)))).scalar()
+
+    def _shutdown(self) -> None:
+        self.summary.stopped_by_signal = self._stop_signal
+        with self._tx("graceful stop: in-flight work back to the queue") as tx:
+            self._settle_sends(tx)
+            back = dsp.requeue_in_flight(tx, earlier_incarnations=False)
+        if back:
+            print(f"coordinator: {len(back)} unfinished dispatches returned to the queue",
+                  file=sys.stderr, flush=True)
+        self.summary.unacked_ranks = self._stop_workers()
+
+    def _stop_workers(self) -> list[int]:
+        """Tokenized STOP to each worker once it has shown READY; wait, bounded, for the
+        exact-token STOP_ACK. Returns the ranks that never acknowledged."""
+        pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
+        shown_ready: set[int] = set()
+        with self.store.reading() as conn:
+            shown_ready = {r for (r,) in conn.execute(select(workers.c.rank).where(
+                workers.c.state == WorkerState.IDLE.value))}
+        stop_tokens: dict[int, str] = {}
+        deadline = time.monotonic() + self.config.stop_wait_s
+        backoff = Backoff(start=100e-6, cap=5e-3)
+        while pending and time.monotonic() < deadline:
+            progressed = False
+            readies = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
+                       for r in self.transport.drain(TAG_READY)]
+            results = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
+                       for r in self.transport.drain(TAG_RESULT)]
+            if readies or results:
+                progressed = True
+                with self._tx("drain during stop") as tx:  # late messages: quarantined
+                    self.gate.apply_ready(tx, readies)
+                    self.gate.apply_results(tx, results)
+                shown_ready.update(m.rank for m in readies)
+            for rank in sorted(pending & shown_ready - set(stop_tokens)):
+                self._stop_seq += 1
+                token = mint_token(self.store.epoch, -rank, self._stop_seq)
+                try:
+                    self.transport.send_stop(encode(Stop(token=token)), rank)
+                    stop_tokens[rank] = token
+                except SendFailed as e:
+                    log.error("%s", e)
+                    pending.discard(rank)
+                progressed = True
+            for got in self.transport.drain(TAG_STOP_ACK):
+                body = decode_inbound(got.data, 4096)
+                token = body.get("token") if isinstance(body, dict) else None
+                if got.rank in stop_tokens and token == stop_tokens[got.rank]:
+                    pending.discard(got.rank)
+                    progressed = True
+                else:
+                    log.warning("rank %d: STOP_ACK with a token that is not its STOP's",
+                                got.rank)
+            if progressed:
+                backoff.reset()
+            else:
+                backoff.wait()
+        with self._tx("workers stopped") as tx:
+            set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(
+                set(range(1, self.transport.size)) - pending - self._failed_ranks)])
+        return sorted(pending)

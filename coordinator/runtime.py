@@ -1,0 +1,126 @@
+"""One process of the job: rank 0 becomes the master, every other rank a worker.
+
+Everything that can refuse to start (the database, the task file, the executor spec) is
+checked on rank 0 before any work moves, and the verdict is broadcast, so a refused start
+ends every rank with the same clear exit status instead of leaving workers waiting forever.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .config import RunConfig
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_STORE = 3  # the database failed under us: stopped, restart with --resume
+
+
+def run(cfg: RunConfig) -> int:
+    from .transport import Transport
+    transport = Transport()
+    if transport.size < 2:
+        print("coordinator: needs at least 2 ranks (1 master + workers); start it with "
+              "`mpiexec -n N` or let `coordinator run` launch itself (--np N)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if transport.rank == 0:
+        return _master(cfg, transport)
+    return _worker(cfg, transport)
+
+
+def _worker(cfg: RunConfig, transport) -> int:
+    from .executors import make_executor
+    from .worker import serve
+    # The master decides when the job stops (a terminal's Ctrl-C reaches every rank).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    verdict = transport.bcast(None)
+    if verdict:
+        return int(verdict)
+    executor = make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
+                             timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
+    return serve(transport, executor)
+
+
+def _master(cfg: RunConfig, transport) -> int:
+    from store.campaign import Store
+    from store.errors import StoreError, StoreWriteError
+    from store.journal import RetryPolicy
+    from store.stats import read_stats, stats_text
+    from store.tasks import NewTask, enqueue_tasks
+
+    from .executors import make_executor
+    from .master import Master, MasterConfig
+    from .output import TestcaseWriter
+    from .sources import AflQueueSource, TaskFileError, demo_tasks, load_tasks_jsonl
+
+    started = time.monotonic()
+    store = None
+    try:
+        make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
+                      timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
+        initial = (demo_tasks(cfg.demo) if cfg.demo is not None else
+                   load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
+        store = Store.open(cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
+                           policy=RetryPolicy(cfg.retries, cfg.max_attempts))
+        if initial:
+            # All or nothing: a tasks file is imported in one transaction.
+            with store.transaction("import of the initial tasks") as tx:
+                enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
+                                   for i in initial])
+    except (StoreError, TaskFileError, ValueError, OSError) as e:
+        print(f"coordinator: {e}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.close()
+        transport.bcast(EXIT_USAGE)
+        return EXIT_USAGE
+    transport.bcast(0)
+
+    report = store.resume_report
+    if cfg.resume:
+        print(f"coordinator: resumed incarnation {store.incarnation}: "
+              f"{len(report.interrupted)} interrupted and {len(report.reclaimed)} deferred "
+              f"tasks first in the queue; {len(report.refused)} deferred tasks whose input is "
+              f"gone stay deferred", file=sys.stderr, flush=True)
+    sources = []
+    if cfg.afl_out is not None:
+        out_dir = cfg.afl_out / cfg.name / "queue"
+        sources.append(AflQueueSource(cfg.afl_out, cfg.fuzzer).poll)
+        writer = TestcaseWriter(out_dir, afl_style=True)
+    else:
+        writer = TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
+                                afl_style=False)
+    master = Master(store, transport, MasterConfig(
+        max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,
+        grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
+        stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
+        exit_when_drained=cfg.afl_out is None, progress=cfg.progress,
+    ), sources=sources, writer=writer)
+    status = EXIT_OK
+    try:
+        summary = master.run()
+    except StoreWriteError as e:
+        # A failed COMMIT has an unknown outcome: stop, and let restart recovery decide.
+        print(f"coordinator: {e}\ncoordinator: stopped; nothing is lost — fix the storage "
+              f"and continue with --resume", file=sys.stderr, flush=True)
+        transport.abort(EXIT_STORE)
+        return EXIT_STORE
+    with store.reading() as conn:
+        s = read_stats(conn)
+    store.close()
+    elapsed = time.monotonic() - started
+    t = s.tasks
+    print(stats_text(s), end="", file=sys.stderr)
+    print(f"coordinator: {t['done']} done, {t['queued']} queued, {t['deferred']} deferred, "
+          f"{t['failed']} failed; {s.results} results committed in {elapsed:.1f} s "
+          f"({summary.rounds} rounds, {summary.transactions} transactions); "
+          f"stats in {cfg.stats_file}", flush=True)
+    if summary.unacked_ranks:
+        print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
+              f"aborting them (the campaign is saved)", file=sys.stderr, flush=True)
+        transport.abort(EXIT_OK if summary.stopped_by_signal else 4)
+    return status

@@ -1,0 +1,124 @@
+"""MPI point to point: the only module that speaks MPI.
+
+Receives use matched probes (`improbe` + `Message.Recv`) into byte buffers sized from the
+probe, so nothing is unpickled, a message can never be received by the wrong call, and a dead
+rank's queued leftovers are drained like any other message (NOTES: `Iprobe` followed by
+`recv(source=rank)` can loop forever on them). No wildcard receive is ever pre-posted.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from .wire import TAG_READY, TAG_RESULT, TAG_STOP, TAG_STOP_ACK, TAG_WORK
+
+
+@dataclass(frozen=True)
+class Received:
+    rank: int
+    tag: int
+    data: bytearray
+
+
+class SendFailed(Exception):
+    def __init__(self, rank: int, cause: BaseException):
+        self.rank, self.cause = rank, cause
+        super().__init__(f"send to rank {rank} failed: {cause}")
+
+
+class Backoff:
+    """Poll with an exponential sleep that resets on progress (mpi4py.futures does the same):
+    busy enough to move thousands of tasks per second, idle enough not to starve the master
+    (MPICH ranks blocked in recv spin; polling ranks that sleep do not)."""
+
+    def __init__(self, start: float = 20e-6, cap: float = 2e-3, spins: int = 8):
+        self.start, self.cap, self.spins = start, cap, spins
+        self._n, self._delay = 0, start
+
+    def reset(self) -> None:
+        self._n, self._delay = 0, self.start
+
+    def wait(self) -> None:
+        self._n += 1
+        if self._n <= self.spins:
+            return
+        time.sleep(self._delay)
+        self._delay = min(self._delay * 2, self.cap)
+
+
+class Transport:
+    def __init__(self, comm: MPI.Comm | None = None):
+        self.comm = comm or MPI.COMM_WORLD
+        # Errors come back as exceptions, not job aborts, so the master can decide.
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._status = MPI.Status()
+
+    # -- receiving -------------------------------------------------------------------------
+    def poll(self, tag: int, source: int = MPI.ANY_SOURCE) -> Received | None:
+        msg = self.comm.improbe(source=source, tag=tag, status=self._status)
+        if msg is None:
+            return None
+        buf = bytearray(self._status.Get_count(MPI.BYTE))
+        rank = self._status.Get_source()
+        msg.Recv([buf, MPI.BYTE])
+        return Received(rank, tag, buf)
+
+    def drain(self, tag: int, limit: int = 10_000) -> Iterator[Received]:
+        """Everything already waiting on `tag` (bounded, so one phase cannot starve the rest)."""
+        for _ in range(limit):
+            got = self.poll(tag)
+            if got is None:
+                return
+            yield got
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, data: bytes, dest: int, tag: int) -> None:
+        try:
+            self.comm.Send([data, MPI.BYTE], dest=dest, tag=tag)
+        except MPI.Exception as e:
+            raise SendFailed(dest, e) from e
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        self.send(data, dest, TAG_WORK)
+
+    def send_stop(self, data: bytes, dest: int) -> None:
+        self.send(data, dest, TAG_STOP)
+
+    # -- worker side -------------------------------------------------------------------------
+    def send_result(self, data: bytes) -> None:
+        self.send(data, 0, TAG_RESULT)
+
+    def send_ready(self, data: bytes) -> None:
+        self.send(data, 0, TAG_READY)
+
+    def send_stop_ack(self, data: bytes) -> None:
+        self.send(data, 0, TAG_STOP_ACK)
+
+    def wait_for_master(self, backoff: Backoff) -> Received:
+        """Worker: the next WORK or STOP from rank 0, polling (never a blocking recv)."""
+        backoff.reset()
+        while True:
+            for tag in (TAG_STOP, TAG_WORK):
+                got = self.poll(tag, source=0)
+                if got is not None:
+                    return got
+            backoff.wait()
+
+    def bcast(self, obj: object) -> object:
+        """Start-up only: the master's verdict (go, or an error and exit status) to all ranks."""
+        return self.comm.bcast(obj, root=0)
+
+    def abort(self, code: int) -> None:
+        self.comm.Abort(code)
+
+
+def host_and_pid() -> tuple[str, int]:
+    import os
+    return socket.gethostname(), os.getpid()

@@ -1,0 +1,109 @@
+"""Messages on the wire: msgpack bytes with a strict, versioned schema (msgspec).
+
+The master never unpickles what a worker sends. It decodes bytes into plain values; whatever
+fails to decode, is too large, or has the wrong shape becomes data for the classifier
+(malformed, missing, payload), never an exception that escapes the loop. Workers encode with
+typed structs, so a healthy worker cannot send a badly shaped message by accident.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from .gate import Undecodable
+
+WIRE_VERSION = 1
+
+# One MPI tag per message kind (SPEC §2).
+TAG_WORK = 11
+TAG_RESULT = 12
+TAG_READY = 13
+TAG_STOP = 14
+TAG_STOP_ACK = 15
+
+#: Default bound on a message the master accepts (RESULT carries test cases).
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+class Work(msgspec.Struct, forbid_unknown_fields=True):
+    token: str
+    task: dict[str, Any]
+    input: bytes | None = None
+    v: int = WIRE_VERSION
+
+
+class Result(msgspec.Struct, forbid_unknown_fields=True):
+    """What a current RESULT must look like to be committed (else: invalid, reason payload)."""
+
+    token: str
+    status: str  # ok / error / timeout
+    value: Any = None
+    testcases: list[tuple[str, bytes]] = []
+    returncode: int | None = None
+    duration_s: float = 0.0
+    detail: str = ""
+    v: int = WIRE_VERSION
+
+
+class Ready(msgspec.Struct):
+    rank: int
+    bitmap_version: int
+    empirical_profile_version: str
+    completed_dispatch_token: str
+    host: str | None = None
+    pid: int | None = None
+    v: int = WIRE_VERSION
+
+
+class Stop(msgspec.Struct):
+    token: str
+    v: int = WIRE_VERSION
+
+
+_encoder = msgspec.msgpack.Encoder()
+_untyped = msgspec.msgpack.Decoder()
+_work_decoder = msgspec.msgpack.Decoder(Work)
+_stop_decoder = msgspec.msgpack.Decoder(Stop)
+
+
+def encode(msg: msgspec.Struct | dict[str, Any]) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_inbound(data: bytes | bytearray | memoryview, max_bytes: int) -> object:
+    """Master side: bytes from a worker -> a plain value, or `Undecodable` with the reason."""
+    if len(data) > max_bytes:
+        return Undecodable(f"oversized message: {len(data)} bytes > {max_bytes}")
+    try:
+        return _untyped.decode(data)
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        return Undecodable(f"undecodable: {e}"[:300])
+
+
+def check_result(body: dict[str, Any]) -> tuple[Result | None, str | None]:
+    """Strict validation of a current RESULT's payload: (result, None) or (None, why)."""
+    try:
+        res = msgspec.convert(body, Result, strict=True)
+    except msgspec.ValidationError as e:
+        return None, f"payload: {e}"[:300]
+    if res.v != WIRE_VERSION:
+        return None, f"wire version {res.v}, expected {WIRE_VERSION}"
+    if res.status not in ("ok", "error", "timeout"):
+        return None, f"status {res.status!r:.40} is not ok/error/timeout"
+    try:
+        json.dumps(res.value, allow_nan=False)
+    except (TypeError, ValueError, OverflowError) as e:  # msgpack allows what JSON does not
+        return None, f"value is not JSON-serialisable: {e}"[:300]
+    return res, None
+
+
+def decode_work(data: bytes | bytearray) -> Work:
+    """Worker side: the master is trusted, but a bad WORK is still a clear protocol error."""
+    return _work_decoder.decode(data)
+
+
+def decode_stop(data: bytes | bytearray) -> Stop:
+    return _stop_decoder.decode(data)

@@ -1,0 +1,100 @@
+"""The worker rank: the mirror image of the master's round (rule R1).
+
+    READY(empty) -> loop: WORK(T) -> run -> RESULT(T) -> completed=T -> READY(T) -> clear
+                          STOP(S) -> STOP_ACK(S) -> exit
+
+Every exit path of a task (normal run, an input that cannot be materialised, an executor that
+raises) sends its RESULT through the one sender, which always overwrites the token with the
+authoritative one from WORK: a forged or stale token in a payload never survives.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import msgspec
+
+from .executors import ExecOutcome, Executor
+from .protocol import is_token
+from .transport import Backoff, Received, Transport, host_and_pid
+from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encode
+
+log = logging.getLogger(__name__)
+
+
+class Sender:
+    """The worker's only way to send RESULT and READY (R1)."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.host, self.pid = host_and_pid()
+
+    def send_result(self, token: str, outcome: ExecOutcome) -> str:
+        msg = Result(token=token, status=outcome.status, value=outcome.value,
+                     testcases=list(outcome.testcases), returncode=outcome.returncode,
+                     duration_s=outcome.duration_s, detail=outcome.detail[-2000:])
+        msg.token = token  # authoritative: whatever the outcome carried is overwritten
+        self.transport.send_result(encode(msg))
+        return token
+
+    def send_ready(self, completed: str) -> None:
+        self.transport.send_ready(encode(Ready(
+            rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
+            completed_dispatch_token=completed, host=self.host, pid=self.pid)))
+
+
+def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
+             scratch: Path) -> ExecOutcome:
+    workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch))
+    try:
+        return executor.run(task, input_bytes, workdir)
+    except Exception as e:  # the task failed, not the worker: report it as data
+        return ExecOutcome(status="error", detail=f"{type(e).__name__}: {e}\n"
+                                                  f"{traceback.format_exc(limit=5)}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
+          sender: Sender | None = None) -> int:
+    """Run until STOP; returns the process exit status."""
+    sender = sender or Sender(transport)
+    scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
+                                        dir=scratch))
+    backoff = Backoff()
+    completed = ""  # R1: empty in the first READY
+    try:
+        sender.send_ready(completed)
+        while True:
+            got: Received = transport.wait_for_master(backoff)
+            if got.tag == TAG_STOP:
+                try:
+                    stop = decode_stop(got.data)
+                except msgspec.DecodeError as e:
+                    log.error("rank %d: undecodable STOP ignored: %s", transport.rank, e)
+                    continue
+                transport.send_stop_ack(encode(Stop(token=stop.token)))
+                return 0
+            try:
+                work = decode_work(got.data)
+            except msgspec.DecodeError as e:
+                print(f"rank {transport.rank}: protocol error: undecodable WORK ({e})",
+                      file=sys.stderr, flush=True)
+                continue
+            if not is_token(work.token):
+                # A protocol error on the worker: there is no token to echo, so no RESULT;
+                # the master's watchdog retires the dispatch.
+                print(f"rank {transport.rank}: protocol error: WORK token {work.token!r:.80} "
+                      f"is not canonical", file=sys.stderr, flush=True)
+                continue
+            outcome = run_task(executor, work.task, work.input, scratch_dir)
+            completed = sender.send_result(work.token, outcome)
+            sender.send_ready(completed)
+            completed = ""
+    finally:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
