@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .faults import KINDS, InjectSpecError, parse_inject
 from .config import (
     DEFAULT_DEMO_TASKS,
     ENV_MAX_ATTEMPTS,
@@ -115,6 +116,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks to launch when started outside mpiexec (default 4)")
     r.add_argument("--mpiexec", default=None,
                    help="mpiexec to self-launch with (default: the one beside this Python)")
+    fi = r.add_argument_group(
+        "fault injection (testing only; acts in the workers' send path)",
+        "kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()))
+    fi.add_argument("--inject", type=_inject_spec, default=None, metavar="KIND=RATE[,...]",
+                    help="inject faults, each kind independently per task at its rate (0..1)")
+    fi.add_argument("--inject-seed", type=int, default=0, metavar="N",
+                    help="the same seed reproduces the same faults (default 0)")
+    fi.add_argument("--inject-log", type=Path, default=None, metavar="DIR",
+                    help="append every injected fault to DIR/faults-rank<R>.jsonl")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- COMMAND ARGS...: the command executor's command; @@ is the input")
 
@@ -134,6 +144,13 @@ def _parser() -> argparse.ArgumentParser:
                                         "schema (same as `alembic -x db=PATH upgrade head`)")
     u.add_argument("--db", type=Path, required=True)
     return p
+
+
+def _inject_spec(text: str) -> dict[str, float]:
+    try:
+        return parse_inject(text)
+    except InjectSpecError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--inject: ")) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,9 @@ class RunConfig:
     max_message_bytes: int
     demo_work_ms: float
     progress: bool
+    inject: dict[str, float] | None = None
+    inject_seed: int = 0
+    inject_log: Path | None = None
 
 
 def resolve_run(ns: argparse.Namespace) -> RunConfig:
@@ -151,4 +154,5 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         max_depth=ns.max_depth, stats_file=stats_file, stats_interval_s=ns.stats_interval,
         grace_s=ns.grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, progress=ns.progress,
+        inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
     )

@@ -35,6 +35,8 @@ from .protocol import (
 log = logging.getLogger(__name__)
 
 RESULT_STATUSES = frozenset({"ok", "error", "timeout"})
+#: Executor outcomes that are retried instead of committed (the command was killed).
+RETRY_STATUSES = frozenset({"timeout"})
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class ReadyRound:
 class ResultRound:
     statuses: list[tuple[int, ResultStatus]] = field(default_factory=list)
     committed: list[dsp.CommitItem] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout)
 
 
 def validate_result(body: Mapping[str, Any]) -> str | None:
@@ -161,6 +164,15 @@ class Gate:
                     dsp.set_invalid_mark(tx, m.rank, a.token, QuarantineReason.PAYLOAD.value)
                     continue
                 out.statuses.append((m.rank, status))
+                if m.body.get("status") in RETRY_STATUSES:
+                    # A valid answer that the run failed: not a result to keep, a task for
+                    # the retry policy. The rank frees up once its READY is seen.
+                    dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
+                                         reason=str(m.body.get("status")),
+                                         worker_state=WorkerState.BUSY)
+                    out.retried.append(m.rank)
+                    del active[m.rank]
+                    continue
                 out.committed.append(self.commit(tx, a, m.body))
                 committed_from[m.rank] = a
                 # Committed within this batch: a duplicate later in it finds no dispatch.
@@ -189,8 +201,8 @@ class Gate:
 
     # -- phase 5: watchdog -----------------------------------------------------------------
     def watchdog(self, tx: Tx) -> list[dsp.Recovery]:
-        """Dispatches past their deadline: recovered, and the rank parked until it echoes
-        the retired token."""
+        """Dispatches past their deadline: recovered; a rank whose READY was not seen is
+        parked until it echoes the retired token (a rank that did send it is free)."""
         recovered = []
         for rank, token in dsp.find_expired(tx):
             rec = dsp.recover_dispatch(tx, rank, token, cause=EventKind.WATCHDOG,

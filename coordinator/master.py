@@ -152,8 +152,10 @@ class Master:
                     recovered += self.gate.watchdog(tx)
                 if new_inputs:
                     task_ops.enqueue_tasks(tx, [task_ops.NewTask(
-                        i.payload, i.input_bytes, origin=i.origin) for i in new_inputs])
-                if recovered or new_inputs or any(c.new_tasks for c in rr.committed):
+                        i.payload, i.input_bytes, origin=i.origin) for i in new_inputs],
+                        skip_known_content=True)
+                if recovered or new_inputs or rr.retried or any(c.new_tasks
+                                                                 for c in rr.committed):
                     self._may_have_queued = True
                 self._refresh_idle(tx)
         return bool(readies or plan or results)
@@ -217,15 +219,16 @@ class Master:
             task = task_ops.get_task(tx, active.task_id)
             assert task is not None
             depth = task.depth + 1
-            for name, content in res.testcases:
-                path = self.writer.write(content, src=f"{task.id:06d}") if self.writer else None
-                if path is None:
-                    continue  # duplicate content: already known
-                written += 1
+            for _name, content in res.testcases:  # the worker's name never becomes a path
+                if self.writer is None:
+                    break
+                path, fresh = self.writer.store(content, src=f"{task.id:06d}")
+                written += fresh
                 if self.config.max_depth == 0 or depth <= self.config.max_depth:
                     new.append(task_ops.NewTask({"path": str(path)}, content, origin="result",
                                                 depth=depth, parent_id=task.id))
-        created = task_ops.enqueue_tasks(tx, new) if new else []
+        # Content already known as some task's input is not run again.
+        created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
         return dsp.CommitItem(active.rank, active.token, status=res.status, value=res.value,
                               testcases=written, new_tasks=len(created))
 

@@ -42,14 +42,14 @@ class TestcaseWriter:
     def __init__(self, out_dir: pathlib.Path, afl_style: bool) -> None:
         self.out_dir = pathlib.Path(out_dir)
         self.afl_style = afl_style
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._hashes: set[str] = set()
+        self._paths: dict[str, pathlib.Path] = {}  # content sha256 -> where it is
         self._next_id = 0
-        self._scan_existing()
+        if self.out_dir.exists():  # created on the first write: no empty dirs left behind
+            self._scan_existing()
 
     def __len__(self) -> int:
         """Number of distinct contents in the directory (existing and written)."""
-        return len(self._hashes)
+        return len(self._paths)
 
     def _scan_existing(self) -> None:
         with os.scandir(self.out_dir) as it:
@@ -65,18 +65,27 @@ class TestcaseWriter:
                 self._next_id = max(self._next_id, int(match.group(1)) + 1)
             digest = _hash_file(entry.path)
             if digest is not None:
-                self._hashes.add(digest)
+                self._paths.setdefault(digest, pathlib.Path(entry.path))
 
     def write(self, content: bytes, src: str) -> pathlib.Path | None:
         """Writes ``content`` once; returns its path, or None if the content is already there."""
+        path, new = self.store(content, src)
+        return path if new else None
+
+    def store(self, content: bytes, src: str) -> tuple[pathlib.Path, bool]:
+        """Like `write`, but returns (path, written now?): the path of a duplicate is the
+        file already holding that content (a master restarted between writing a file and
+        committing its result still finds it)."""
         content = bytes(content)
         digest = hashlib.sha256(content).hexdigest()
-        if digest in self._hashes:
-            return None
+        known = self._paths.get(digest)
+        if known is not None and known.exists():
+            return known, False
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         target = self._free_name(digest, src)
         self._write_atomically(target, content)
-        self._hashes.add(digest)
-        return target
+        self._paths[digest] = target
+        return target, True
 
     def _free_name(self, digest: str, src: str) -> pathlib.Path:
         if not self.afl_style:

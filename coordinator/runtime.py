@@ -43,7 +43,11 @@ def _worker(cfg: RunConfig, transport) -> int:
         return int(verdict)
     executor = make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
                              timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
-    return serve(transport, executor)
+    sender = None
+    if cfg.inject:
+        from .faults import FaultPlan, FaultySender
+        sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed, cfg.inject_log))
+    return serve(transport, executor, sender=sender)
 
 
 def _master(cfg: RunConfig, transport) -> int:

@@ -101,14 +101,18 @@ class Transport:
     def send_stop_ack(self, data: bytes) -> None:
         self.send(data, 0, TAG_STOP_ACK)
 
-    def wait_for_master(self, backoff: Backoff) -> Received:
-        """Worker: the next WORK or STOP from rank 0, polling (never a blocking recv)."""
+    def wait_for_master(self, backoff: Backoff, timeout_s: float) -> Received | None:
+        """Worker: the next WORK or STOP from rank 0, polling (never a blocking recv);
+        None after `timeout_s` without either."""
         backoff.reset()
+        deadline = time.monotonic() + timeout_s
         while True:
             for tag in (TAG_STOP, TAG_WORK):
                 got = self.poll(tag, source=0)
                 if got is not None:
                     return got
+            if time.monotonic() >= deadline:
+                return None
             backoff.wait()
 
     def bcast(self, obj: object) -> object:

@@ -21,10 +21,13 @@ import msgspec
 
 from .executors import ExecOutcome, Executor
 from .protocol import is_token
-from .transport import Backoff, Received, Transport, host_and_pid
+from .transport import Backoff, Transport, host_and_pid
 from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encode
 
 log = logging.getLogger(__name__)
+
+#: An idle worker re-sends READY (empty token) this often while no WORK arrives.
+HEARTBEAT_S = 5.0
 
 
 class Sender:
@@ -68,10 +71,18 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
                                         dir=scratch))
     backoff = Backoff()
     completed = ""  # R1: empty in the first READY
+    last_completed = ""
     try:
         sender.send_ready(completed)
         while True:
-            got: Received = transport.wait_for_master(backoff)
+            got = transport.wait_for_master(backoff, HEARTBEAT_S)
+            if got is None:
+                # No work for a while: say READY again, naming the last completed dispatch.
+                # A READY the master could not use (lost, malformed, stale) would otherwise
+                # leave this rank unused for ever; repeating the last token is safe in every
+                # state (idle: accepted; parked on it: recovered; a newer dispatch: stale).
+                sender.send_ready(last_completed)
+                continue
             if got.tag == TAG_STOP:
                 try:
                     stop = decode_stop(got.data)
@@ -95,6 +106,6 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
             outcome = run_task(executor, work.task, work.input, scratch_dir)
             completed = sender.send_result(work.token, outcome)
             sender.send_ready(completed)
-            completed = ""
+            last_completed, completed = completed, ""
     finally:
         shutil.rmtree(scratch_dir, ignore_errors=True)

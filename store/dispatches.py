@@ -207,16 +207,23 @@ def find_joined(tx: Tx) -> list[tuple[int, str]]:
 
 
 def find_expired(tx: Tx) -> list[tuple[int, str]]:
-    """Dispatches past their watchdog deadline with no current READY."""
+    """Dispatches past their watchdog deadline: no join will ever come for them (the worker
+    died or hung, or its RESULT was lost after its READY)."""
     return [(r.rank, r.token) for r in tx.conn.execute(
         select(dispatches.c.rank, dispatches.c.token).where(and_(
-            dispatches.c.deadline.is_not(None), dispatches.c.deadline < tx.now,
-            dispatches.c.ready_at.is_(None))).order_by(dispatches.c.rank))]
+            dispatches.c.deadline.is_not(None), dispatches.c.deadline < tx.now))
+        .order_by(dispatches.c.rank))]
 
 
-def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str) -> Recovery:
+def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str, *,
+                 protocol: bool = True) -> Recovery:
     """Post-send compensation plus the retry policy: the attempt counts (the worker may have
-    consumed the input), then requeue at the head, defer, or hold as failed."""
+    consumed the input), then requeue at the head, defer, or hold as failed.
+
+    `protocol` says whether a broken dispatch (counted as Protocol-requeued/-deferred) or a
+    task whose run failed (a timeout; counted apart) is being retried."""
+    requeued_kind = EventKind.REQUEUED if protocol else EventKind.RETRIED
+    deferred_kind = EventKind.DEFERRED if protocol else EventKind.TASK_DEFERRED
     attempts = tx.conn.execute(select(tasks.c.attempts).where(tasks.c.id == task_id)).scalar_one()
     attempts += 1
     decision = retry_decision(attempts, tx.policy)
@@ -225,7 +232,7 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
             with tx.savepoint():
                 ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.DEFERRED,
                                attempts_delta=1, reason=reason)
-                tx.event(EventKind.DEFERRED, rank=rank, token=token, task_id=task_id,
+                tx.event(deferred_kind, rank=rank, token=token, task_id=task_id,
                          detail=reason)
         except DBAPIError as e:
             # R8: a deferral that cannot be written must not lose the task: keep it queued.
@@ -240,7 +247,7 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
     elif decision is TaskState.QUEUED:
         ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
                        queue_pos=head_position(tx), attempts_delta=1, reason=reason)
-        tx.event(EventKind.REQUEUED, rank=rank, token=token, task_id=task_id, detail=reason)
+        tx.event(requeued_kind, rank=rank, token=token, task_id=task_id, detail=reason)
     else:
         why = f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); last: {reason}"
         ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
@@ -264,7 +271,8 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
         return None
     detail = reason or cause.value
     tx.event(cause, rank=rank, token=token, task_id=row.task_id, detail=detail)
-    rec = _apply_retry(tx, rank, token, row.task_id, detail)
+    rec = _apply_retry(tx, rank, token, row.task_id, detail,
+                       protocol=cause is not EventKind.TASK_FAILED)
     if row.ready_at is not None:
         set_workers(tx, [(rank, WorkerState.IDLE)])
     elif worker_state is not None:

@@ -103,6 +103,9 @@ class EventKind(str, enum.Enum):
     RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
     REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)
     DEFERRED = "deferred"            # protocol deferral (past the retry budget)
+    TASK_FAILED = "task_failed"      # a valid RESULT said the run failed (timeout): retried
+    RETRIED = "retried"              # task-failure requeue at the head (within the budget)
+    TASK_DEFERRED = "task_deferred"  # task-failure deferral (past the budget)
     DEFER_FAILED = "defer_failed"    # the deferral could not be written; task kept queued
     FAILED = "failed"                # past the attempt ceiling
     INTERRUPTED = "interrupted"      # dispatch of an earlier incarnation rolled back at resume

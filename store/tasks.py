@@ -73,11 +73,14 @@ def head_position(tx: Tx) -> int:
     return min(low or 0, 0) - 1
 
 
-def enqueue_tasks(tx: Tx, new: Iterable[NewTask]) -> list[int]:
+def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
+                  skip_known_content: bool = False) -> list[int]:
     """Enqueue at the tail; returns the ids of tasks that were not already known.
 
     The same semantic payload twice is one task (UNIQUE semantic_id, INSERT OR IGNORE).
-    Input bytes are stored content-addressed, so the task no longer needs the file.
+    Input bytes are stored content-addressed, so the task no longer needs the file. With
+    `skip_known_content`, an input whose bytes some task already holds is not enqueued (AFL
+    re-imports what we give it under new names; the same bytes need no second run).
     """
     created: list[int] = []
     pos = tail_position(tx)
@@ -87,6 +90,9 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask]) -> list[int]:
         ihash = None
         if item.input_bytes is not None:
             ihash = content_hash(item.input_bytes)
+            if skip_known_content and tx.conn.execute(
+                    select(blobs.c.hash).where(blobs.c.hash == ihash)).first() is not None:
+                continue
             tx.conn.execute(sqlite_insert(blobs).values(hash=ihash, data=item.input_bytes)
                             .on_conflict_do_nothing())
         res = tx.conn.execute(
