@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from .config import RunConfig
@@ -17,6 +18,7 @@ from .config import RunConfig
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_STORE = 3  # the database failed under us: stopped, restart with --resume
+EXIT_INTERNAL = 5  # a bug: the job is aborted, the database is consistent
 
 
 def run(cfg: RunConfig) -> int:
@@ -57,8 +59,10 @@ def _master(cfg: RunConfig, transport) -> int:
     from store.stats import read_stats, stats_text
     from store.tasks import NewTask, enqueue_tasks
 
+    from .cli import describe
     from .executors import make_executor
     from .master import Master, MasterConfig
+    from .transport import host_and_pid
     from .output import TestcaseWriter
     from .sources import AflQueueSource, TaskFileError, demo_tasks, load_tasks_jsonl
 
@@ -69,8 +73,10 @@ def _master(cfg: RunConfig, transport) -> int:
                       timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
         initial = (demo_tasks(cfg.demo) if cfg.demo is not None else
                    load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
+        host, pid = host_and_pid()
         store = Store.open(cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
-                           policy=RetryPolicy(cfg.retries, cfg.max_attempts))
+                           policy=RetryPolicy(cfg.retries, cfg.max_attempts),
+                           note=f"master pid={pid} host={host} ranks={transport.size}")
         if initial:
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:
@@ -83,6 +89,9 @@ def _master(cfg: RunConfig, transport) -> int:
         transport.bcast(EXIT_USAGE)
         return EXIT_USAGE
     transport.bcast(0)
+    print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} workers, "
+          f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}` (or Ctrl-C)",
+          file=sys.stderr, flush=True)
 
     report = store.resume_report
     if cfg.resume:
@@ -113,6 +122,14 @@ def _master(cfg: RunConfig, transport) -> int:
               f"and continue with --resume", file=sys.stderr, flush=True)
         transport.abort(EXIT_STORE)
         return EXIT_STORE
+    except BaseException:
+        # Anything unhandled aborts the job instead of leaving the workers waiting for ever;
+        # the database holds every committed transition, so --resume continues from there.
+        traceback.print_exc()
+        print("coordinator: internal error; the campaign is saved, continue with --resume",
+              file=sys.stderr, flush=True)
+        transport.abort(EXIT_INTERNAL)
+        return EXIT_INTERNAL
     with store.reading() as conn:
         s = read_stats(conn)
     store.close()

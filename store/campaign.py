@@ -49,7 +49,7 @@ class Store:
     def open(cls, path: str | os.PathLike[str], *, resume: bool = False,
              policy: RetryPolicy | None = None, synchronous: str = DEFAULT_SYNCHRONOUS,
              available: Callable[[Mapping[str, Any]], bool] = task_ops.input_available,
-             clock: Callable[[], float] = time.time) -> Store:
+             clock: Callable[[], float] = time.time, note: str | None = None) -> Store:
         """Open (creating if new) and start a new incarnation.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
@@ -70,7 +70,8 @@ class Store:
             with write_tx(engine, "start of a new incarnation") as conn:
                 incarnation, epoch = _new_incarnation(conn, path, resume, now)
                 tx = Tx(conn, incarnation, now, policy)
-                tx.event(EventKind.CAMPAIGN, detail="resume" if resume else "new")
+                detail = "resume" if resume else "new"
+                tx.event(EventKind.CAMPAIGN, detail=f"{detail} {note}" if note else detail)
                 if resume:
                     forget_incarnation(tx)
                     interrupted = requeue_in_flight(tx, earlier_incarnations=True)

@@ -42,7 +42,7 @@ def upgrade() -> None:
     sa.Column('token', sa.Text(), nullable=True),
     sa.Column('task_id', sa.Integer(), nullable=True),
     sa.Column('detail', sa.Text(), nullable=True),
-    sa.CheckConstraint("kind IN ('campaign', 'enqueued', 'dispatched', 'sent', 'send_failed', 'ready', 'invalid', 'committed', 'recovered', 'requeued', 'deferred', 'defer_failed', 'failed', 'interrupted', 'stop_requeued', 'reclaimed', 'not_admitted', 'watchdog', 'worker_recovered', 'worker_failed', 'manual_requeue')", name=op.f('ck_events_kind_enum')),
+    sa.CheckConstraint("kind IN ('campaign', 'enqueued', 'dispatched', 'send_failed', 'ready', 'invalid', 'committed', 'recovered', 'requeued', 'deferred', 'task_failed', 'retried', 'task_deferred', 'defer_failed', 'failed', 'interrupted', 'stop_requeued', 'reclaimed', 'not_admitted', 'watchdog', 'worker_recovered', 'worker_failed', 'manual_requeue')", name=op.f('ck_events_kind_enum')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_events'))
     )
     with op.batch_alter_table('events', schema=None) as batch_op:
@@ -60,7 +60,7 @@ def upgrade() -> None:
     sa.Column('expected', sa.Text(), nullable=True),
     sa.Column('detail', sa.Text(), nullable=True),
     sa.CheckConstraint("channel IN ('ready', 'result')", name=op.f('ck_quarantine_channel_enum')),
-    sa.CheckConstraint("reason IN ('missing', 'malformed', 'stale', 'unowned', 'payload', 'duplicate')", name=op.f('ck_quarantine_reason_enum')),
+    sa.CheckConstraint("reason IN ('missing', 'malformed', 'stale', 'unowned', 'payload')", name=op.f('ck_quarantine_reason_enum')),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_quarantine'))
     )
     with op.batch_alter_table('quarantine', schema=None) as batch_op:

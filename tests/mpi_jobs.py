@@ -1,0 +1,160 @@
+"""Running real `mpiexec` jobs from tests, each with a wall-clock bound.
+
+The mpiexec is the one installed beside this Python (the Open MPI wheel by default, MPICH in
+the second CI environment), so the same tests exercise whichever MPI the venv holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.cli import find_mpiexec, mpiexec_flags
+
+MPIEXEC = find_mpiexec()
+JOB_TIMEOUT_S = 120
+
+
+def mpi_kind() -> str:
+    out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True).stdout
+    return "openmpi" if "Open MPI" in out else "mpich" if "HYDRA" in out else "other"
+
+
+def job_command(args: list[str], np: int = 4, ulfm: bool = False) -> list[str]:
+    flags = mpiexec_flags(MPIEXEC, np)
+    if ulfm:
+        flags = ["--with-ft", "ulfm", *flags]
+    return [MPIEXEC, *flags, sys.executable, "-m", "coordinator", *args]
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def start(args: list[str], np: int = 4, ulfm: bool = False, cwd: Path | None = None
+          ) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(job_command(args, np, ulfm), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"job did not finish in {timeout} s (killed)\n--- stdout\n{out}"
+                             f"\n--- stderr\n{err[-4000:]}") from None
+    return Done(proc.returncode, out, err)
+
+
+def run(args: list[str], np: int = 4, timeout: float = JOB_TIMEOUT_S, **kw) -> Done:
+    return finish(start(args, np, **kw), timeout)
+
+
+def kill_job(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """The whole job: mpiexec's process group, and any rank that left it."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def ranks_of(db: Path) -> list[int]:
+    """PIDs of coordinator processes started for the campaign at `db` (scanning /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"coordinator" in cmd and str(db).encode() in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_ranks(db: Path) -> None:
+    for pid in ranks_of(db):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def master_pid(db: Path, timeout: float = 60) -> int:
+    """The master's pid, as it recorded it in the campaign's latest `campaign` event."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
+                row = c.execute("SELECT detail FROM events WHERE kind='campaign' "
+                                "ORDER BY id DESC LIMIT 1").fetchone()
+            if row and "pid=" in row[0]:
+                return int(row[0].split("pid=")[1].split()[0])
+        except sqlite3.Error:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no master pid recorded in {db}")
+
+
+def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
+                value = c.execute(sql).fetchone()[0]
+            if predicate(value):
+                return value
+        except sqlite3.Error:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{sql!r} never satisfied the condition (last value {value!r})")
+
+
+def query(db: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+        return c.execute(sql).fetchall()
+
+
+def status_json(db: Path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db),
+                          "--json"], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def check_conservation(db: Path, expected_tasks: int | None = None) -> None:
+    """What every run must leave: nothing active, no dispatch or lease, each done task with
+    exactly one result from a token it was dispatched with, integrity ok."""
+    assert query(db, "PRAGMA integrity_check") == [("ok",)]
+    assert query(db, "SELECT count(*) FROM dispatches") == [(0,)]
+    assert query(db, "SELECT count(*) FROM leases") == [(0,)]
+    assert query(db, "SELECT count(*) FROM tasks WHERE state='active'") == [(0,)]
+    done = query(db, "SELECT count(*) FROM tasks WHERE state='done'")[0][0]
+    assert query(db, "SELECT count(*) FROM results")[0][0] == done
+    assert query(db, "SELECT count(*) FROM results r JOIN tasks t ON t.id=r.task_id "
+                     "WHERE t.state != 'done'") == [(0,)]
+    # every committed token was dispatched for that task
+    assert query(db, "SELECT count(*) FROM results r WHERE NOT EXISTS (SELECT 1 FROM events e "
+                     "WHERE e.kind='dispatched' AND e.token=r.token AND e.task_id=r.task_id)"
+                 ) == [(0,)]
+    # ...and was still current when it committed: never rolled back, requeued or retired
+    assert query(db, "SELECT count(*) FROM results r JOIN events e ON e.token=r.token "
+                     "WHERE e.kind IN ('recovered','watchdog','interrupted','stop_requeued',"
+                     "'task_failed','send_failed','worker_failed')") == [(0,)]
+    if expected_tasks is not None:
+        assert query(db, "SELECT count(*) FROM tasks")[0][0] == expected_tasks

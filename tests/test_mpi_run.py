@@ -1,0 +1,200 @@
+"""The main job end to end under real mpiexec (issue: MPI master and worker loops).
+
+Every test is bounded twice: the job itself (mpi_jobs.finish kills it past its timeout and
+fails the test) and pytest-timeout on the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpi_jobs import (
+    check_conservation,
+    finish,
+    kill_job,
+    kill_ranks,
+    master_pid,
+    query,
+    run,
+    start,
+    status_json,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
+
+
+def test_demo_300_completes_and_status_agrees(tmp_path):
+    db = tmp_path / "demo.db"
+    done = run(["run", "--db", str(db), "--demo", "300", "--no-progress"])
+    assert done.returncode == 0, done.stderr
+    assert "300 done" in done.stdout
+    check_conservation(db, expected_tasks=300)
+    s = status_json(db)
+    assert s["tasks"] == {"queued": 0, "active": 0, "done": 300, "deferred": 0, "failed": 0}
+    assert s["results"] == 300 == query(db, "SELECT count(*) FROM results")[0][0]
+    assert s["quarantine"] == {"result": {}, "ready": {}}
+    assert query(db, "SELECT count(*) FROM quarantine") == [(0,)]
+    assert (s["requeued"], s["deferred"], s["incarnation"]) == (0, 0, 1)
+    stats = (tmp_path / "demo.db.stats").read_text()
+    assert "Quarantined worker results: 0\n" in stats
+    # demo results are the executor's deterministic values
+    values = query(db, "SELECT t.payload, r.value FROM results r JOIN tasks t ON t.id=r.task_id "
+                       "WHERE t.payload = '{\"data\":{\"n\":27}}'")
+    assert json.loads(values[0][1])["collatz_steps"] == 111  # 27 takes 111 steps
+
+
+def test_existing_campaign_without_resume_exits_2_naming_resume(tmp_path):
+    db = tmp_path / "c.db"
+    assert run(["run", "--db", str(db), "--demo", "5", "--no-progress"]).returncode == 0
+    again = run(["run", "--db", str(db), "--demo", "5", "--no-progress"])
+    assert again.returncode == 2
+    assert "--resume" in again.stderr
+    assert query(db, "SELECT count(*) FROM results") == [(5,)]  # nothing touched
+
+
+TARGET = textwrap.dedent("""\
+    import os, sys, time
+    data = open(sys.argv[1], "rb").read()
+    if data.startswith(b"HANG"):
+        time.sleep(600)
+    out = os.environ["SYMCC_OUTPUT_DIR"]
+    # two new test cases per input, as SymCC writes them: derived from the input
+    for i in range(2):
+        with open(os.path.join(out, f"{i:06d}"), "wb") as f:
+            f.write(data + b"-" + str(i).encode())
+    """)
+
+
+def write_target(tmp_path):
+    target = tmp_path / "target.py"
+    target.write_text(TARGET)
+    return target
+
+
+def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
+    target = write_target(tmp_path)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    lines = []
+    for name, content in [("a", b"A"), ("b", b"B"), ("hang", b"HANG")]:
+        (seeds / name).write_bytes(content)
+        lines.append(f'{{"path": "{seeds / name}", "input_file": "{seeds / name}"}}')
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(lines) + "\n")
+    db, out = tmp_path / "c.db", tmp_path / "out"
+    done = run(["run", "--db", str(db), "--tasks", str(tasks), "--out", str(out),
+                "--max-depth", "1", "--timeout", "1", "--retries", "1", "--no-progress",
+                "--", sys.executable, str(target), "@@"])
+    assert done.returncode == 0, done.stderr
+    check_conservation(db)
+    # a, b: done, each giving 2 test cases that became depth-1 tasks, which also ran (depth
+    # limit 1: their own outputs were written but not enqueued)
+    files = {p.read_bytes() for p in out.iterdir()}
+    assert {b"A-0", b"A-1", b"B-0", b"B-1", b"A-0-0", b"B-1-1"} <= files
+    depth = dict(query(db, "SELECT depth, count(*) FROM tasks WHERE state='done' GROUP BY depth"))
+    assert depth == {0: 2, 1: 4}
+    # the hanging input was killed at 1 s each time: requeued once, then deferred
+    [(state, attempts)] = query(db, "SELECT state, attempts FROM tasks "
+                                    "WHERE payload LIKE '%hang%'")
+    assert (state, attempts) == ("deferred", 2)
+    kinds = dict(query(db, "SELECT kind, count(*) FROM events GROUP BY kind"))
+    assert kinds["task_failed"] == 2 and kinds["retried"] == 1 and kinds["task_deferred"] == 1
+    assert "requeued" not in kinds  # a timeout is not a protocol failure
+
+
+def test_afl_queue_filled_while_running(tmp_path):
+    target = write_target(tmp_path)
+    afl = tmp_path / "afl_out"
+    queue = afl / "main" / "queue"
+    queue.mkdir(parents=True)
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--afl-out", str(afl), "--fuzzer", "main",
+                  "--max-depth", "1", "--no-progress", "--", sys.executable, str(target), "@@"])
+    try:
+        pid = master_pid(db)
+        (queue / ".state").mkdir()
+        (queue / ".cur_input").write_bytes(b"ignored")
+        for i, content in enumerate([b"one", b"two", b"three"]):
+            (queue / f"id:{i:06d},time:0,execs:0,orig:seed").write_bytes(content)
+            time.sleep(0.3)
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 9, timeout=60)
+        os.kill(pid, signal.SIGTERM)
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr
+    ours = afl / "symcc" / "queue"
+    names = sorted(p.name for p in ours.iterdir())
+    assert names and all(n.startswith("id:") and ",src:" in n for n in names)
+    assert {p.read_bytes() for p in ours.iterdir()} >= {b"one-0", b"two-1", b"three-0"}
+    assert not any(p.name.startswith(".") for p in ours.iterdir())
+    assert query(db, "SELECT count(*) FROM tasks WHERE payload LIKE '%cur_input%'") == [(0,)]
+    check_conservation(db)
+
+
+def test_sigkill_of_the_whole_job_then_resume_commits_each_task_once(tmp_path):
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "400", "--demo-work-ms", "5", "--no-progress"]
+    proc = start(args)
+    wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 60)
+    kill_job(proc)
+    proc.communicate(timeout=60)
+    kill_ranks(db)
+    in_flight = query(db, "SELECT count(*) FROM dispatches")[0][0]
+    done = run(args[:1] + ["--resume"] + args[1:])
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=400)
+    assert query(db, "SELECT count(*) FROM results") == [(400,)]
+    assert query(db, "SELECT count(DISTINCT task_id) FROM results") == [(400,)]
+    assert query(db, "SELECT count(*) FROM events WHERE kind='interrupted'") == [(in_flight,)]
+    assert status_json(db)["incarnation"] == 2
+
+
+def test_sigterm_stops_gracefully_and_resume_completes(tmp_path):
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "300", "--demo-work-ms", "20", "--grace", "0",
+            "--no-progress"]
+    proc = start(args)
+    pid = master_pid(db)
+    wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 30)
+    os.kill(pid, signal.SIGTERM)
+    done = finish(proc)
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=300)
+    assert query(db, "SELECT count(*) FROM tasks WHERE state='queued'")[0][0] > 0
+    assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
+    again = run(args[:1] + ["--resume"] + args[1:])
+    assert again.returncode == 0, again.stderr
+    check_conservation(db, expected_tasks=300)
+    assert query(db, "SELECT count(*) FROM results") == [(300,)]
+
+
+def test_undecodable_results_are_quarantined_and_the_master_keeps_going(tmp_path):
+    db = tmp_path / "c.db"
+    done = run(["run", "--db", str(db), "--demo", "60", "--inject", "result_garbage=0.3",
+                "--inject-seed", "7", "--retries", "16", "--no-progress"])
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=60)
+    assert query(db, "SELECT count(*) FROM results") == [(60,)]
+    reasons = query(db, "SELECT channel, reason, count(*) FROM quarantine "
+                        "GROUP BY channel, reason")
+    assert [(c, r) for c, r, _ in reasons] == [("result", "malformed")]
+    assert query(db, "SELECT detail FROM quarantine LIMIT 1")[0][0].startswith("undecodable")
+    assert status_json(db)["quarantine"]["result"]["malformed"] == reasons[0][2] > 0
+
+
+def test_bad_inject_spec_is_a_usage_error(tmp_path):
+    done = run(["run", "--db", str(tmp_path / "c.db"), "--inject", "gremlins=0.5"], np=2)
+    assert done.returncode == 2 and "unknown fault kind 'gremlins'" in done.stderr
+    done = run(["run", "--db", str(tmp_path / "c.db"), "--inject", "hang=1.5"], np=2)
+    assert done.returncode == 2 and "outside 0..1" in done.stderr
+    assert not (tmp_path / "c.db").exists()
