@@ -163,6 +163,9 @@ class CommandExecutor:
     on a timeout the files written so far are kept too).
     """
 
+    #: The target writes its test cases into SYMCC_OUTPUT_DIR: a fresh directory per dispatch.
+    needs_workdir = True
+
     def __init__(
         self,
         argv: Sequence[str],
@@ -465,6 +468,9 @@ class PythonExecutor:
     for work that may hang.
     """
 
+    #: Runs in-process and writes no files: the worker's own scratch directory will do.
+    needs_workdir = False
+
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.fn = _load_callable(spec)
@@ -531,6 +537,9 @@ class DemoExecutor:
     A task without ``data.n`` but with an input (bytes or ``path``) gets ``n`` derived from the
     SHA-256 of that input, so AFL-style tasks work too.
     """
+
+    #: Runs in-process and writes no files: the worker's own scratch directory will do.
+    needs_workdir = False
 
     def __init__(self, work_ms: float = 0.0) -> None:
         if not work_ms >= 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from store import tasks as task_ops
 from store import workers as wrk
 from store.campaign import Store
 from store.journal import Tx
-from store.schema import Channel, EventKind, QuarantineReason, WorkerState, campaign
+from store.schema import Channel, EventKind, QuarantineReason, WorkerState
 
 from .protocol import (
     INVALIDATING,
@@ -91,17 +91,16 @@ class Gate:
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
-    def apply_ready(self, tx: Tx, msgs: Iterable[Inbound]) -> ReadyRound:
+    def apply_ready(self, tx: Tx, msgs: Sequence[Inbound]) -> ReadyRound:
         out = ReadyRound()
+        if not msgs:
+            return out
         active = dsp.active_by_rank(tx)
-        workers = wrk.get_workers(tx)
-        bitmap = tx.conn.execute(campaign.select().with_only_columns(
-            campaign.c.bitmap_version)).scalar() or 0
+        parked_by_rank = wrk.parked_tokens(tx)
+        bitmap = self.store.bitmap_version
         for m in msgs:
             a = active.get(m.rank)
-            w = workers.get(m.rank)
-            parked = w.parked_token if (a is None and w is not None
-                                        and w.state is WorkerState.PARKED) else None
+            parked = parked_by_rank.get(m.rank) if a is None else None
             expected = a.token if a is not None else parked
             status = classify_ready(m.body, expected,
                                     consistent=a.consistent if a is not None else True)
@@ -116,8 +115,7 @@ class Gate:
                 wrk.accept_versions(tx, m.rank, info.bitmap_version, info.profile_version,
                                     info.host, info.pid)
                 tx.event(EventKind.WORKER_RECOVERED, rank=m.rank, token=parked)
-                workers[m.rank] = wrk.WorkerRecord(m.rank, WorkerState.IDLE, info.bitmap_version,
-                                                   info.profile_version, None, w.host, w.pid)
+                del parked_by_rank[m.rank]
                 out.recovered_workers.append(m.rank)
             elif status is ReadyStatus.CURRENT:
                 assert a is not None
@@ -146,8 +144,10 @@ class Gate:
         return plan
 
     # -- phase 3: RESULT -------------------------------------------------------------------
-    def apply_results(self, tx: Tx, msgs: Iterable[Inbound]) -> ResultRound:
+    def apply_results(self, tx: Tx, msgs: Sequence[Inbound]) -> ResultRound:
         out = ResultRound()
+        if not msgs:
+            return out
         active = dsp.active_by_rank(tx)
         committed_from: dict[int, dsp.ActiveDispatch] = {}
         for m in msgs:

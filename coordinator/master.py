@@ -27,7 +27,7 @@ from store.campaign import Store
 from store.journal import Tx
 from store.schema import WorkerState, dispatches, tasks, workers
 from store.stats import read_stats, stats_text
-from store.workers import set_workers
+from store.workers import idle_ranks, set_workers
 
 from .gate import Gate, Inbound
 from .output import TestcaseWriter
@@ -61,6 +61,7 @@ class MasterConfig:
     exit_when_drained: bool = True   # --demo/--tasks: stop when nothing is queued or active
     source_interval_s: float = 1.0
     progress: bool = False
+    linger_s: float = 0.0005         # group commit: wait this long for more answers
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Summary:
     exit_status: int = 0
     rounds: int = 0
     transactions: int = 0
+    committed: int = 0
     elapsed_s: float = 0.0
     stopped_by_signal: str | None = None
     unacked_ranks: list[int] = field(default_factory=list)
@@ -99,7 +101,7 @@ class Master:
     def run(self) -> Summary:
         start = time.monotonic()
         self._install_signal_handlers()
-        backoff = Backoff(start=50e-6, cap=5e-3)
+        backoff = Backoff(start=50e-6, cap=1e-3)
         self._next_stats = time.monotonic() + self.config.stats_interval_s
         self._progress.start()
         try:
@@ -124,41 +126,78 @@ class Master:
         return self.summary
 
     def _round(self) -> bool:
+        """One round, one transaction, in the SPEC's order; WORK leaves only after COMMIT.
+
+        The next round's dispatch phase joins the transaction at its end (its READY drain
+        would have nothing new: those messages were just applied), so a rank freed by this
+        round's commits gets work without waiting for another COMMIT."""
         dispatching = self._stop_signal is None
-        readies = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
-                   for r in self.transport.drain(TAG_READY)]
+        results, readies = self._gather()
+        now = time.monotonic()
+        poll_sources = bool(dispatching and self.sources and now >= self._next_source)
+        watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
+        want_dispatch = dispatching and bool(self._idle) and self._may_have_queued
+        # Sends still to be marked do not by themselves justify a COMMIT: they ride along with
+        # the next transaction (until then a rollback treats them as sent, the safe side).
+        if not (readies or results or self._unsent or poll_sources or watchdog_due
+                or want_dispatch):
+            return False
+        new_inputs = self._poll_sources() if poll_sources else []
         plan: list[tuple[dsp.Planned, bytes | None]] = []
-        if readies or (dispatching and self._idle and self._may_have_queued):
-            with self._tx("drain READY and dispatch") as tx:
-                self.gate.apply_ready(tx, readies)
-                if dispatching:
-                    plan = self._plan(tx)
+        with self._tx("master round") as tx:
+            self._settle_sends(tx)
+            self.gate.apply_ready(tx, readies)                       # 1 drain READY
+            if dispatching:
+                plan += self._plan(tx)                               # 2 dispatch
+            rr = self.gate.apply_results(tx, results)                # 3 drain RESULT
+            self.summary.committed += len(rr.committed)
+            recovered = self.gate.sweep(tx)                          # 4 recovery sweep
+            if watchdog_due:                                         # 5 watchdog sweep
+                # Deadlines are seconds apart: checking a few times a second is enough.
+                self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
+                recovered += self.gate.watchdog(tx)
+            if new_inputs:
+                task_ops.enqueue_tasks(tx, [task_ops.NewTask(
+                    i.payload, i.input_bytes, origin=i.origin) for i in new_inputs],
+                    skip_known_content=True)
+            if recovered or new_inputs or rr.retried or any(c.new_tasks for c in rr.committed):
+                self._may_have_queued = True
+            if dispatching and (rr.committed or recovered or rr.retried or new_inputs):
+                plan += self._plan(tx)                               # next round's dispatch
+            else:
+                self._refresh_idle(tx)
         for p, data in plan:  # committed: now the WORK may leave
             self._send_work(p, data)
-        results = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
-                   for r in self.transport.drain(TAG_RESULT)]
-        now = time.monotonic()
-        poll_sources = dispatching and self.sources and now >= self._next_source
-        watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
-        if results or self._sent or self._unsent or poll_sources or watchdog_due:
-            new_inputs = self._poll_sources() if poll_sources else []
-            with self._tx("drain RESULT, recovery and watchdog sweeps") as tx:
-                self._settle_sends(tx)
-                rr = self.gate.apply_results(tx, results)
-                recovered = self.gate.sweep(tx)
-                if watchdog_due:
-                    # Deadlines are seconds apart: checking a few times a second is enough.
-                    self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
-                    recovered += self.gate.watchdog(tx)
-                if new_inputs:
-                    task_ops.enqueue_tasks(tx, [task_ops.NewTask(
-                        i.payload, i.input_bytes, origin=i.origin) for i in new_inputs],
-                        skip_known_content=True)
-                if recovered or new_inputs or rr.retried or any(c.new_tasks
-                                                                 for c in rr.committed):
-                    self._may_have_queued = True
-                self._refresh_idle(tx)
         return bool(readies or plan or results)
+
+    def _gather(self) -> tuple[list[Inbound], list[Inbound]]:
+        """Receive what is waiting; if some of the outstanding dispatches answered and others
+        have not, linger briefly for them (group commit: one COMMIT costs as much as a dozen
+        statements, so answers that arrive within a fraction of it share it)."""
+        limit = self.config.max_message_bytes
+        results: list[Inbound] = []
+        readies: list[Inbound] = []
+        deadline = None
+        while True:
+            # RESULT first: a worker sends RESULT before READY, so this catches both halves of
+            # a finished dispatch in one round more often. They are *applied* in the SPEC's
+            # order, which does not depend on arrival order at all.
+            results += [Inbound(r.rank, decode_inbound(r.data, limit))
+                        for r in self.transport.drain(TAG_RESULT)]
+            readies += [Inbound(r.rank, decode_inbound(r.data, limit))
+                        for r in self.transport.drain(TAG_READY)]
+            if not results or self.config.linger_s <= 0:
+                return results, readies
+            outstanding = self.transport.size - 1 - len(self._idle) - len(self._failed_ranks)
+            if len(results) >= outstanding and (
+                    {m.rank for m in results} <= {m.rank for m in readies}):
+                return results, readies
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.config.linger_s
+            elif now >= deadline:
+                return results, readies
+            time.sleep(20e-6)
 
     def _plan(self, tx: Tx) -> list[tuple[dsp.Planned, bytes | None]]:
         self._refresh_idle(tx)
@@ -192,16 +231,13 @@ class Master:
         self._unsent = []
 
     def _refresh_idle(self, tx: Tx) -> None:
-        busy = select(dispatches.c.rank).where(dispatches.c.rank == workers.c.rank)
-        self._idle = [r for (r,) in tx.conn.execute(
-            select(workers.c.rank).where(workers.c.state == WorkerState.IDLE.value,
-                                         ~exists(busy)).order_by(workers.c.rank))
-            if r not in self._failed_ranks]
+        self._idle = [r for r in idle_ranks(tx) if r not in self._failed_ranks]
 
     def _drained(self) -> bool:
         with self.store.reading() as conn:
+            # an active task always has its dispatch row: two index probes, no scan
             live = conn.execute(select(exists(select(tasks.c.id).where(
-                tasks.c.state.in_(("queued", "active")))))).scalar()
+                tasks.c.state == "queued")) | exists(select(dispatches.c.token)))).scalar()
         return not live and not self._sent
 
     def _poll_sources(self) -> list[NewInput]:

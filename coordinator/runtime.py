@@ -34,6 +34,11 @@ def run(cfg: RunConfig) -> int:
     return _worker(cfg, transport)
 
 
+def peak_rss_mib() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
 def _worker(cfg: RunConfig, transport) -> int:
     from .executors import make_executor
     from .worker import serve
@@ -138,8 +143,9 @@ def _master(cfg: RunConfig, transport) -> int:
     print(stats_text(s), end="", file=sys.stderr)
     print(f"coordinator: {t['done']} done, {t['queued']} queued, {t['deferred']} deferred, "
           f"{t['failed']} failed; {s.results} results committed in {elapsed:.1f} s "
-          f"({summary.rounds} rounds, {summary.transactions} transactions); "
-          f"stats in {cfg.stats_file}", flush=True)
+          f"({summary.committed / max(summary.elapsed_s, 1e-9):,.0f} tasks/s in the loop; "
+          f"{summary.rounds} rounds, {summary.transactions} transactions; master peak RSS "
+          f"{peak_rss_mib():.0f} MiB); stats in {cfg.stats_file}", flush=True)
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
               f"aborting them (the campaign is saved)", file=sys.stderr, flush=True)

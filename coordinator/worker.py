@@ -53,14 +53,18 @@ class Sender:
 
 def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
              scratch: Path) -> ExecOutcome:
-    workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch))
+    # Creating and removing a directory costs more than a no-op task itself (~125 µs):
+    # only executors that leave files get a fresh one.
+    fresh = getattr(executor, "needs_workdir", True)
+    workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch)) if fresh else scratch
     try:
         return executor.run(task, input_bytes, workdir)
     except Exception as e:  # the task failed, not the worker: report it as data
         return ExecOutcome(status="error", detail=f"{type(e).__name__}: {e}\n"
                                                   f"{traceback.format_exc(limit=5)}")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if fresh:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
@@ -69,7 +73,7 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
     sender = sender or Sender(transport)
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
-    backoff = Backoff()
+    backoff = Backoff(start=20e-6, cap=5e-4)
     completed = ""  # R1: empty in the first READY
     last_completed = ""
     try:

@@ -9,6 +9,7 @@ so removing the row is the whole rollback of rank-owned state.
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,23 +67,19 @@ class Recovery:
     defer_failed: bool = False
 
 
+_ACTIVE = """
+SELECT d.token, d.rank, d.task_id, d.incarnation, d.sent_at, d.ready_at, d.invalid_reason,
+       d.deadline, t.state,
+       EXISTS (SELECT 1 FROM leases l WHERE l.token = d.token AND l.kind = 'work')
+FROM dispatches d JOIN tasks t ON t.id = d.task_id
+"""
+
+
 def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
     """Every active dispatch with its ownership check, in one query."""
-    work = leases.alias("work")
-    q = (
-        select(dispatches, tasks.c.state.label("task_state"), work.c.id.label("work_lease"))
-        .join(tasks, tasks.c.id == dispatches.c.task_id)
-        .outerjoin(work, and_(work.c.token == dispatches.c.token,
-                              work.c.kind == LeaseKind.WORK.value))
-    )
-    out: dict[int, ActiveDispatch] = {}
-    for r in tx.conn.execute(q):
-        out[r.rank] = ActiveDispatch(
-            r.token, r.rank, r.task_id, r.incarnation, r.sent_at is not None,
-            r.ready_at is not None, r.invalid_reason, r.deadline,
-            consistent=r.task_state == TaskState.ACTIVE.value and r.work_lease is not None,
-        )
-    return out
+    return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3], r[4] is not None, r[5] is not None,
+                                 r[6], r[7], consistent=r[8] == "active" and bool(r[9]))
+            for r in tx.db.execute(_ACTIVE)}
 
 
 def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
@@ -90,20 +87,20 @@ def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
     reservation, the rank busy. The caller commits, then sends."""
     if not plan:
         return
-    tx.conn.execute(insert(dispatches), [
-        {"token": p.token, "rank": p.rank, "task_id": p.task.id, "incarnation": tx.incarnation,
-         "created_at": tx.now, "deadline": p.deadline} for p in plan])
-    res = tx.conn.execute(
-        update(tasks).where(and_(tasks.c.id == bindparam("tid"),
-                                 tasks.c.state == TaskState.QUEUED.value))
-        .values(state=TaskState.ACTIVE.value, dispatches=tasks.c.dispatches + 1,
-                updated_at=tx.now, reason=None),
-        [{"tid": p.task.id} for p in plan])
-    if res.rowcount != len(plan):
-        raise FenceError(f"{len(plan) - res.rowcount} of {len(plan)} planned tasks were no "
+    db = tx.db
+    db.executemany(
+        "INSERT INTO dispatches (token, rank, task_id, incarnation, created_at, deadline) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        [(p.token, p.rank, p.task.id, tx.incarnation, tx.now, p.deadline) for p in plan])
+    cur = db.executemany(
+        "UPDATE tasks SET state = 'active', dispatches = dispatches + 1, updated_at = ?, "
+        "reason = NULL WHERE id = ? AND state = 'queued'",
+        [(tx.now, p.task.id) for p in plan])
+    if cur.rowcount != len(plan):
+        raise FenceError(f"{len(plan) - cur.rowcount} of {len(plan)} planned tasks were no "
                          f"longer queued")
-    tx.conn.execute(insert(leases), [{"token": p.token, "kind": kind.value, "key": key}
-                                     for p in plan for kind, key in p.task.lease_keys()])
+    db.executemany("INSERT INTO leases (token, kind, key) VALUES (?, ?, ?)",
+                   [(p.token, kind.value, key) for p in plan for kind, key in p.task.lease_keys()])
     set_workers(tx, [(p.rank, WorkerState.BUSY) for p in plan])
     for p in plan:
         tx.event(EventKind.DISPATCHED, rank=p.rank, token=p.token, task_id=p.task.id)
@@ -111,20 +108,19 @@ def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
 
 def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
     """WORK left the master: from now on a rollback is post-send (the attempt counts)."""
-    params = [{"tok": t} for t in tokens]
+    params = [(tx.now, t) for t in tokens]
     if params:
-        tx.conn.execute(update(dispatches).where(and_(dispatches.c.token == bindparam("tok"),
-                                                      dispatches.c.sent_at.is_(None)))
-                        .values(sent_at=tx.now), params)
+        tx.db.executemany("UPDATE dispatches SET sent_at = ? WHERE token = ? AND sent_at IS NULL",
+                          params)
 
 
 def _take(tx: Tx, rank: int, token: str, *, unsent_only: bool = False) -> Any | None:
-    """Delete the dispatch (rank, token) and return its row; None if it is not current."""
-    cond = and_(dispatches.c.rank == rank, dispatches.c.token == token)
+    """Delete the dispatch (rank, token) and return (task_id, sent_at, ready_at); None if it
+    is not current. Its leases go with it (ON DELETE CASCADE)."""
+    sql = "DELETE FROM dispatches WHERE rank = ? AND token = ?"
     if unsent_only:
-        cond = and_(cond, dispatches.c.sent_at.is_(None))
-    return tx.conn.execute(delete(dispatches).where(cond).returning(
-        dispatches.c.task_id, dispatches.c.sent_at, dispatches.c.ready_at)).first()
+        sql += " AND sent_at IS NULL"
+    return tx.db.execute(sql + " RETURNING task_id, sent_at, ready_at", (rank, token)).fetchone()
 
 
 def cancel_dispatch(tx: Tx, rank: int, token: str, *,
@@ -135,31 +131,29 @@ def cancel_dispatch(tx: Tx, rank: int, token: str, *,
     row = _take(tx, rank, token, unsent_only=True)
     if row is None:
         return False
-    if not set_state(tx, row.task_id, TaskState.ACTIVE, TaskState.QUEUED, dispatches_delta=-1):
-        raise FenceError(f"task {row.task_id} of dispatch {token[:12]} was not active")
+    if not set_state(tx, row[0], TaskState.ACTIVE, TaskState.QUEUED, dispatches_delta=-1):
+        raise FenceError(f"task {row[0]} of dispatch {token[:12]} was not active")
     set_workers(tx, [(rank, worker_state)])
-    tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=row.task_id, detail=detail)
+    tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=row[0], detail=detail)
     return True
 
 
 def set_ready_mark(tx: Tx, rank: int, token: str) -> bool:
     """R2: the current READY for (rank, token) was observed. False if already set or stale."""
-    res = tx.conn.execute(update(dispatches).where(and_(
-        dispatches.c.rank == rank, dispatches.c.token == token, dispatches.c.ready_at.is_(None)
-    )).values(ready_at=tx.now))
-    if res.rowcount:
+    n = tx.db.execute("UPDATE dispatches SET ready_at = ? WHERE rank = ? AND token = ? "
+                      "AND ready_at IS NULL", (tx.now, rank, token)).rowcount
+    if n:
         tx.event(EventKind.READY, rank=rank, token=token)
-    return res.rowcount == 1
+    return n == 1
 
 
 def set_invalid_mark(tx: Tx, rank: int, token: str, reason: str) -> bool:
     """R2: a missing/malformed/invalid current RESULT was observed for (rank, token)."""
-    res = tx.conn.execute(update(dispatches).where(and_(
-        dispatches.c.rank == rank, dispatches.c.token == token
-    )).values(invalid_reason=reason))
-    if res.rowcount:
+    n = tx.db.execute("UPDATE dispatches SET invalid_reason = ? WHERE rank = ? AND token = ?",
+                      (reason, rank, token)).rowcount
+    if n:
         tx.event(EventKind.INVALID, rank=rank, token=token, detail=reason)
-    return res.rowcount == 1
+    return n == 1
 
 
 def commit_results(tx: Tx, items: Sequence[CommitItem],
@@ -173,23 +167,22 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
         a = active.get(it.rank)
         if a is None or a.token != it.token:
             raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
-    res = tx.conn.execute(
-        delete(dispatches).where(and_(dispatches.c.rank == bindparam("r"),
-                                      dispatches.c.token == bindparam("t"))),
-        [{"r": it.rank, "t": it.token} for it in items])
-    if res.rowcount != len(items):
-        raise FenceError(f"{len(items) - res.rowcount} dispatches vanished before their commit")
-    tx.conn.execute(insert(results), [
-        {"task_id": active[it.rank].task_id, "token": it.token, "rank": it.rank,
-         "incarnation": tx.incarnation, "committed_at": tx.now, "status": it.status,
-         "value": None if it.value is None else json.dumps(it.value, sort_keys=True),
-         "testcases": it.testcases, "new_tasks": it.new_tasks} for it in items])
-    res = tx.conn.execute(
-        update(tasks).where(and_(tasks.c.id == bindparam("tid"),
-                                 tasks.c.state == TaskState.ACTIVE.value))
-        .values(state=TaskState.DONE.value, updated_at=tx.now, reason=None),
-        [{"tid": active[it.rank].task_id} for it in items])
-    if res.rowcount != len(items):
+    db = tx.db
+    n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
+                       [(it.rank, it.token) for it in items]).rowcount
+    if n != len(items):
+        raise FenceError(f"{len(items) - n} dispatches vanished before their commit")
+    db.executemany(
+        "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
+        "testcases, new_tasks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(active[it.rank].task_id, it.token, it.rank, tx.incarnation, tx.now, it.status,
+          None if it.value is None else json.dumps(it.value, sort_keys=True),
+          it.testcases, it.new_tasks) for it in items])
+    n = db.executemany(
+        "UPDATE tasks SET state = 'done', updated_at = ?, reason = NULL "
+        "WHERE id = ? AND state = 'active'",
+        [(tx.now, active[it.rank].task_id) for it in items]).rowcount
+    if n != len(items):
         raise FenceError("a committed task was not active")
     set_workers(tx, [(it.rank, WorkerState.IDLE if active[it.rank].ready else WorkerState.BUSY)
                      for it in items])
@@ -200,19 +193,17 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
 
 def find_joined(tx: Tx) -> list[tuple[int, str]]:
     """R3: the dispatches whose ready mark and invalid mark name the same token, one query."""
-    return [(r.rank, r.token) for r in tx.conn.execute(
-        select(dispatches.c.rank, dispatches.c.token).where(and_(
-            dispatches.c.ready_at.is_not(None), dispatches.c.invalid_reason.is_not(None)))
-        .order_by(dispatches.c.rank))]
+    return tx.db.execute(
+        "SELECT rank, token FROM dispatches WHERE ready_at IS NOT NULL "
+        "AND invalid_reason IS NOT NULL ORDER BY rank").fetchall()
 
 
 def find_expired(tx: Tx) -> list[tuple[int, str]]:
     """Dispatches past their watchdog deadline: no join will ever come for them (the worker
     died or hung, or its RESULT was lost after its READY)."""
-    return [(r.rank, r.token) for r in tx.conn.execute(
-        select(dispatches.c.rank, dispatches.c.token).where(and_(
-            dispatches.c.deadline.is_not(None), dispatches.c.deadline < tx.now))
-        .order_by(dispatches.c.rank))]
+    return tx.db.execute(
+        "SELECT rank, token FROM dispatches WHERE deadline IS NOT NULL AND deadline < ? "
+        "ORDER BY rank", (tx.now,)).fetchall()
 
 
 def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str, *,
@@ -234,13 +225,13 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
                                attempts_delta=1, reason=reason)
                 tx.event(deferred_kind, rank=rank, token=token, task_id=task_id,
                          detail=reason)
-        except DBAPIError as e:
+        except (DBAPIError, sqlite3.Error) as e:
             # R8: a deferral that cannot be written must not lose the task: keep it queued.
             ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
                            queue_pos=head_position(tx), attempts_delta=1,
-                           reason=f"deferral failed: {e.orig or e}")
+                           reason=f"deferral failed: {getattr(e, 'orig', None) or e}")
             tx.event(EventKind.DEFER_FAILED, rank=rank, token=token, task_id=task_id,
-                     detail=str(e.orig or e)[:500])
+                     detail=str(getattr(e, "orig", None) or e)[:500])
             if not ok:
                 raise FenceError(f"task {task_id} was not active") from None
             return Recovery(rank or 0, token, task_id, TaskState.QUEUED, attempts, True)
@@ -270,10 +261,10 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     if row is None:
         return None
     detail = reason or cause.value
-    tx.event(cause, rank=rank, token=token, task_id=row.task_id, detail=detail)
-    rec = _apply_retry(tx, rank, token, row.task_id, detail,
+    tx.event(cause, rank=rank, token=token, task_id=row[0], detail=detail)
+    rec = _apply_retry(tx, rank, token, row[0], detail,
                        protocol=cause is not EventKind.TASK_FAILED)
-    if row.ready_at is not None:
+    if row[2] is not None:
         set_workers(tx, [(rank, WorkerState.IDLE)])
     elif worker_state is not None:
         set_workers(tx, [(rank, worker_state)],

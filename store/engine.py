@@ -114,12 +114,15 @@ def read_pragmas(conn: Connection) -> dict[str, object]:
 
 
 @contextlib.contextmanager
-def write_tx(engine: Engine, operation: str) -> Iterator[Connection]:
-    """One write transaction; a driver failure becomes `StoreWriteError` (outcome unknown)."""
+def write_tx(conn: Connection, operation: str) -> Iterator[Connection]:
+    """One write transaction on `conn`; a driver failure becomes `StoreWriteError` (outcome
+    unknown)."""
     try:
-        with engine.begin() as conn:
+        with conn.begin():
             yield conn
-    except exc.DBAPIError as e:
+    except (exc.DBAPIError, sqlite3.Error) as e:
         if isinstance(e, exc.IntegrityError):
             raise  # an invariant the schema enforces: a bug, not a storage fault
-        raise StoreWriteError(operation, e.orig or e) from e
+        if isinstance(e, sqlite3.IntegrityError):
+            raise
+        raise StoreWriteError(operation, getattr(e, "orig", None) or e) from e

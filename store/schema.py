@@ -170,7 +170,7 @@ tasks = Table(
     CheckConstraint(TOKEN_CHECK.format(c="semantic_id"), name="semantic_id_hex"),
     CheckConstraint("attempts >= 0 AND dispatches >= 0", name="counts"),
 )
-Index("ix_tasks_queue", tasks.c.queue_pos, sqlite_where=tasks.c.state == "queued")
+Index("ix_tasks_queue", tasks.c.queue_pos, tasks.c.id, sqlite_where=tasks.c.state == "queued")
 Index("ix_tasks_state", tasks.c.state)
 
 dispatches = Table(

@@ -60,17 +60,21 @@ class NewTask:
 
 
 def tail_position(tx: Tx) -> int:
-    top = tx.conn.execute(
-        select(func.max(tasks.c.queue_pos)).where(tasks.c.state == TaskState.QUEUED.value)
-    ).scalar()
+    top = tx.db.execute("SELECT max(queue_pos) FROM tasks INDEXED BY ix_tasks_queue "
+                        "WHERE state = 'queued'").fetchone()[0]
     return (top or 0) + 1
 
 
 def head_position(tx: Tx) -> int:
-    low = tx.conn.execute(
-        select(func.min(tasks.c.queue_pos)).where(tasks.c.state == TaskState.QUEUED.value)
-    ).scalar()
+    low = tx.db.execute("SELECT min(queue_pos) FROM tasks INDEXED BY ix_tasks_queue "
+                        "WHERE state = 'queued'").fetchone()[0]
     return min(low or 0, 0) - 1
+
+
+_INSERT_TASK = (
+    "INSERT INTO tasks (semantic_id, payload, input_hash, state, queue_pos, depth, parent_id, "
+    "origin, created_at, updated_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (semantic_id) DO NOTHING")
 
 
 def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
@@ -82,33 +86,35 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
     `skip_known_content`, an input whose bytes some task already holds is not enqueued (AFL
     re-imports what we give it under new names; the same bytes need no second run).
     """
+    db = tx.db
     created: list[int] = []
     pos = tail_position(tx)
     for item in new:
         canon = normalize(item.payload)
-        sid = semantic_id(canon)
         ihash = None
         if item.input_bytes is not None:
             ihash = content_hash(item.input_bytes)
-            if skip_known_content and tx.conn.execute(
-                    select(blobs.c.hash).where(blobs.c.hash == ihash)).first() is not None:
+            known = db.execute("SELECT 1 FROM blobs WHERE hash = ?", (ihash,)).fetchone()
+            if known and skip_known_content:
                 continue
-            tx.conn.execute(sqlite_insert(blobs).values(hash=ihash, data=item.input_bytes)
-                            .on_conflict_do_nothing())
-        res = tx.conn.execute(
-            sqlite_insert(tasks).values(
-                semantic_id=sid, payload=canonical_json(canon), input_hash=ihash,
-                state=TaskState.QUEUED.value, queue_pos=pos, depth=item.depth,
-                parent_id=item.parent_id, origin=item.origin, created_at=tx.now,
-                updated_at=tx.now,
-            ).on_conflict_do_nothing(index_elements=["semantic_id"])
-        )
-        if res.rowcount == 1:
-            task_id = res.inserted_primary_key[0]
-            created.append(task_id)
-            tx.event(EventKind.ENQUEUED, task_id=task_id, detail=item.origin or None)
+            if not known:
+                db.execute("INSERT INTO blobs (hash, data) VALUES (?, ?)",
+                           (ihash, bytes(item.input_bytes)))
+        cur = db.execute(_INSERT_TASK, (semantic_id(canon), canonical_json(canon), ihash, pos,
+                                        item.depth, item.parent_id, item.origin, tx.now,
+                                        tx.now))
+        if cur.rowcount == 1:
+            created.append(cur.lastrowid)
+            tx.event(EventKind.ENQUEUED, task_id=cur.lastrowid, detail=item.origin or None)
             pos += 1
     return created
+
+
+# INDEXED BY: without ANALYZE statistics SQLite prefers ix_tasks_state and then sorts every
+# queued row on each call; the partial index yields them already in queue order.
+_QUEUED = ("SELECT id, semantic_id, payload, input_hash, state, attempts, dispatches, depth, "
+           "reason FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued' "
+           "ORDER BY queue_pos, id LIMIT ? OFFSET ?")
 
 
 def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
@@ -119,18 +125,17 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
     """
     if n <= 0:
         return []
-    held = {(LeaseKind(k), key) for k, key in tx.conn.execute(
-        select(leases.c.kind, leases.c.key).where(leases.c.kind != LeaseKind.WORK.value))}
+    db = tx.db
+    held = {(LeaseKind(k), key) for k, key in db.execute(
+        "SELECT kind, key FROM leases WHERE kind != 'work'")}
     picked: list[TaskRecord] = []
     window = max(4 * n, 16)
     offset = 0
     while len(picked) < n:
-        rows = tx.conn.execute(
-            select(*_TASK_COLUMNS).where(tasks.c.state == TaskState.QUEUED.value)
-            .order_by(tasks.c.queue_pos, tasks.c.id).limit(window).offset(offset)
-        ).all()
+        rows = db.execute(_QUEUED, (window, offset)).fetchall()
         for row in rows:
-            rec = _record(row)
+            rec = TaskRecord(row[0], row[1], json.loads(row[2]), row[3], TaskState(row[4]),
+                             row[5], row[6], row[7], row[8])
             keys = [k for k in rec.lease_keys() if k[0] is not LeaseKind.WORK]
             if any(k in held for k in keys):
                 continue
@@ -152,7 +157,8 @@ def get_task(tx: Tx, task_id: int) -> TaskRecord | None:
 def input_bytes(tx: Tx, input_hash: str | None) -> bytes | None:
     if input_hash is None:
         return None
-    return tx.conn.execute(select(blobs.c.data).where(blobs.c.hash == input_hash)).scalar()
+    row = tx.db.execute("SELECT data FROM blobs WHERE hash = ?", (input_hash,)).fetchone()
+    return row[0] if row else None
 
 
 def retry_decision(attempts: int, policy: RetryPolicy) -> TaskState:

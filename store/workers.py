@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .journal import Tx
 from .schema import WorkerState, workers
@@ -24,36 +22,46 @@ class WorkerRecord:
     pid: int | None
 
 
+_UPSERT_STATE = (
+    "INSERT INTO workers (rank, state, incarnation, parked_token, last_seen) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (rank) DO UPDATE SET state = excluded.state, "
+    "incarnation = excluded.incarnation, parked_token = excluded.parked_token")
+
+_ACCEPT_READY = (
+    "INSERT INTO workers (rank, state, incarnation, bitmap_version, profile_version, "
+    "parked_token, host, pid, last_seen) VALUES (?, 'idle', ?, ?, ?, NULL, ?, ?, ?) "
+    "ON CONFLICT (rank) DO UPDATE SET state = 'idle', incarnation = excluded.incarnation, "
+    "bitmap_version = excluded.bitmap_version, profile_version = excluded.profile_version, "
+    "parked_token = NULL, host = coalesce(excluded.host, host), "
+    "pid = coalesce(excluded.pid, pid), last_seen = excluded.last_seen")
+
+
 def set_workers(tx: Tx, rows: Iterable[tuple[int, WorkerState]], *,
                 parked_token: str | None = None) -> None:
     """Upsert each rank's state (one statement for the whole batch)."""
-    params = [{"rank": r, "state": s.value, "incarnation": tx.incarnation,
-               "parked_token": parked_token, "last_seen": tx.now} for r, s in rows]
-    if not params:
-        return
-    stmt = sqlite_insert(workers)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["rank"],
-        set_={"state": stmt.excluded.state, "incarnation": stmt.excluded.incarnation,
-              "parked_token": stmt.excluded.parked_token},
-    )
-    tx.conn.execute(stmt, params)
+    params = [(r, s.value, tx.incarnation, parked_token, tx.now) for r, s in rows]
+    if params:
+        tx.db.executemany(_UPSERT_STATE, params)
 
 
 def accept_versions(tx: Tx, rank: int, bitmap_version: int, profile_version: str,
                     host: str | None = None, pid: int | None = None) -> None:
     """An idle READY: take its (already sanitised) versions and make the rank idle."""
-    values: dict[str, Any] = {"rank": rank, "state": WorkerState.IDLE.value,
-                              "incarnation": tx.incarnation, "bitmap_version": bitmap_version,
-                              "profile_version": profile_version, "parked_token": None,
-                              "last_seen": tx.now}
-    if host is not None:
-        values["host"] = host
-    if pid is not None:
-        values["pid"] = pid
-    stmt = sqlite_insert(workers).values(**values)
-    tx.conn.execute(stmt.on_conflict_do_update(
-        index_elements=["rank"], set_={k: stmt.excluded[k] for k in values if k != "rank"}))
+    tx.db.execute(_ACCEPT_READY, (rank, tx.incarnation, bitmap_version, profile_version, host,
+                                  pid, tx.now))
+
+
+def parked_tokens(tx: Tx) -> dict[int, str]:
+    """Parked ranks and the retired token each must echo to be given work again."""
+    return dict(tx.db.execute(
+        "SELECT rank, parked_token FROM workers WHERE state = 'parked'").fetchall())
+
+
+def idle_ranks(tx: Tx) -> list[int]:
+    """Ranks that showed READY and hold no dispatch: the ones that may receive WORK."""
+    return [r for (r,) in tx.db.execute(
+        "SELECT w.rank FROM workers w WHERE w.state = 'idle' AND NOT EXISTS "
+        "(SELECT 1 FROM dispatches d WHERE d.rank = w.rank) ORDER BY w.rank")]
 
 
 def get_workers(tx: Tx) -> dict[int, WorkerRecord]:

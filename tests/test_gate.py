@@ -137,9 +137,13 @@ def test_duplicate_result_after_commit_is_quarantined_unowned(farm):
 
 # -- READY classification against the store ----------------------------------------------
 
-def test_ready_statuses_and_their_effects(farm):
+def test_ready_statuses_and_their_effects(db_path):
+    farm = Farm(db_path)
     with farm.store.transaction() as tx:  # the master's bitmap is at version 3
         tx.conn.execute(tasks.metadata.tables["campaign"].update().values(bitmap_version=3))
+    farm.close()
+    farm = Farm(db_path, resume=True)
+    assert farm.store.bitmap_version == 3
     assert farm.ready(1, "", bitmap_version=2).statuses == [(1, ReadyStatus.IDLE)]
     assert rows(farm, workers)[0].bitmap_version == 2
     assert farm.ready(2, "", bitmap_version=9).statuses == [(2, ReadyStatus.IDLE)]  # future
@@ -159,6 +163,7 @@ def test_ready_statuses_and_their_effects(farm):
     assert farm.ready_raw(1, ["not", "a", "mapping"]).statuses == [(1, ReadyStatus.MALFORMED)]
     assert snapshot(farm) == before  # no version, idle-set or dispatch change
     assert farm.ready(1, tok).statuses == [(1, ReadyStatus.CURRENT)]
+    farm.close()
 
 
 def test_unowned_ready_is_quarantined_and_visible(farm):

@@ -103,7 +103,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('semantic_id', name=op.f('uq_tasks_semantic_id'))
     )
     with op.batch_alter_table('tasks', schema=None) as batch_op:
-        batch_op.create_index('ix_tasks_queue', ['queue_pos'], unique=False, sqlite_where=sa.text("state = 'queued'"))
+        batch_op.create_index('ix_tasks_queue', ['queue_pos', 'id'], unique=False, sqlite_where=sa.text("state = 'queued'"))
         batch_op.create_index('ix_tasks_state', ['state'], unique=False)
 
     op.create_table('dispatches',
