@@ -8,6 +8,7 @@ The master loop (SPEC §3) calls, every round and in this order: `apply_ready` (
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -56,6 +57,9 @@ class Inbound:
 class ReadyRound:
     statuses: list[tuple[int, ReadyStatus]] = field(default_factory=list)
     recovered_workers: list[int] = field(default_factory=list)  # parked ranks back in service
+    #: The active dispatches as this phase left them (ready marks included), for the phases
+    #: that follow in the same transaction: it saves them reading the table again.
+    active: dict[int, dsp.ActiveDispatch] | None = None
 
 
 @dataclass
@@ -65,16 +69,21 @@ class ResultRound:
     retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout)
 
 
-def validate_result(body: Mapping[str, Any]) -> str | None:
-    """The default payload check for a current RESULT; returns why it is invalid, or None."""
+def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
+    """The default payload check for a current RESULT: (the parsed result, None), or
+    (None, why it is invalid). The master plugs in the strict wire schema instead."""
     if body.get("status") not in RESULT_STATUSES:
-        return f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
-    return None
+        return None, f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
+    return body, None
 
 
-def default_commit(tx: Tx, active: dsp.ActiveDispatch, body: Mapping[str, Any]) -> dsp.CommitItem:
-    return dsp.CommitItem(active.rank, active.token, status=body["status"],
-                          value=body.get("value"))
+def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any) -> dsp.CommitItem:
+    value = parsed.get("value") if isinstance(parsed, Mapping) else getattr(parsed, "value", None)
+    return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)), value=value)
+
+
+def _status_of(parsed: Any) -> object:
+    return parsed.get("status") if isinstance(parsed, Mapping) else getattr(parsed, "status", None)
 
 
 def _detail(body: object) -> str | None:
@@ -83,8 +92,8 @@ def _detail(body: object) -> str | None:
 
 class Gate:
     def __init__(self, store: Store, *,
-                 validate: Callable[[Mapping[str, Any]], str | None] = validate_result,
-                 commit: Callable[[Tx, dsp.ActiveDispatch, Mapping[str, Any]],
+                 validate: Callable[[Mapping[str, Any]], tuple[Any, str | None]] = validate_result,
+                 commit: Callable[[Tx, dsp.ActiveDispatch, Any],
                                   dsp.CommitItem] = default_commit):
         self.store = store
         self.validate, self.commit = validate, commit
@@ -95,7 +104,7 @@ class Gate:
         out = ReadyRound()
         if not msgs:
             return out
-        active = dsp.active_by_rank(tx)
+        active = out.active = dsp.active_by_rank(tx)
         parked_by_rank = wrk.parked_tokens(tx)
         bitmap = self.store.bitmap_version
         for m in msgs:
@@ -120,6 +129,7 @@ class Gate:
             elif status is ReadyStatus.CURRENT:
                 assert a is not None
                 dsp.set_ready_mark(tx, m.rank, a.token)
+                active[m.rank] = dataclasses.replace(a, ready=True)
             else:
                 token = m.body.get(READY_TOKEN_KEY) if isinstance(m.body, Mapping) else None
                 detail = _detail(m.body)
@@ -133,22 +143,30 @@ class Gate:
 
     # -- phase 2: dispatch -----------------------------------------------------------------
     def plan_dispatches(self, tx: Tx, idle_ranks: Sequence[int], *,
-                        deadline_s: float | None = None) -> list[dsp.Planned]:
+                        deadline_s: float | None = None,
+                        active: dict[int, dsp.ActiveDispatch] | None = None,
+                        ) -> list[dsp.Planned]:
         """Pick queued tasks for idle ranks and record the dispatches (the caller commits the
-        transaction, then sends WORK, then reports failed sends with `cancel_send`)."""
+        transaction, then sends WORK, then reports failed sends: `dispatches.cancel_dispatch`).
+        `active`, if given, is kept up to date for the phases that follow."""
         picked = task_ops.take_queued(tx, len(idle_ranks))
         deadline = tx.now + deadline_s if deadline_s else None
         plan = [dsp.Planned(rank, task, mint_token(self.store.epoch, rank, next(self._seq)),
                             deadline) for rank, task in zip(idle_ranks, picked)]
         dsp.record_dispatches(tx, plan)
+        if active is not None:
+            for p in plan:
+                active[p.rank] = dsp.ActiveDispatch(p.token, p.rank, p.task.id, tx.incarnation,
+                                                    False, False, None, deadline, True)
         return plan
 
     # -- phase 3: RESULT -------------------------------------------------------------------
-    def apply_results(self, tx: Tx, msgs: Sequence[Inbound]) -> ResultRound:
+    def apply_results(self, tx: Tx, msgs: Sequence[Inbound], *,
+                      active: dict[int, dsp.ActiveDispatch] | None = None) -> ResultRound:
         out = ResultRound()
         if not msgs:
             return out
-        active = dsp.active_by_rank(tx)
+        active = dict(active) if active is not None else dsp.active_by_rank(tx)
         committed_from: dict[int, dsp.ActiveDispatch] = {}
         for m in msgs:
             a = active.get(m.rank)
@@ -156,7 +174,7 @@ class Gate:
             status = classify_result(m.body, expected)
             if status is ResultStatus.CURRENT:
                 assert a is not None and isinstance(m.body, Mapping)
-                why = self.validate(m.body)
+                parsed, why = self.validate(m.body)
                 if why is not None:
                     out.statuses.append((m.rank, status))
                     tx.quarantine(Channel.RESULT, QuarantineReason.PAYLOAD, m.rank,
@@ -164,16 +182,16 @@ class Gate:
                     dsp.set_invalid_mark(tx, m.rank, a.token, QuarantineReason.PAYLOAD.value)
                     continue
                 out.statuses.append((m.rank, status))
-                if m.body.get("status") in RETRY_STATUSES:
+                if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
-                                         reason=str(m.body.get("status")),
+                                         reason=str(_status_of(parsed)),
                                          worker_state=WorkerState.BUSY)
                     out.retried.append(m.rank)
                     del active[m.rank]
                     continue
-                out.committed.append(self.commit(tx, a, m.body))
+                out.committed.append(self.commit(tx, a, parsed))
                 committed_from[m.rank] = a
                 # Committed within this batch: a duplicate later in it finds no dispatch.
                 del active[m.rank]

@@ -39,6 +39,7 @@ from .wire import (
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
+    Result,
     Stop,
     Work,
     check_result,
@@ -81,8 +82,7 @@ class Master:
                  writer: TestcaseWriter | None = None):
         self.store, self.transport, self.config = store, transport, config
         self.sources, self.writer = list(sources), writer
-        self.gate = Gate(store, validate=lambda body: check_result(body)[1],
-                         commit=self._commit)
+        self.gate = Gate(store, validate=check_result, commit=self._commit)
         self.summary = Summary()
         self._stop_signal: str | None = None
         self._stop_at = 0.0
@@ -93,6 +93,7 @@ class Master:
         self._may_have_queued = True
         self._next_source = 0.0
         self._next_watchdog = 0.0
+        self._next_drain_check = 0.0
         self._next_stats = 0.0
         self._stop_seq = 0
         self._progress = Progress(enabled=config.progress)
@@ -101,7 +102,7 @@ class Master:
     def run(self) -> Summary:
         start = time.monotonic()
         self._install_signal_handlers()
-        backoff = Backoff(start=50e-6, cap=1e-3)
+        backoff = Backoff()
         self._next_stats = time.monotonic() + self.config.stats_interval_s
         self._progress.start()
         try:
@@ -146,10 +147,11 @@ class Master:
         plan: list[tuple[dsp.Planned, bytes | None]] = []
         with self._tx("master round") as tx:
             self._settle_sends(tx)
-            self.gate.apply_ready(tx, readies)                       # 1 drain READY
-            if dispatching:
-                plan += self._plan(tx)                               # 2 dispatch
-            rr = self.gate.apply_results(tx, results)                # 3 drain RESULT
+            ready = self.gate.apply_ready(tx, readies)               # 1 drain READY
+            active = ready.active
+            if dispatching and (self._idle or readies):
+                plan += self._plan(tx, active)                       # 2 dispatch
+            rr = self.gate.apply_results(tx, results, active=active)  # 3 drain RESULT
             self.summary.committed += len(rr.committed)
             recovered = self.gate.sweep(tx)                          # 4 recovery sweep
             if watchdog_due:                                         # 5 watchdog sweep
@@ -163,7 +165,7 @@ class Master:
             if recovered or new_inputs or rr.retried or any(c.new_tasks for c in rr.committed):
                 self._may_have_queued = True
             if dispatching and (rr.committed or recovered or rr.retried or new_inputs):
-                plan += self._plan(tx)                               # next round's dispatch
+                plan += self._plan(tx, None)                         # next round's dispatch
             else:
                 self._refresh_idle(tx)
         for p, data in plan:  # committed: now the WORK may leave
@@ -171,26 +173,29 @@ class Master:
         return bool(readies or plan or results)
 
     def _gather(self) -> tuple[list[Inbound], list[Inbound]]:
-        """Receive what is waiting; if some of the outstanding dispatches answered and others
-        have not, linger briefly for them (group commit: one COMMIT costs as much as a dozen
-        statements, so answers that arrive within a fraction of it share it)."""
+        """Receive what is waiting, and linger briefly for the other half of a finished
+        dispatch (group commit: a COMMIT costs as much as a dozen statements, so answers
+        that arrive within a fraction of it should share it).
+
+        A worker sends RESULT then READY, but the master often *observes* READY first (tag
+        queues are matched independently), so it waits while the ranks that sent a RESULT
+        and the ranks that sent a READY differ, or while fewer answers than outstanding
+        dispatches arrived, up to `linger_s`. What is received is applied in the SPEC's
+        order, which does not depend on arrival order at all."""
         limit = self.config.max_message_bytes
         results: list[Inbound] = []
         readies: list[Inbound] = []
         deadline = None
         while True:
-            # RESULT first: a worker sends RESULT before READY, so this catches both halves of
-            # a finished dispatch in one round more often. They are *applied* in the SPEC's
-            # order, which does not depend on arrival order at all.
             results += [Inbound(r.rank, decode_inbound(r.data, limit))
                         for r in self.transport.drain(TAG_RESULT)]
             readies += [Inbound(r.rank, decode_inbound(r.data, limit))
                         for r in self.transport.drain(TAG_READY)]
-            if not results or self.config.linger_s <= 0:
+            if not (results or readies) or self.config.linger_s <= 0:
                 return results, readies
+            answered = {m.rank for m in results}
             outstanding = self.transport.size - 1 - len(self._idle) - len(self._failed_ranks)
-            if len(results) >= outstanding and (
-                    {m.rank for m in results} <= {m.rank for m in readies}):
+            if answered == {m.rank for m in readies} and len(answered) >= outstanding:
                 return results, readies
             now = time.monotonic()
             if deadline is None:
@@ -199,12 +204,13 @@ class Master:
                 return results, readies
             time.sleep(20e-6)
 
-    def _plan(self, tx: Tx) -> list[tuple[dsp.Planned, bytes | None]]:
+    def _plan(self, tx: Tx, active: dict[int, dsp.ActiveDispatch] | None,
+              ) -> list[tuple[dsp.Planned, bytes | None]]:
         self._refresh_idle(tx)
         if not self._idle:
             return []
         planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
-                                            or None)
+                                            or None, active=active)
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
         self._idle = self._idle[len(planned):]
@@ -234,6 +240,12 @@ class Master:
         self._idle = [r for r in idle_ranks(tx) if r not in self._failed_ranks]
 
     def _drained(self) -> bool:
+        # Asked only after a round with no progress, and at most every 50 ms: a transaction
+        # per idle poll would add its cost to every answer's latency.
+        now = time.monotonic()
+        if self._may_have_queued or now < self._next_drain_check:
+            return False
+        self._next_drain_check = now + 0.05
         with self.store.reading() as conn:
             # an active task always has its dispatch row: two index probes, no scan
             live = conn.execute(select(exists(select(tasks.c.id).where(
@@ -247,9 +259,7 @@ class Master:
             out.extend(poll())
         return out
 
-    def _commit(self, tx: Tx, active: dsp.ActiveDispatch, body) -> dsp.CommitItem:
-        res, _ = check_result(body)
-        assert res is not None  # validated by the gate just before
+    def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result) -> dsp.CommitItem:
         written, new = 0, []
         if res.testcases:
             task = task_ops.get_task(tx, active.task_id)
@@ -329,7 +339,7 @@ class Master:
                 workers.c.state == WorkerState.IDLE.value))}
         stop_tokens: dict[int, str] = {}
         deadline = time.monotonic() + self.config.stop_wait_s
-        backoff = Backoff(start=100e-6, cap=5e-3)
+        backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
             readies = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))

@@ -32,23 +32,30 @@ class SendFailed(Exception):
 
 
 class Backoff:
-    """Poll with an exponential sleep that resets on progress (mpi4py.futures does the same):
-    busy enough to move thousands of tasks per second, idle enough not to starve the master
-    (MPICH ranks blocked in recv spin; polling ranks that sleep do not)."""
+    """Poll with an exponential sleep that resets on progress (mpi4py.futures does the same).
 
-    def __init__(self, start: float = 20e-6, cap: float = 2e-3, spins: int = 8):
-        self.start, self.cap, self.spins = start, cap, spins
-        self._n, self._delay = 0, start
+    Two stages: right after progress the next message usually follows within a commit's time,
+    so sleeps stay short (`fast_cap`) for `fast_window` seconds; after that the rank is really
+    idle and sleeps up to `cap`, so waiting ranks cost next to no CPU (MPICH ranks blocked in
+    recv spin and starve the master; polling ranks that sleep do not)."""
+
+    def __init__(self, start: float = 10e-6, fast_cap: float = 100e-6, cap: float = 2e-3,
+                 fast_window: float = 0.05, spins: int = 4):
+        self.start, self.fast_cap, self.cap = start, fast_cap, cap
+        self.fast_window, self.spins = fast_window, spins
+        self.reset()
 
     def reset(self) -> None:
         self._n, self._delay = 0, self.start
+        self._since = time.monotonic()
 
     def wait(self) -> None:
         self._n += 1
         if self._n <= self.spins:
             return
         time.sleep(self._delay)
-        self._delay = min(self._delay * 2, self.cap)
+        fast = time.monotonic() - self._since < self.fast_window
+        self._delay = min(self._delay * 2, self.fast_cap if fast else self.cap)
 
 
 class Transport:

@@ -73,7 +73,7 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
     sender = sender or Sender(transport)
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
-    backoff = Backoff(start=20e-6, cap=5e-4)
+    backoff = Backoff()
     completed = ""  # R1: empty in the first READY
     last_completed = ""
     try:

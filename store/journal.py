@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 from .schema import Channel, EventKind, QuarantineReason
 
 _INSERT_EVENT = ("INSERT INTO events (at, incarnation, kind, rank, token, task_id, detail) "
-                 "VALUES (:at, :incarnation, :kind, :rank, :token, :task_id, :detail)")
+                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
 _INSERT_QUARANTINE = ("INSERT INTO quarantine (at, incarnation, channel, reason, rank, token, "
                       "expected, detail) VALUES (:at, :incarnation, :channel, :reason, :rank, "
                       ":token, :expected, :detail)")
@@ -49,15 +49,14 @@ class Tx:
     incarnation: int
     now: float
     policy: RetryPolicy
-    _events: list[dict[str, Any]] = field(default_factory=list)
+    _events: list[tuple[Any, ...]] = field(default_factory=list)
     _quarantine: list[dict[str, Any]] = field(default_factory=list)
     _db: sqlite3.Connection | None = None
 
     def event(self, kind: EventKind, *, rank: int | None = None, token: str | None = None,
               task_id: int | None = None, detail: str | None = None) -> None:
-        self._events.append({"at": self.now, "incarnation": self.incarnation, "kind": kind.value,
-                             "rank": rank, "token": token, "task_id": task_id,
-                             "detail": detail})
+        self._events.append((self.now, self.incarnation, kind.value, rank, token, task_id,
+                             detail))
 
     def quarantine(self, channel: Channel, reason: QuarantineReason, rank: int, *,
                    token: object = None, expected: str | None = None,
