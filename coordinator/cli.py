@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    default=sys.stderr.isatty(), help="live progress display (default: on a "
                                                      "terminal)")
+    r.add_argument("--summary-json", type=Path, default=None, metavar="PATH",
+                   help="write the run's summary (counts, loop rate, transactions, master "
+                        "peak memory) as JSON at exit, for scripts")
     r.add_argument("--np", type=int_range(2), default=4,
                    help="ranks to launch when started outside mpiexec (default 4)")
     r.add_argument("--mpiexec", default=None,

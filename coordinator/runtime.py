@@ -7,6 +7,7 @@ ends every rank with the same clear exit status instead of leaving workers waiti
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -146,6 +147,16 @@ def _master(cfg: RunConfig, transport) -> int:
           f"({summary.committed / max(summary.elapsed_s, 1e-9):,.0f} tasks/s in the loop; "
           f"{summary.rounds} rounds, {summary.transactions} transactions; master peak RSS "
           f"{peak_rss_mib():.0f} MiB); stats in {cfg.stats_file}", flush=True)
+    if cfg.summary_json is not None:
+        cfg.summary_json.write_text(json.dumps({
+            "tasks": t, "results": s.results, "committed_this_run": summary.committed,
+            "loop_s": summary.elapsed_s, "total_s": elapsed,
+            "tasks_per_s": summary.committed / max(summary.elapsed_s, 1e-9),
+            "rounds": summary.rounds, "transactions": summary.transactions,
+            "commits_per_task": summary.transactions / max(summary.committed, 1),
+            "master_peak_rss_mib": peak_rss_mib(), "workers": transport.size - 1,
+            "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
+        }, indent=2) + "\n")
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
               f"aborting them (the campaign is saved)", file=sys.stderr, flush=True)

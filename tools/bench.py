@@ -1,0 +1,115 @@
+"""Throughput benchmark: N no-op tasks through this coordinator and through
+mpi4py.futures.MPIPoolExecutor (map, chunksize=1: one task per message, the fair comparison
+for per-task dispatch), with the same number of workers, in one invocation.
+
+    python tools/bench.py                       # 10,000 tasks, 3 workers, FULL and NORMAL
+    python tools/bench.py --tasks 2000 --workers 3 --sync FULL
+
+Prints tasks/s for each, their ratio, database commits per task and the master's peak memory;
+the last line reads `coordinator=<tasks/s> futures=<tasks/s> ratio=<coordinator/futures>`
+(the coordinator at the first --sync mode given, FULL by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from coordinator.cli import find_mpiexec, mpiexec_flags  # noqa: E402
+
+FUTURES_CHILD = """
+import sys, time, resource
+from mpi4py.futures import MPIPoolExecutor
+
+def noop(x):
+    return x
+
+if __name__ == "__main__":
+    n = int(sys.argv[1])
+    with MPIPoolExecutor() as ex:
+        list(ex.map(noop, range(min(200, n)), chunksize=1))  # spawn and warm the workers
+        t = time.perf_counter()
+        list(ex.map(noop, range(n), chunksize=1))
+        el = time.perf_counter() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"FUTURES {n / el:.1f} {rss:.1f}")
+"""
+
+
+def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "futures_noop.py"
+        script.write_text(FUTURES_CHILD)
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1), sys.executable, "-m",
+               "mpi4py.futures", str(script), str(tasks)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith("FUTURES "):
+            _, rate, rss = line.split()
+            return float(rate), float(rss)
+    raise SystemExit(f"futures run failed:\n{out.stdout}\n{out.stderr[-3000:]}")
+
+
+def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
+                    timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        db, summary = Path(d) / "bench.db", Path(d) / "summary.json"
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1), sys.executable, "-m",
+               "coordinator", "run", "--db", str(db), "--demo", str(tasks), "--synchronous",
+               sync, "--no-progress", "--summary-json", str(summary)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0 or not summary.exists():
+            raise SystemExit(f"coordinator run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        return json.loads(summary.read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", type=int, default=10_000)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
+                   help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args()
+    modes = args.sync or ["FULL", "NORMAL"]
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise SystemExit("no mpiexec beside this Python or on PATH")
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+    print(f"# {args.tasks} no-op tasks, {args.workers} workers, "
+          f"{version.splitlines()[0] if version else mpiexec}, {time.strftime('%Y-%m-%d')}")
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    fut = [run_futures(mpiexec, args.tasks, args.workers, args.timeout)
+           for _ in range(args.repeat)]
+    fut_rate = median([r for r, _ in fut])
+    print(f"futures (MPIPoolExecutor.map, chunksize=1): {fut_rate:,.0f} tasks/s, "
+          f"client peak RSS {median([m for _, m in fut]):.0f} MiB")
+    first = None
+    for sync in modes:
+        runs = [run_coordinator(mpiexec, args.tasks, args.workers, sync, args.timeout)
+                for _ in range(args.repeat)]
+        run = sorted(runs, key=lambda r: r["tasks_per_s"])[len(runs) // 2]
+        rate = run["tasks_per_s"]
+        first = first if first is not None else rate
+        print(f"coordinator synchronous={sync}: {rate:,.0f} tasks/s "
+              f"(ratio {rate / fut_rate:.2f}), {run['commits_per_task']:.2f} commits per task, "
+              f"{run['rounds'] / max(run['committed_this_run'], 1):.2f} rounds per task, "
+              f"master peak RSS {run['master_peak_rss_mib']:.0f} MiB")
+    print(f"coordinator={first:.0f} futures={fut_rate:.0f} ratio={first / fut_rate:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
