@@ -97,7 +97,6 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
                     f"probably on a network or read-only filesystem. Use a node-local path."
                 )
             cur.execute(f"PRAGMA synchronous = {synchronous}")
-            cur.execute("")
         finally:
             cur.close()
 
