@@ -117,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
                         "peak memory) as JSON at exit, for scripts")
     r.add_argument("--np", type=int_range(2), default=4,
                    help="ranks to launch when started outside mpiexec (default 4)")
+    r.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
+                   help="self-launch with Open MPI's fault tolerance (--with-ft ulfm), so a "
+                        "dead worker is noticed and its task recovered while the job goes on "
+                        "(default on; ignored for other MPIs)")
     r.add_argument("--mpiexec", default=None,
                    help="mpiexec to self-launch with (default: the one beside this Python)")
     fi = r.add_argument_group(
@@ -196,9 +200,10 @@ def find_mpiexec(explicit: str | None = None) -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
-def mpiexec_flags(mpiexec: str, np: int) -> list[str]:
+def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
     """The flags a newcomer would otherwise have to know: Open MPI refuses root without
-    --allow-run-as-root and more ranks than cores without --oversubscribe."""
+    --allow-run-as-root and more ranks than cores without --oversubscribe; `ulfm` asks Open
+    MPI to keep the job alive when a rank dies."""
     try:
         version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
@@ -209,6 +214,8 @@ def mpiexec_flags(mpiexec: str, np: int) -> list[str]:
         flags.append("--oversubscribe")
         if os.geteuid() == 0:
             flags.append("--allow-run-as-root")
+        if ulfm:
+            flags = ["--with-ft", "ulfm", *flags]
     return flags
 
 
@@ -219,7 +226,8 @@ def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
               "start the job with your MPI's mpiexec", file=sys.stderr)
         return EXIT_USAGE
     rest = _strip_launch_options(args)
-    cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np), sys.executable, "-m", "coordinator", *rest]
+    cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
+           "coordinator", *rest]
     sys.stdout.flush()
     os.execv(mpiexec, cmd)
     return 0  # not reached
@@ -237,7 +245,7 @@ def _strip_launch_options(args: list[str]) -> list[str]:
         if a in ("--np", "--mpiexec"):
             skip = True
             continue
-        if a.startswith(("--np=", "--mpiexec=")):
+        if a.startswith(("--np=", "--mpiexec=")) or a in ("--ulfm", "--no-ulfm"):
             continue
         out.append(a)
     return out

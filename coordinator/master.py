@@ -25,7 +25,7 @@ from store import dispatches as dsp
 from store import tasks as task_ops
 from store.campaign import Store
 from store.journal import Tx
-from store.schema import WorkerState, dispatches, tasks, workers
+from store.schema import EventKind, WorkerState, dispatches, tasks, workers
 from store.stats import read_stats, stats_text
 from store.workers import idle_ranks, set_workers
 
@@ -138,10 +138,11 @@ class Master:
         poll_sources = bool(dispatching and self.sources and now >= self._next_source)
         watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
         want_dispatch = dispatching and bool(self._idle) and self._may_have_queued
+        died = [r for r in self.transport.take_failed() if r != 0]
         # Sends still to be marked do not by themselves justify a COMMIT: they ride along with
         # the next transaction (until then a rollback treats them as sent, the safe side).
         if not (readies or results or self._unsent or poll_sources or watchdog_due
-                or want_dispatch):
+                or want_dispatch or died):
             return False
         new_inputs = self._poll_sources() if poll_sources else []
         plan: list[tuple[dsp.Planned, bytes | None]] = []
@@ -153,7 +154,8 @@ class Master:
                 plan += self._plan(tx, active)                       # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=active)  # 3 drain RESULT
             self.summary.committed += len(rr.committed)
-            recovered = self.gate.sweep(tx)                          # 4 recovery sweep
+            recovered = self._retire_dead(tx, died)                  # ranks the MPI lost
+            recovered += self.gate.sweep(tx)                         # 4 recovery sweep
             if watchdog_due:                                         # 5 watchdog sweep
                 # Deadlines are seconds apart: checking a few times a second is enough.
                 self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
@@ -171,6 +173,37 @@ class Master:
         for p, data in plan:  # committed: now the WORK may leave
             self._send_work(p, data)
         return bool(readies or plan or results)
+
+    def _retire_dead(self, tx: Tx, ranks: list[int]) -> list[dsp.Recovery]:
+        """Ranks the runtime reported dead (ULFM): their dispatches are recovered now, not at
+        the watchdog deadline (anything they sent before dying was applied just before), and
+        they get no more work. With no worker left the run stops, everything persisted."""
+        if not ranks:
+            return []
+        active = dsp.active_by_rank(tx)
+        recovered = []
+        for rank in sorted(ranks):
+            self._failed_ranks.add(rank)
+            a = active.get(rank)
+            rec = (dsp.recover_dispatch(tx, rank, a.token, cause=EventKind.WORKER_FAILED,
+                                        reason="worker process died",
+                                        worker_state=WorkerState.FAILED)
+                   if a is not None else None)
+            if rec is None:
+                set_workers(tx, [(rank, WorkerState.FAILED)])
+                tx.event(EventKind.WORKER_FAILED, rank=rank, detail="worker process died")
+            else:
+                set_workers(tx, [(rank, WorkerState.FAILED)])
+                recovered.append(rec)
+            print(f"coordinator: rank {rank} died" + (f"; its task {a.task_id} goes back to "
+                  f"the queue" if a is not None else ""), file=sys.stderr, flush=True)
+        self._idle = [r for r in self._idle if r not in self._failed_ranks]
+        if len(self._failed_ranks) >= self.transport.size - 1 and self._stop_signal is None:
+            print("coordinator: no workers left; stopping (the campaign is saved: continue "
+                  "with --resume)", file=sys.stderr, flush=True)
+            self._stop_signal = "no workers left"
+            self._stop_at = time.monotonic()
+        return recovered
 
     def _gather(self) -> tuple[list[Inbound], list[Inbound]]:
         """Receive what is waiting, and linger briefly for the other half of a finished
@@ -342,6 +375,9 @@ class Master:
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
+            for rank in self.transport.take_failed():  # died while stopping: nothing to ack
+                self._failed_ranks.add(rank)
+                pending.discard(rank)
             readies = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
                        for r in self.transport.drain(TAG_READY)]
             results = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
@@ -356,7 +392,8 @@ class Master:
                 self._stop_seq += 1
                 token = mint_token(self.store.epoch, -rank, self._stop_seq)
                 try:
-                    self.transport.send_stop(encode(Stop(token=token)), rank)
+                    self.transport.send_stop(encode(Stop(
+                        token=token, finalize=not self.transport.any_failed)), rank)
                     stop_tokens[rank] = token
                 except SendFailed as e:
                     log.error("%s", e)

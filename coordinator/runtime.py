@@ -8,6 +8,7 @@ ends every rank with the same clear exit status instead of leaving workers waiti
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -157,6 +158,12 @@ def _master(cfg: RunConfig, transport) -> int:
             "master_peak_rss_mib": peak_rss_mib(), "workers": transport.size - 1,
             "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
         }, indent=2) + "\n")
+    if transport.any_failed and not summary.unacked_ranks:
+        # After a rank failure MPI_Finalize can hang every survivor (Open MPI ULFM,
+        # ompi#11404); everything is committed, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
               f"aborting them (the campaign is saved)", file=sys.stderr, flush=True)

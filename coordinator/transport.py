@@ -25,6 +25,10 @@ class Received:
     data: bytearray
 
 
+class MasterGone(Exception):
+    """The runtime reported rank 0 dead (ULFM): a worker has nobody left to work for."""
+
+
 class SendFailed(Exception):
     def __init__(self, rank: int, cause: BaseException):
         self.rank, self.cause = rank, cause
@@ -58,6 +62,14 @@ class Backoff:
         self._delay = min(self._delay * 2, self.fast_cap if fast else self.cap)
 
 
+#: ULFM's error class for "a process in the operation failed" (MPI_ERR_PROC_FAILED).
+ERR_PROC_FAILED = getattr(MPI, "ERR_PROC_FAILED", 75)
+
+
+def is_process_failure(e: BaseException) -> bool:
+    return isinstance(e, MPI.Exception) and e.Get_error_class() == ERR_PROC_FAILED
+
+
 class Transport:
     def __init__(self, comm: MPI.Comm | None = None):
         self.comm = comm or MPI.COMM_WORLD
@@ -66,15 +78,48 @@ class Transport:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._status = MPI.Status()
+        self._failed: set[int] = set()      # every rank the runtime reported dead
+        self._new_failed: list[int] = []    # reported since the last take_failed()
+
+    # -- failure notification (ULFM) ---------------------------------------------------------
+    def _note_failure(self) -> None:
+        """Learn which ranks died (MPI raised ERR_PROC_FAILED) and acknowledge them, after
+        which wildcard probes and traffic with the survivors work again."""
+        group = self.comm.Get_failed()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                              self.comm.Get_group())
+        finally:
+            group.Free()
+        self.comm.Ack_failed()
+        for r in ranks:
+            if r not in self._failed and r != MPI.UNDEFINED:
+                self._failed.add(r)
+                self._new_failed.append(r)
+
+    def take_failed(self) -> list[int]:
+        """Ranks reported dead since the last call (empty without ULFM: there the job dies)."""
+        out, self._new_failed = self._new_failed, []
+        return out
+
+    @property
+    def any_failed(self) -> bool:
+        return bool(self._failed)
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self, tag: int, source: int = MPI.ANY_SOURCE) -> Received | None:
-        msg = self.comm.improbe(source=source, tag=tag, status=self._status)
-        if msg is None:
+        try:
+            msg = self.comm.improbe(source=source, tag=tag, status=self._status)
+            if msg is None:
+                return None
+            buf = bytearray(self._status.Get_count(MPI.BYTE))
+            rank = self._status.Get_source()
+            msg.Recv([buf, MPI.BYTE])
+        except MPI.Exception as e:
+            if not is_process_failure(e):
+                raise
+            self._note_failure()
             return None
-        buf = bytearray(self._status.Get_count(MPI.BYTE))
-        rank = self._status.Get_source()
-        msg.Recv([buf, MPI.BYTE])
         return Received(rank, tag, buf)
 
     def drain(self, tag: int, limit: int = 10_000) -> Iterator[Received]:
@@ -90,6 +135,8 @@ class Transport:
         try:
             self.comm.Send([data, MPI.BYTE], dest=dest, tag=tag)
         except MPI.Exception as e:
+            if is_process_failure(e):
+                self._note_failure()
             raise SendFailed(dest, e) from e
 
     def send_work(self, data: bytes, dest: int) -> None:
@@ -118,6 +165,8 @@ class Transport:
                 got = self.poll(tag, source=0)
                 if got is not None:
                     return got
+            if 0 in self._failed:
+                raise MasterGone()
             if time.monotonic() >= deadline:
                 return None
             backoff.wait()

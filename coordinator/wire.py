@@ -60,6 +60,9 @@ class Ready(msgspec.Struct):
 
 class Stop(msgspec.Struct):
     token: str
+    #: False after a rank failure: MPI_Finalize can then hang the survivors (Open MPI ULFM,
+    #: ompi#11404), so they exit without it once everything is acknowledged.
+    finalize: bool = True
     v: int = WIRE_VERSION
 
 

@@ -11,6 +11,7 @@ authoritative one from WORK: a forged or stale token in a payload never survives
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import msgspec
 
 from .executors import ExecOutcome, Executor
 from .protocol import is_token
-from .transport import Backoff, Transport, host_and_pid
+from .transport import Backoff, MasterGone, SendFailed, Transport, host_and_pid
 from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encode
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,18 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
 
 def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
           sender: Sender | None = None) -> int:
-    """Run until STOP; returns the process exit status."""
+    """Run until STOP; returns the process exit status. If the master dies (ULFM reports
+    it), exit at once: its database already holds everything, and --resume continues."""
+    try:
+        return _serve(transport, executor, scratch, sender)
+    except (MasterGone, SendFailed) as e:
+        print(f"rank {transport.rank}: the master is gone ({e}); exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+
+def _serve(transport: Transport, executor: Executor, scratch: Path | None,
+           sender: Sender | None) -> int:
     sender = sender or Sender(transport)
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
@@ -94,6 +106,10 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
                     log.error("rank %d: undecodable STOP ignored: %s", transport.rank, e)
                     continue
                 transport.send_stop_ack(encode(Stop(token=stop.token)))
+                if not stop.finalize:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(0)
                 return 0
             try:
                 work = decode_work(got.data)

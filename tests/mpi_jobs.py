@@ -6,6 +6,7 @@ the second CI environment), so the same tests exercise whichever MPI the venv ho
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -22,15 +23,17 @@ MPIEXEC = find_mpiexec()
 JOB_TIMEOUT_S = 120
 
 
+@functools.lru_cache(maxsize=1)
 def mpi_kind() -> str:
     out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True).stdout
     return "openmpi" if "Open MPI" in out else "mpich" if "HYDRA" in out else "other"
 
 
-def job_command(args: list[str], np: int = 4, ulfm: bool = False) -> list[str]:
-    flags = mpiexec_flags(MPIEXEC, np)
-    if ulfm:
-        flags = ["--with-ft", "ulfm", *flags]
+def job_command(args: list[str], np: int = 4, ulfm: bool | None = None) -> list[str]:
+    """`ulfm=None`: what `coordinator run` does when it launches itself (ULFM under Open MPI)."""
+    if ulfm is None:
+        ulfm = mpi_kind() == "openmpi"
+    flags = mpiexec_flags(MPIEXEC, np, ulfm=ulfm)
     return [MPIEXEC, *flags, sys.executable, "-m", "coordinator", *args]
 
 
@@ -41,7 +44,7 @@ class Done:
     stderr: str
 
 
-def start(args: list[str], np: int = 4, ulfm: bool = False, cwd: Path | None = None
+def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | None = None
           ) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(job_command(args, np, ulfm), stdout=subprocess.PIPE,
@@ -82,7 +85,9 @@ def ranks_of(db: Path) -> list[int]:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"coordinator" in cmd and str(db).encode() in cmd:
+        # ranks only: the launcher's own command line names the db too
+        if (cmd and os.path.basename(cmd[0]).startswith(b"python") and b"coordinator" in cmd
+                and str(db).encode() in cmd):
             pids.append(int(entry.name))
     return pids
 

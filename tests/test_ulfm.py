@@ -1,0 +1,104 @@
+"""A worker process that dies in mid-task (SIGKILL from outside).
+
+Open MPI with ULFM (`--with-ft ulfm`): the master learns of the death through MPI's
+process-failure error, recovers the task at once (not at the watchdog deadline) and finishes
+the campaign with the survivors. MPICH cannot survive a rank's death (the job dies): there the
+recovery is `--resume`, and it must lose nothing either.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from mpi_jobs import (
+    check_conservation,
+    finish,
+    kill_job,
+    kill_ranks,
+    master_pid,
+    mpi_kind,
+    query,
+    ranks_of,
+    run,
+    start,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
+
+WATCHDOG_S = 60  # far longer than the recovery we expect
+
+
+def busy_worker_pid(db, master: int) -> tuple[int, int]:
+    """(rank, pid) of a worker that holds a dispatch right now."""
+    rank = wait_for(db, "SELECT rank FROM dispatches ORDER BY rank LIMIT 1",
+                    lambda r: r is not None)
+    pid = wait_for(db, f"SELECT pid FROM workers WHERE rank = {rank}", lambda p: p)
+    assert pid != master and pid in ranks_of(db)
+    return rank, pid
+
+
+def test_a_killed_worker_is_recovered_at_once_and_the_run_completes(tmp_path):
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "120", "--demo-work-ms", "40",
+            "--watchdog", str(WATCHDOG_S), "--no-progress"]
+    ulfm = mpi_kind() == "openmpi"
+    proc = start(args, ulfm=ulfm)
+    try:
+        master = master_pid(db)
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 10)
+        rank, pid = busy_worker_pid(db, master)
+        os.kill(pid, signal.SIGKILL)
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    if ulfm:
+        assert "died" in done.stderr, done.stderr[-2000:]
+        assert query(db, "SELECT count(*) FROM events WHERE kind='worker_failed'") == [(1,)]
+        assert query(db, f"SELECT state FROM workers WHERE rank={rank}") == [("failed",)]
+        # recovered well under the watchdog: from the death's event to the requeue
+        [(lag,)] = query(db, "SELECT r.at - f.at FROM events f JOIN events r "
+                             "ON r.task_id = f.task_id AND r.kind = 'requeued' "
+                             "WHERE f.kind = 'worker_failed'")
+        assert 0 <= lag < 1.0
+        [(took,)] = query(db, "SELECT f.at - d.at FROM events f JOIN events d "
+                              "ON d.token = f.token AND d.kind = 'dispatched' "
+                              "WHERE f.kind = 'worker_failed'")
+        assert took < WATCHDOG_S / 2  # noticed by MPI, not by the deadline
+    else:
+        # MPICH: the launcher kills every rank; the database decides what happened.
+        kill_ranks(db)
+        assert query(db, "SELECT count(*) FROM tasks WHERE state='done'")[0][0] < 120
+        again = run(args[:1] + ["--resume"] + args[1:])
+        assert again.returncode == 0, again.stderr
+    check_conservation(db, expected_tasks=120)
+    assert query(db, "SELECT count(*) FROM results") == [(120,)]
+
+
+@pytest.mark.skipif(mpi_kind() != "openmpi", reason="ULFM is an Open MPI feature; the MPICH "
+                    "case of a dead worker is the resume path of the test above")
+def test_with_every_worker_dead_the_master_stops_with_everything_saved(tmp_path):
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "60", "--demo-work-ms", "100",
+            "--no-progress"]
+    proc = start(args, np=3, ulfm=True)
+    try:
+        master = master_pid(db)
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 2)
+        for pid in ranks_of(db):
+            if pid != master:
+                os.kill(pid, signal.SIGKILL)
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    assert "no workers left" in done.stderr, done.stderr[-2000:]
+    check_conservation(db, expected_tasks=60)
+    left = query(db, "SELECT count(*) FROM tasks WHERE state='queued'")[0][0]
+    assert left > 0
+    again = run(args[:1] + ["--resume"] + args[1:], np=3, ulfm=True)
+    assert again.returncode == 0, again.stderr
+    check_conservation(db, expected_tasks=60)
+    assert query(db, "SELECT count(*) FROM results") == [(60,)]
