@@ -331,8 +331,11 @@ class Master:
         with self.store.reading() as conn:
             text = stats_text(read_stats(conn))
         tmp = self.config.stats_file.with_name(self.config.stats_file.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.config.stats_file)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, self.config.stats_file)
+        except OSError as e:  # a convenience copy: the numbers stay in the database
+            log.warning("cannot write the stats file %s: %s", self.config.stats_file, e)
 
     # -- graceful stop -----------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:

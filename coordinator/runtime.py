@@ -129,6 +129,14 @@ def _master(cfg: RunConfig, transport) -> int:
               f"and continue with --resume", file=sys.stderr, flush=True)
         transport.abort(EXIT_STORE)
         return EXIT_STORE
+    except OSError as e:
+        # Test cases could not be written (disk full, read-only output): the round that
+        # wanted them rolled back, so its task runs again after --resume.
+        print(f"coordinator: cannot write output: {e}\ncoordinator: stopped; nothing is lost "
+              f"— free space or fix the output directory and continue with --resume",
+              file=sys.stderr, flush=True)
+        transport.abort(EXIT_STORE)
+        return EXIT_STORE
     except BaseException:
         # Anything unhandled aborts the job instead of leaving the workers waiting for ever;
         # the database holds every committed transition, so --resume continues from there.
