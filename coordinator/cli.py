@@ -109,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="bounded wait for each worker's STOP_ACK (default 10)")
     r.add_argument("--max-message-bytes", type=int_range(1024), default=64 << 20,
                    help="larger worker messages are quarantined as malformed (default 64 MiB)")
-    r.add_argument("--progress", action=argparse.BooleanOptionalAction,
-                   default=sys.stderr.isatty(), help="live progress display (default: on a "
-                                                     "terminal)")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="live progress display (default: on when `coordinator run` launches "
+                        "itself from a terminal)")
     r.add_argument("--summary-json", type=Path, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
                         "peak memory) as JSON at exit, for scripts")
@@ -226,6 +226,9 @@ def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
               "start the job with your MPI's mpiexec", file=sys.stderr)
         return EXIT_USAGE
     rest = _strip_launch_options(args)
+    if ns.progress is None and sys.stderr.isatty():
+        # Under mpiexec a rank's stderr is a pipe: decide here, where the terminal is.
+        rest.insert(1, "--progress")
     cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
            "coordinator", *rest]
     sys.stdout.flush()

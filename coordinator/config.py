@@ -154,7 +154,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
         max_depth=ns.max_depth, stats_file=stats_file, stats_interval_s=ns.stats_interval,
         grace_s=ns.grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
-        demo_work_ms=ns.demo_work_ms, progress=ns.progress,
+        demo_work_ms=ns.demo_work_ms, progress=bool(ns.progress),
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
         summary_json=ns.summary_json,
     )

@@ -121,6 +121,9 @@ class Master:
                 self._periodic()
             self._shutdown()
         finally:
+            if self._progress.enabled:
+                with self.store.reading() as conn:
+                    self._progress.update(read_stats(conn))  # the last frame shows the end
             self._progress.stop()
             self.summary.elapsed_s = time.monotonic() - start
             self.write_stats()

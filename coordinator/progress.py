@@ -22,8 +22,9 @@ class Progress:
             return
         from rich.console import Console
         from rich.live import Live
-        self._live = Live("starting...", console=Console(stderr=True), refresh_per_second=4,
-                          transient=False)
+        # Asked for explicitly: the terminal is at the far end of mpiexec's output pipe.
+        self._live = Live("starting...", console=Console(stderr=True, force_terminal=True),
+                          refresh_per_second=4, transient=False)
         self._live.start()
 
     def due(self, now: float) -> bool:
