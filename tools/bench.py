@@ -44,11 +44,12 @@ if __name__ == "__main__":
 """
 
 
-def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float) -> tuple[float, float]:
+def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float,
+                ulfm: bool) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "futures_noop.py"
         script.write_text(FUTURES_CHILD)
-        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1), sys.executable, "-m",
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1, ulfm), sys.executable, "-m",
                "mpi4py.futures", str(script), str(tasks)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     for line in out.stdout.splitlines():
@@ -59,10 +60,10 @@ def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float) -> tuple
 
 
 def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
-                    timeout: float) -> dict:
+                    timeout: float, ulfm: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         db, summary = Path(d) / "bench.db", Path(d) / "summary.json"
-        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1), sys.executable, "-m",
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1, ulfm), sys.executable, "-m",
                "coordinator", "run", "--db", str(db), "--demo", str(tasks), "--synchronous",
                sync, "--no-progress", "--summary-json", str(summary)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -79,6 +80,9 @@ def main() -> int:
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch both with Open MPI's --with-ft ulfm, as `coordinator run` "
+                        "does when it launches itself (default on; ignored for other MPIs)")
     args = p.parse_args()
     modes = args.sync or ["FULL", "NORMAL"]
     mpiexec = find_mpiexec()
@@ -86,19 +90,21 @@ def main() -> int:
         raise SystemExit("no mpiexec beside this Python or on PATH")
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
     print(f"# {args.tasks} no-op tasks, {args.workers} workers, "
-          f"{version.splitlines()[0] if version else mpiexec}, {time.strftime('%Y-%m-%d')}")
+          f"{version.splitlines()[0] if version else mpiexec}"
+          f"{' with --with-ft ulfm' if args.ulfm and 'Open MPI' in version else ''}, "
+          f"{time.strftime('%Y-%m-%d')}")
 
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
-    fut = [run_futures(mpiexec, args.tasks, args.workers, args.timeout)
+    fut = [run_futures(mpiexec, args.tasks, args.workers, args.timeout, args.ulfm)
            for _ in range(args.repeat)]
     fut_rate = median([r for r, _ in fut])
     print(f"futures (MPIPoolExecutor.map, chunksize=1): {fut_rate:,.0f} tasks/s, "
           f"client peak RSS {median([m for _, m in fut]):.0f} MiB")
     first = None
     for sync in modes:
-        runs = [run_coordinator(mpiexec, args.tasks, args.workers, sync, args.timeout)
+        runs = [run_coordinator(mpiexec, args.tasks, args.workers, sync, args.timeout, args.ulfm)
                 for _ in range(args.repeat)]
         run = sorted(runs, key=lambda r: r["tasks_per_s"])[len(runs) // 2]
         rate = run["tasks_per_s"]
