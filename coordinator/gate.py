@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
     (None, why it is invalid). The master plugs in the strict wire schema instead."""
     if body.get("status") not in RESULT_STATUSES:
         return None, f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
+    try:
+        json.dumps(body.get("value"), allow_nan=False)
+    except (TypeError, ValueError) as e:  # it could not be stored as a result
+        return None, f"value is not JSON-serialisable: {e}"[:300]
     return body, None
 
 

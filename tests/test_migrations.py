@@ -1,0 +1,358 @@
+"""Schema revisions: pytest-alembic's standard checks, plus what a user does with a campaign file.
+
+Every test runs on a real SQLite file in tmp_path, opened through the project's one engine
+factory (WAL, foreign keys, our own BEGIN IMMEDIATE), never an in-memory database.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from alembic import command
+from pytest_alembic.config import Config as AlembicTestConfig
+from pytest_alembic.runner import runner as alembic_test_runner
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.pool import NullPool
+
+from store import versioning
+from store.campaign import Store
+from store.engine import open_engine
+from store.errors import SchemaVersionError
+from store.schema import (
+    Channel,
+    EventKind,
+    LeaseKind,
+    QuarantineReason,
+    TaskState,
+    WorkerState,
+    metadata,
+)
+from store.tasks import NewTask, enqueue_tasks
+
+with warnings.catch_warnings():
+    # Their `@pytest.mark.alembic` is registered by the plugin's pytest_configure, which does
+    # not run here (see the `alembic_runner` fixture below).
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from pytest_alembic.tests import (  # noqa: F401  (collected as tests of this module)
+        test_model_definitions_match_ddl,
+        test_single_head_revision,
+        test_up_down_consistency,
+        test_upgrade,
+    )
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- pytest-alembic fixtures -------------------------------------------------------------------
+
+@pytest.fixture
+def alembic_config():
+    return versioning.alembic_config()
+
+
+@pytest.fixture
+def alembic_engine(tmp_path: Path):
+    """A connection, not the engine: pytest-alembic hands this object to env.py as
+    `config.attributes["connection"]`, and env.py (like `store.versioning.upgrade`) takes a
+    Connection there."""
+    engine = open_engine(tmp_path / "alembic.db")
+    with engine.connect() as conn:
+        yield conn
+    engine.dispose()
+
+
+@pytest.fixture
+def alembic_runner(alembic_config, alembic_engine):
+    """The plugin's own fixture, defined here: the plugin is switched off in pyproject.toml
+    (`-p no:pytest_alembic`) because its collector breaks under pytest 9 (`TestCollector` has
+    no `_nodeid`), so its fixtures are not registered."""
+    config = AlembicTestConfig.from_raw_config(alembic_config)
+    with alembic_test_runner(config=config, engine=alembic_engine) as context:
+        yield context
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _dump(path: Path) -> dict[str, object]:
+    """Every schema object and every row of the file, for before/after comparisons."""
+    conn = sqlite3.connect(path)
+    try:
+        objects = sorted(conn.execute(
+            "SELECT type, name, tbl_name, sql FROM sqlite_master ORDER BY type, name").fetchall(),
+            key=repr)
+        tables = [r[1] for r in objects if r[0] == "table" and not r[1].startswith("sqlite_")]
+        rows = {t: sorted(conn.execute(f'SELECT * FROM "{t}"').fetchall(), key=repr)
+                for t in tables}
+        return {"objects": objects, "rows": rows}
+    finally:
+        conn.close()
+
+
+def _with_campaign(path: Path, n: int = 3) -> None:
+    """A campaign with a few tasks (and a stored input), then closed."""
+    store = Store.open(path)
+    try:
+        with store.transaction() as tx:
+            enqueue_tasks(tx, [NewTask({"path": f"/seeds/{i}"}) for i in range(n)]
+                          + [NewTask({"path": "/seeds/stored"}, input_bytes=b"abc")])
+    finally:
+        store.close()
+
+
+def _table_count(path: Path, table: str) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]
+    finally:
+        conn.close()
+
+
+def _set_revision(path: Path, revision: str) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            conn.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+    finally:
+        conn.close()
+
+
+def _run_alembic(path: Path, *args: str) -> None:
+    """An alembic command through the project's config, on the project's engine."""
+    engine = open_engine(path)
+    try:
+        with engine.connect() as conn:
+            cfg = versioning.alembic_config()
+            cfg.attributes["connection"] = conn
+            getattr(command, args[0])(cfg, *args[1:])
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
+def _check_constraints(path: Path) -> dict[str, set[tuple[str, str]]]:
+    """table -> {(name, normalised CHECK text)} as SQLite holds them in the file's DDL."""
+    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+    try:
+        insp = inspect(engine)
+        return {t: {(c["name"], " ".join(c["sqltext"].split()))
+                    for c in insp.get_check_constraints(t)}
+                for t in insp.get_table_names() if t != "alembic_version"}
+    finally:
+        engine.dispose()
+
+
+# -- the command line and Store.open -----------------------------------------------------------
+
+def test_alembic_cli_upgrade_head_creates_a_database_store_open_accepts(tmp_path: Path):
+    db = tmp_path / "cli.db"
+    alembic = Path(sys.executable).with_name("alembic")
+    cmd = [str(alembic)] if alembic.exists() else [sys.executable, "-m", "alembic"]
+    proc = subprocess.run([*cmd, "-x", f"db={db}", "upgrade", "head"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert db.exists()
+
+    engine = open_engine(db)
+    try:
+        with engine.connect() as conn:
+            assert versioning.current_revision(conn) == versioning.head_revision()
+            assert set(inspect(conn).get_table_names()) >= set(metadata.tables)
+    finally:
+        engine.dispose()
+
+    store = Store.open(db)
+    try:
+        assert store.incarnation == 1
+        with store.transaction() as tx:
+            assert enqueue_tasks(tx, [NewTask({"path": "/seeds/x"})])
+    finally:
+        store.close()
+    assert _table_count(db, "tasks") == 1
+
+
+def test_store_open_creates_a_new_file_at_head(tmp_path: Path):
+    db = tmp_path / "new.db"
+    Store.open(db).close()
+    engine = open_engine(db)
+    try:
+        with engine.connect() as conn:
+            assert versioning.current_revision(conn) == versioning.head_revision()
+    finally:
+        engine.dispose()
+
+
+def test_store_open_refuses_a_newer_revision(tmp_path: Path):
+    db = tmp_path / "newer.db"
+    _with_campaign(db)
+    _set_revision(db, "ffffffff9999")
+    before = _dump(db)
+    with pytest.raises(SchemaVersionError) as info:
+        Store.open(db, resume=True)
+    err = info.value
+    assert err.newer is True
+    assert err.found == "ffffffff9999"
+    assert err.expected == versioning.head_revision()
+    assert "newer" in str(err)
+    assert "ffffffff9999" in str(err)
+    # versioning.upgrade refuses it too, and neither touched the file.
+    with pytest.raises(SchemaVersionError, match="newer"):
+        versioning.upgrade(db)
+    assert _dump(db) == before
+
+
+def test_store_open_refuses_an_unversioned_older_database(tmp_path: Path):
+    db = tmp_path / "older.db"
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("CREATE TABLE tasks (id INTEGER PRIMARY KEY, path TEXT)")
+        conn.execute("INSERT INTO tasks (path) VALUES ('/seeds/old')")
+    conn.close()
+    with pytest.raises(SchemaVersionError) as info:
+        Store.open(db, resume=True)
+    err = info.value
+    assert err.newer is False
+    assert err.found is None
+    assert "older" in str(err)
+    assert "coordinator db upgrade" in str(err)
+    assert str(db) in str(err)
+    # Refused, not "repaired": the old table and its row are untouched.
+    assert _table_count(db, "tasks") == 1
+
+
+def test_store_open_refuses_a_database_downgraded_to_base(tmp_path: Path):
+    db = tmp_path / "base.db"
+    Store.open(db).close()
+    _run_alembic(db, "downgrade", "base")
+    with pytest.raises(SchemaVersionError, match="coordinator db upgrade"):
+        Store.open(db)
+
+
+def test_upgrade_of_a_current_database_changes_nothing(tmp_path: Path):
+    db = tmp_path / "current.db"
+    _with_campaign(db)
+    before = _dump(db)
+    assert before["rows"]["tasks"] and before["rows"]["blobs"]
+    head = versioning.head_revision()
+    assert versioning.upgrade(db) == (head, head)
+    assert versioning.upgrade(db) == (head, head)
+    assert _dump(db) == before
+    # ... and the campaign still resumes with its rows.
+    store = Store.open(db, resume=True)
+    try:
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT count(*) FROM tasks")).scalar() == 4
+    finally:
+        store.close()
+
+
+def test_upgrade_from_nothing_reports_none_then_head(tmp_path: Path):
+    db = tmp_path / "empty.db"
+    assert versioning.upgrade(db) == (None, versioning.head_revision())
+
+
+def test_downgrade_to_base_and_upgrade_again(tmp_path: Path):
+    db = tmp_path / "roundtrip.db"
+    Store.open(db).close()
+    schema_at_head = _dump(db)["objects"]
+
+    _run_alembic(db, "downgrade", "base")
+    engine = open_engine(db)
+    try:
+        with engine.connect() as conn:
+            assert versioning.current_revision(conn) is None
+            assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
+    finally:
+        engine.dispose()
+
+    head = versioning.head_revision()
+    assert versioning.upgrade(db) == (None, head)
+    assert _dump(db)["objects"] == schema_at_head
+    # A usable campaign file again.
+    store = Store.open(db, resume=True)
+    try:
+        with store.transaction() as tx:
+            assert enqueue_tasks(tx, [NewTask({"path": "/seeds/again"})])
+    finally:
+        store.close()
+
+
+def test_migrated_schema_enforces_the_invariants(tmp_path: Path):
+    """What the module docstring of store/schema.py promises, checked on a migrated file."""
+    db = tmp_path / "inv.db"
+    versioning.upgrade(db)
+    engine = open_engine(db)
+    try:
+        with engine.connect() as conn:
+            insp = inspect(conn)
+            uniques = {t: {tuple(u["column_names"]) for u in insp.get_unique_constraints(t)}
+                       for t in ("dispatches", "results", "leases", "tasks")}
+            assert {("rank",), ("task_id",)} <= uniques["dispatches"]
+            assert ("token",) in uniques["results"]
+            assert ("kind", "key") in uniques["leases"]
+            assert ("semantic_id",) in uniques["tasks"]
+            assert insp.get_pk_constraint("results")["constrained_columns"] == ["task_id"]
+            fks = insp.get_foreign_keys("leases")
+            assert [(fk["referred_table"], fk["options"].get("ondelete")) for fk in fks] == [
+                ("dispatches", "CASCADE")]
+    finally:
+        engine.dispose()
+
+
+def test_migration_check_constraints_match_the_model(tmp_path: Path):
+    """Alembic's autogenerate does not compare CHECK constraints, so compare the DDL itself:
+    a file made by the migrations must refuse exactly what the model's enums refuse."""
+    migrated, modelled = tmp_path / "migrated.db", tmp_path / "modelled.db"
+    versioning.upgrade(migrated)
+    engine = create_engine(f"sqlite:///{modelled}", poolclass=NullPool)
+    metadata.create_all(engine)
+    engine.dispose()
+    got, want = _check_constraints(migrated), _check_constraints(modelled)
+    assert any(want.values()), "the DDL parser found no CHECK constraints"
+    diff = {t: {"migration only": sorted(got[t] - want[t]), "model only": sorted(want[t] - got[t])}
+            for t in want if got.get(t) != want[t]}
+    assert not diff, diff
+
+
+def test_a_migrated_file_accepts_every_enum_value_the_code_writes(tmp_path: Path):
+    """The failure mode of CHECK drift is an IntegrityError in the middle of a master round
+    (e.g. a new EventKind without a revision): write every value once, on a migrated file."""
+    db = tmp_path / "enums.db"
+    versioning.upgrade(db)
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            for kind in EventKind:
+                conn.execute("INSERT INTO events (at, incarnation, kind) VALUES (0, 1, ?)",
+                             (kind.value,))
+            for channel in Channel:
+                for reason in QuarantineReason:
+                    conn.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank)"
+                                 " VALUES (0, 1, ?, ?, 1)", (channel.value, reason.value))
+            for i, state in enumerate(WorkerState):
+                conn.execute("INSERT INTO workers (rank, state, incarnation) VALUES (?, ?, 1)",
+                             (i + 1, state.value))
+            for i, state in enumerate(TaskState):
+                conn.execute("INSERT INTO tasks (semantic_id, payload, state, queue_pos, "
+                             "created_at, updated_at) VALUES (?, '{}', ?, 0, 0, 0)",
+                             (f"{i:064x}", state.value))
+            token = f"{1:064x}"
+            conn.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at)"
+                         " VALUES (?, 1, 1, 1, 0)", (token,))
+            for kind in LeaseKind:
+                conn.execute("INSERT INTO leases (token, kind, key) VALUES (?, ?, 'k')",
+                             (token, kind.value))
+        # ... and still refuses what is not a value of the enum.
+        for sql in ("INSERT INTO events (at, incarnation, kind) VALUES (0, 1, 'bogus')",
+                    "INSERT INTO quarantine (at, incarnation, channel, reason, rank) "
+                    "VALUES (0, 1, 'result', 'bogus', 1)",
+                    "UPDATE tasks SET state = 'bogus' WHERE id = 1"):
+            with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+                with conn:
+                    conn.execute(sql)
+    finally:
+        conn.close()

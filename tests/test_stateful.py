@@ -1,0 +1,1045 @@
+"""The generation gate and the store under arbitrary interleavings (Hypothesis stateful).
+
+A model of the master's protocol state (dispatches, marks, worker states, queue order, retry
+budget, quarantine and event counts) is driven side by side with a real `Store` + `Gate` on a
+real SQLite file. After every step the file itself is checked by SQL: the schema-level
+invariants (one dispatch per rank and per task, leases owned by their dispatch, one result per
+task, only current tokens committed, no task lost), the statistics against the rows they
+count, `PRAGMA integrity_check` and `PRAGMA foreign_key_check` -- and the whole observable
+state against the model.
+
+The model is an independent oracle: it classifies READY and RESULT messages from SPEC §3 on
+its own, without calling `coordinator.protocol`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sqlalchemy import text
+
+from coordinator.gate import Gate, Inbound, Undecodable
+from store import dispatches as dsp
+from store.campaign import Store
+from store.errors import CampaignExistsError
+from store.journal import RetryPolicy
+from store.semantic import canonical_json
+from store.stats import read_stats
+from store.tasks import NewTask, enqueue_tasks
+
+RANKS = (1, 2, 3)
+POLICY = RetryPolicy(retries=1, max_attempts=4)
+DEADLINE_S = 5.0
+READY_KEY = "completed_dispatch_token"
+STATES = ("queued", "active", "done", "deferred", "failed")
+_TOKEN = re.compile(r"[0-9a-f]{64}")
+
+# The task catalogue: (name, payload extras, stored input bytes, input file present at start).
+# b/c share a target branch and d/f share their stored input (a content lease), so some queued
+# tasks must wait while another holds the lease; g's file never exists, a/b/c's files come and
+# go, so deferred plain tasks are sometimes refused at resume; d/f (stored) and e
+# (continuation) are self-contained.
+SHARED = b"shared input bytes"
+CATALOG: list[tuple[str, dict[str, Any], bytes | None, bool]] = [
+    ("a", {}, None, True),
+    ("b", {"target_branch": 7}, None, True),
+    ("c", {"target_branch": 7, "focus_bytes": [1, 2]}, None, True),
+    ("d", {}, SHARED, False),
+    ("e", {"continuation": {"resume_at": 3}}, None, False),
+    ("f", {"schedule_prefix": [1, 2]}, SHARED, False),
+    ("g", {}, None, False),
+]
+TOGGLABLE = (0, 1, 2)  # a, b, c: plain tasks whose input file may disappear and come back
+
+TRIGGER = "refuse_deferral"
+CREATE_TRIGGER = (f"CREATE TRIGGER {TRIGGER} BEFORE UPDATE OF state ON tasks "
+                  f"WHEN NEW.state = 'deferred' "
+                  f"BEGIN SELECT RAISE(ABORT, 'injected: the deferral cannot be written'); END")
+
+
+def _is_token(v: object) -> bool:
+    return type(v) is str and _TOKEN.fullmatch(v) is not None
+
+
+def _fresh_token(*parts: object) -> str:
+    """A canonical token that no dispatch was ever given."""
+    return hashlib.sha256(("never-issued:" + ":".join(map(str, parts))).encode()).hexdigest()
+
+
+def _sanitized_bitmap(v: object) -> int:
+    return v if type(v) is int and -1 <= v <= 0 else -1  # the campaign's bitmap version is 0
+
+
+@dataclass
+class MTask:
+    idx: int
+    id: int
+    keys: frozenset[tuple[str, str]]  # the non-work leases a dispatch of it holds
+    self_contained: bool
+    path: str
+    state: str = "queued"
+    pos: int = 0
+    attempts: int = 0
+    dispatches: int = 0
+    deferred_at: float = 0.0
+
+
+@dataclass
+class MDispatch:
+    token: str
+    rank: int
+    task_id: int
+    created: float
+    deadline: float | None
+    ready: bool = False
+    invalid: str | None = None
+
+
+class GateMachine(RuleBasedStateMachine):
+    """One campaign file per example; the model predicts every row the protocol writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = Path(tempfile.mkdtemp(prefix="stateful-"))
+        self.path = self.tmp / "campaign.db"
+        (self.tmp / "inputs").mkdir()
+        self.now = 1000.0
+        self.store: Store | None = None
+        self._open(resume=False)
+        # -- the model --
+        self.payloads = []
+        for name, extra, stored, present in CATALOG:
+            p = str(self.tmp / "inputs" / name)
+            self.payloads.append({"path": p, **extra})
+            if present:
+                Path(p).write_bytes(b"seed " + name.encode())
+        self.tasks: dict[int, MTask] = {}       # task id -> model task
+        self.by_idx: dict[int, int] = {}        # catalogue index -> task id
+        self.blobs: set[bytes] = set()          # input bytes the store holds
+        self.active: dict[int, MDispatch] = {}  # rank -> current dispatch
+        self.wstate = {r: "unknown" for r in RANKS}
+        self.parked: dict[int, str | None] = {r: None for r in RANKS}
+        self.bitmap: dict[int, int | None] = {r: None for r in RANKS}
+        self.issued: dict[int, list[str]] = {r: [] for r in RANKS}
+        self.committed: dict[int, tuple[str, int]] = {}  # task id -> (token, rank)
+        self.committed_as_current: set[str] = set()
+        self.quarantine: Counter[tuple[str, str]] = Counter()
+        self.events: Counter[str] = Counter(campaign=1)
+        self.defer_blocked = False
+        self.incarnation = 1
+        self.stopping = False  # SIGTERM seen: no more dispatching in this incarnation
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _clock(self) -> float:
+        return self.now
+
+    def _open(self, *, resume: bool) -> None:
+        self.store = Store.open(self.path, resume=resume, policy=POLICY, clock=self._clock,
+                                synchronous="NORMAL")
+        self.gate = Gate(self.store)
+
+    def teardown(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- the model's queue -------------------------------------------------------------------
+    def _queued(self) -> list[MTask]:
+        return sorted((t for t in self.tasks.values() if t.state == "queued"),
+                      key=lambda t: (t.pos, t.id))
+
+    def _head(self) -> int:
+        q = [t.pos for t in self.tasks.values() if t.state == "queued"]
+        return min(min(q) if q else 0, 0) - 1
+
+    def _tail(self) -> int:
+        q = [t.pos for t in self.tasks.values() if t.state == "queued"]
+        return (max(q) if q else 0) + 1
+
+    def _to_head(self, t: MTask) -> None:
+        t.pos = self._head()
+        t.state = "queued"
+
+    def _retry(self, d: MDispatch, *, protocol: bool = True) -> None:
+        """_apply_retry, as SPEC R7/R8 and the ceiling say it must behave. A task whose run
+        failed (a `timeout` RESULT) is retried alike but counted apart from protocol
+        failures."""
+        t = self.tasks[d.task_id]
+        t.attempts += 1
+        if t.attempts >= POLICY.max_attempts:
+            t.state = "failed"
+            self.events["failed"] += 1
+        elif t.attempts <= POLICY.retries:
+            self._to_head(t)
+            self.events["requeued" if protocol else "retried"] += 1
+        elif self.defer_blocked:
+            self._to_head(t)  # R8: the deferral could not be written; never dropped
+            self.events["defer_failed"] += 1
+        else:
+            t.state = "deferred"
+            t.deferred_at = self.now
+            self.events["deferred" if protocol else "task_deferred"] += 1
+
+    def _recover(self, d: MDispatch, *, protocol: bool = True) -> None:
+        del self.active[d.rank]
+        self._retry(d, protocol=protocol)
+
+    def _quarantine(self, channel: str, reason: str) -> None:
+        self.quarantine[(channel, reason)] += 1
+
+    def _expected_ready(self, rank: int) -> str | None:
+        d = self.active.get(rank)
+        if d is not None:
+            return d.token
+        return self.parked[rank] if self.wstate[rank] == "parked" else None
+
+    # -- rules -------------------------------------------------------------------------------
+    @initialize(idxs=st.lists(st.integers(0, len(CATALOG) - 1), max_size=5),
+                ranks=st.lists(st.sampled_from(RANKS), unique=True))
+    def a_running_campaign(self, idxs: list[int], ranks: list[int]) -> None:
+        """Most examples start with some work queued and some workers announced."""
+        if idxs:
+            self.enqueue(idxs, False)
+        for r in ranks:
+            self.ready_empty(r, 0)
+
+    @precondition(lambda self: len(self.by_idx) < len(CATALOG))
+    @rule(idxs=st.lists(st.integers(0, len(CATALOG) - 1), min_size=1, max_size=3),
+          skip_known_content=st.booleans())
+    def enqueue(self, idxs: list[int], skip_known_content: bool) -> None:
+        """New work at the tail; a known payload is the same task (INSERT OR IGNORE); with
+        `skip_known_content` (what results feed back), known input bytes are not enqueued."""
+        with self.store.transaction() as tx:
+            created = enqueue_tasks(tx, [NewTask(self.payloads[i], CATALOG[i][2]) for i in idxs],
+                                    skip_known_content=skip_known_content)
+        fresh: list[int] = []
+        for i in idxs:
+            stored = CATALOG[i][2]
+            if i in self.by_idx or i in fresh:
+                continue
+            if skip_known_content and stored is not None and stored in self.blobs:
+                continue
+            fresh.append(i)
+            if stored is not None:
+                self.blobs.add(stored)
+        assert len(created) == len(fresh), (idxs, created, fresh)
+        pos = self._tail()
+        for i, tid in zip(fresh, created):
+            name, extra, stored, _ = CATALOG[i]
+            keys = set()
+            if "target_branch" in extra:
+                keys.add(("target", str(extra["target_branch"])))
+            if stored is not None:
+                keys.add(("content", hashlib.sha256(stored).hexdigest()))
+            if "schedule_prefix" in extra:
+                keys.add(("schedule", canonical_json(extra["schedule_prefix"])))
+            self.tasks[tid] = MTask(i, tid, frozenset(keys),
+                                    stored is not None or "continuation" in extra,
+                                    self.payloads[i]["path"], pos=pos)
+            self.by_idx[i] = tid
+            self.events["enqueued"] += 1
+            pos += 1
+
+    # -- READY -------------------------------------------------------------------------------
+    def _ready_body(self, rank: int, kind: str, bitmap: object, data: st.DataObject) -> object:
+        expected = self._expected_ready(rank)
+        own = [t for t in self.issued[rank] if t != expected]
+        others = [t for r in RANKS if r != rank for t in self.issued[r]]
+        base = expected or (self.issued[rank][-1] if self.issued[rank] else _fresh_token(rank))
+        token: object = None
+        if kind == "current":
+            token = expected if expected is not None else ""
+        elif kind == "empty":
+            token = ""
+        elif kind == "stale":  # an earlier token of this rank (from any incarnation)
+            token = data.draw(st.sampled_from(own)) if own else _fresh_token("stale", rank)
+        elif kind == "foreign":  # a token another rank was given
+            token = data.draw(st.sampled_from(others)) if others else _fresh_token("f", rank)
+        elif kind == "never_issued":
+            token = _fresh_token(self.now, rank, len(self.issued[rank]))
+        elif kind == "upper":
+            token = base.upper()
+        elif kind == "list":
+            token = [base]
+        elif kind == "short":
+            token = base[:63]
+        elif kind == "number":
+            token = 12345
+        body: dict[str, Any] = {"rank": rank, "bitmap_version": bitmap,
+                                "empirical_profile_version": "p1", READY_KEY: token}
+        if kind == "absent":
+            del body[READY_KEY]
+        elif kind == "not_mapping":
+            return [rank, base]
+        elif kind == "undecodable":
+            return Undecodable("truncated msgpack")
+        return body
+
+    def _send_ready(self, rank: int, body: object, bitmap: object = 0) -> str:
+        """Apply one READY; the oracle is SPEC §3's READY table. Returns the status."""
+        expected = self._expected_ready(rank)
+        if not isinstance(body, dict):
+            status = "malformed"
+        else:
+            tok = body.get(READY_KEY)
+            present = tok is not None and tok != ""
+            if present and not _is_token(tok):
+                status = "malformed"
+            elif expected is None:
+                status = "idle"
+            elif not present:
+                status = "missing"
+            else:
+                status = "current" if tok == expected else "stale"
+
+        with self.store.transaction() as tx:
+            out = self.gate.apply_ready(tx, [Inbound(rank, body)])
+        assert [(r, s.value) for r, s in out.statuses] == [(rank, status)]
+
+        if status == "idle":
+            self.wstate[rank] = "idle"
+            self.bitmap[rank] = _sanitized_bitmap(bitmap)
+        elif status == "current" and rank not in self.active:  # a parked rank echoed its token
+            assert out.recovered_workers == [rank]
+            self.wstate[rank], self.parked[rank] = "idle", None
+            self.bitmap[rank] = _sanitized_bitmap(bitmap)
+            self.events["worker_recovered"] += 1
+        elif status == "current":
+            d = self.active[rank]
+            if not d.ready:
+                self.events["ready"] += 1
+            d.ready = True
+        else:
+            self._quarantine("ready", status)
+        if status != "current" or rank in self.active:
+            assert out.recovered_workers == []
+        return status
+
+    @precondition(lambda self: any(self._expected_ready(r) is None for r in RANKS))
+    @rule(data=st.data(), bitmap=st.sampled_from([0, -1, -2, 1, True, "0", 0.5]))
+    def ready_idle(self, data: st.DataObject, bitmap: object) -> None:
+        """A worker's first READY, or a READY after its RESULT committed."""
+        rank = data.draw(st.sampled_from([r for r in RANKS if self._expected_ready(r) is None]))
+        self.ready_empty(rank, bitmap)
+
+    def ready_empty(self, rank: int, bitmap: object) -> None:
+        self._send_ready(rank, {"rank": rank, "bitmap_version": bitmap,
+                                "empirical_profile_version": "p1", READY_KEY: ""}, bitmap)
+
+    @precondition(lambda self: any(self._expected_ready(r) for r in RANKS))
+    @rule(data=st.data())
+    def ready_current(self, data: st.DataObject) -> None:
+        rank = data.draw(st.sampled_from([r for r in RANKS if self._expected_ready(r)]))
+        self._send_ready(rank, self._ready_body(rank, "current", 0, data))
+
+    @rule(rank=st.sampled_from(RANKS),
+          kind=st.sampled_from(["stale", "foreign", "never_issued", "upper", "list", "short",
+                                "number", "absent", "not_mapping", "undecodable"]),
+          bitmap=st.sampled_from([0, -1, 5, None]),
+          data=st.data())
+    def ready_odd(self, rank: int, kind: str, bitmap: object, data: st.DataObject) -> None:
+        """Stale, foreign, never-issued, malformed or token-less READY messages."""
+        self._send_ready(rank, self._ready_body(rank, kind, bitmap, data), bitmap)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    @precondition(lambda self: not self.stopping
+                  and any(s == "idle" for s in self.wstate.values()))
+    @rule(data=st.data())
+    def dispatch(self, data: st.DataObject) -> None:
+        # (Arguments are drawn inside: Hypothesis favours rules with fewer arguments, and the
+        # rules that make progress should not be the rare ones.)
+        idle = data.draw(st.permutations(sorted(r for r in RANKS if self.wstate[r] == "idle")))
+        with_deadline = data.draw(st.booleans(), label="with_deadline")
+        # The model's pick: queue order, skipping tasks whose leases are held or already taken.
+        held = {k for d in self.active.values() for k in self.tasks[d.task_id].keys}
+        picks: list[MTask] = []
+        for t in self._queued():
+            if len(picks) == len(idle):
+                break
+            if t.keys & held:
+                continue
+            held |= t.keys
+            picks.append(t)
+        with self.store.transaction() as tx:
+            plan = self.gate.plan_dispatches(tx, idle,
+                                             deadline_s=DEADLINE_S if with_deadline else None)
+        assert [(p.rank, p.task.id) for p in plan] == [(r, t.id) for r, t in zip(idle, picks)]
+        # Some sends may fail (the rank died): pre-send compensation rewinds those exactly.
+        unsent = (data.draw(st.sets(st.sampled_from([p.rank for p in plan])), label="unsent")
+                  if plan and data.draw(st.integers(0, 4), label="send_failures") == 0
+                  else set())
+        with self.store.transaction() as tx:
+            for p in plan:
+                if p.rank in unsent:
+                    assert dsp.cancel_dispatch(tx, p.rank, p.token, detail="send failed")
+            dsp.mark_sent(tx, [p.token for p in plan if p.rank not in unsent])
+        all_issued = {t for ts in self.issued.values() for t in ts}
+        for p, t in zip(plan, picks):
+            assert _is_token(p.token) and p.token not in all_issued
+            self.issued[p.rank].append(p.token)
+            self.events["dispatched"] += 1
+            if p.rank in unsent:  # the task keeps its queue place; nothing is counted
+                self.events["send_failed"] += 1
+                continue
+            self.active[p.rank] = MDispatch(p.token, p.rank, t.id, self.now,
+                                            self.now + DEADLINE_S if with_deadline else None)
+            t.state = "active"
+            t.dispatches += 1
+            self.wstate[p.rank] = "busy"
+
+    # -- RESULT ------------------------------------------------------------------------------
+    def _result_body(self, rank: int, kind: str, data: st.DataObject,
+                     active: dict[int, MDispatch]) -> object:
+        d = active.get(rank)
+        base = d.token if d else (self.issued[rank][-1] if self.issued[rank]
+                                  else _fresh_token("r", rank))
+        if kind in ("ok", "error", "timeout"):
+            return {"token": base, "status": kind, "value": {"n": 1, "rank": rank}}
+        if kind == "bogus":
+            return {"token": base, "status": "bogus"}
+        if kind == "no_status":
+            return {"token": base, "value": 1}
+        if kind == "missing":
+            return {"status": "ok"}
+        if kind == "empty":
+            return {"token": "", "status": "ok"}
+        if kind == "upper":
+            return {"token": base.upper(), "status": "ok"}
+        if kind == "list":
+            return {"token": [base], "status": "ok"}
+        if kind == "not_mapping":
+            return ["token", base]
+        if kind == "undecodable":
+            return Undecodable("bad frame")
+        if kind == "stale":  # an earlier token of this rank (from any incarnation): late
+            old = [t for t in self.issued[rank] if d is None or t != d.token]
+            tok = data.draw(st.sampled_from(old)) if old else _fresh_token("s", rank)
+            return {"token": tok, "status": "ok"}
+        if kind == "foreign":
+            others = [t for r in RANKS if r != rank for t in self.issued[r]]
+            tok = data.draw(st.sampled_from(others)) if others else _fresh_token("x", rank)
+            return {"token": tok, "status": "ok"}
+        assert kind == "duplicate"  # a RESULT already committed from this rank, again
+        dup = [tok for tok, r in self.committed.values() if r == rank]
+        return {"token": data.draw(st.sampled_from(dup)) if dup else _fresh_token("d", rank),
+                "status": "ok"}
+
+    def _send_results(self, msgs: list[tuple[int, str]], data: st.DataObject) -> list[str]:
+        """One RESULT drain, all messages in one transaction; the oracle is SPEC §3's RESULT
+        classification. Returns the statuses."""
+        bodies: list[Inbound] = []
+        expect: list[tuple[int, str]] = []
+        commits: list[MDispatch] = []
+        retried: list[int] = []
+        active = dict(self.active)  # as the batch sees it: a commit retires the rank at once
+        for rank, kind in msgs:
+            body = self._result_body(rank, kind, data, active)
+            bodies.append(Inbound(rank, body))
+            d = active.get(rank)
+            if d is None:
+                status = "unowned"
+            elif not isinstance(body, dict):
+                status = "malformed"
+            elif body.get("token") in (None, ""):
+                status = "missing"
+            elif not _is_token(body["token"]):
+                status = "malformed"
+            elif body["token"] != d.token:
+                status = "stale"
+            else:
+                status = "current"
+            expect.append((rank, status))
+            if status == "current" and body.get("status") == "timeout":
+                # A valid answer that the run failed: retried, not committed; the rank frees
+                # up once its READY is seen.
+                del active[rank]
+                self._recover(d, protocol=False)
+                self.events["task_failed"] += 1
+                self.wstate[rank] = "idle" if d.ready else "busy"
+                retried.append(rank)
+            elif status == "current" and body.get("status") in ("ok", "error"):
+                commits.append(d)
+                del active[rank]
+            elif status == "current":
+                self._quarantine("result", "payload")
+                self._mark_invalid(d, "payload")
+            else:
+                self._quarantine("result", status)
+                if status in ("missing", "malformed"):
+                    self._mark_invalid(d, status)
+
+        with self.store.transaction() as tx:
+            out = self.gate.apply_results(tx, bodies)
+        assert [(r, s.value) for r, s in out.statuses] == expect
+        assert sorted((c.rank, c.token) for c in out.committed) == sorted(
+            (d.rank, d.token) for d in commits)
+        assert out.retried == retried
+        for d in commits:
+            self.committed_as_current.add(d.token)
+            self.committed[d.task_id] = (d.token, d.rank)
+            self.tasks[d.task_id].state = "done"
+            del self.active[d.rank]
+            self.wstate[d.rank] = "idle" if d.ready else "busy"
+            self.events["committed"] += 1
+        return [s for _, s in expect]
+
+    def _mark_invalid(self, d: MDispatch, reason: str) -> None:
+        d.invalid = reason
+        self.events["invalid"] += 1
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), status=st.sampled_from(["ok", "error"]))
+    def result_current(self, data: st.DataObject, status: str) -> None:
+        rank = data.draw(st.sampled_from(sorted(self.active)))
+        assert self._send_results([(rank, status)], data) == ["current"]
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), ready_first=st.booleans())
+    def result_timeout(self, data: st.DataObject, ready_first: bool) -> None:
+        """The executor's run timed out: a valid RESULT that sends the task to the retry
+        policy (counted apart from protocol failures)."""
+        rank = data.draw(st.sampled_from(sorted(self.active)))
+        ready = {"rank": rank, "bitmap_version": 0, "empirical_profile_version": "p1",
+                 READY_KEY: self.active[rank].token}
+        if ready_first:
+            self._send_ready(rank, ready)
+        assert self._send_results([(rank, "timeout")], data) == ["current"]
+        if not ready_first:
+            self._send_ready(rank, ready)
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), kind=st.sampled_from(["bogus", "no_status", "missing", "empty",
+                                                "upper", "list", "not_mapping",
+                                                "undecodable"]))
+    def result_invalid(self, data: st.DataObject, kind: str) -> None:
+        rank = data.draw(st.sampled_from(sorted(self.active)))
+        self._send_results([(rank, kind)], data)
+
+    @rule(msgs=st.lists(st.tuples(
+              st.sampled_from(RANKS),
+              st.sampled_from(["ok", "ok", "error", "timeout", "bogus", "missing", "upper",
+                               "not_mapping", "stale", "stale", "foreign", "duplicate",
+                               "duplicate"])),
+          min_size=1, max_size=3),
+          data=st.data())
+    def result_drain(self, msgs: list[tuple[int, str]], data: st.DataObject) -> None:
+        """A drain of 1-3 RESULTs from any ranks: late, stale, duplicate, same-round repeats."""
+        self._send_results(msgs, data)
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def worker_finishes(self, data: st.DataObject) -> None:
+        """What a live worker does (R1): RESULT, then READY with its token -- observed by the
+        master in either order; then, maybe, the round's recovery sweep."""
+        kind = data.draw(st.sampled_from(["ok", "ok", "error", "bogus", "missing"]),
+                         label="kind")
+        self._worker(data, data.draw(st.booleans(), label="ready_first"),
+                     data.draw(st.booleans(), label="then_sweep"), kind)
+
+    def _worker(self, data: st.DataObject, ready_first: bool, then_sweep: bool,
+                kind: str) -> None:
+        rank = data.draw(st.sampled_from(sorted(self.active)))
+        token = self.active[rank].token
+        ready = {"rank": rank, "bitmap_version": 0, "empirical_profile_version": "p1",
+                 READY_KEY: token}
+        if ready_first:
+            self._send_ready(rank, ready)
+            self._send_results([(rank, kind)], data)
+        else:
+            self._send_results([(rank, kind)], data)
+            self._send_ready(rank, ready)
+        if then_sweep:
+            self.sweep()
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data())
+    def worker_breaks(self, data: st.DataObject) -> None:
+        """A worker whose RESULT arrives broken, then its READY (either order), then the
+        round's sweep: the join recovers the dispatch (R3-R6) and the retry policy runs."""
+        kind = data.draw(st.sampled_from(["bogus", "no_status", "missing", "empty", "upper",
+                                          "list", "not_mapping", "undecodable"]), label="kind")
+        self._worker(data, data.draw(st.booleans(), label="ready_first"), True, kind)
+
+    @precondition(lambda self: self.active)
+    @rule()
+    def sweep(self) -> None:
+        joined = [self.active[r] for r in sorted(self.active)
+                  if self.active[r].ready and self.active[r].invalid]
+        with self.store.transaction() as tx:
+            recs = self.gate.sweep(tx)
+        assert [(r.rank, r.token) for r in recs] == [(d.rank, d.token) for d in joined]
+        for d, rec in zip(joined, recs):
+            self._recover(d)
+            self.wstate[d.rank] = "idle"  # its current READY was seen
+            self.events["recovered"] += 1
+            t = self.tasks[d.task_id]
+            assert (rec.outcome.value, rec.attempts, rec.defer_failed) == (
+                "queued" if t.state == "queued" else t.state, t.attempts,
+                self.defer_blocked and t.state == "queued" and t.attempts > POLICY.retries)
+
+    def _deadlines(self) -> bool:
+        return any(d.deadline is not None for d in self.active.values())
+
+    @precondition(_deadlines)
+    @rule(dt=st.sampled_from([1.0, DEADLINE_S, 6.0]))  # DEADLINE_S: exactly at a deadline
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+
+    @precondition(_deadlines)
+    @rule()
+    def watchdog(self) -> None:
+        """Dispatches past their deadline are retired (no join will come: the worker died or
+        hung, or its RESULT was lost after its READY). A rank whose READY was not seen is
+        parked until it echoes the retired token; one that did send it is free."""
+        expired = [self.active[r] for r in sorted(self.active)
+                   if self.active[r].deadline is not None and self.active[r].deadline < self.now]
+        with self.store.transaction() as tx:
+            recs = self.gate.watchdog(tx)
+        assert [(r.rank, r.token) for r in recs] == [(d.rank, d.token) for d in expired]
+        for d in expired:
+            self._recover(d)
+            self.events["watchdog"] += 1
+            if d.ready:
+                self.wstate[d.rank] = "idle"
+            else:
+                self.wstate[d.rank], self.parked[d.rank] = "parked", d.token
+
+    @precondition(lambda self: self.active)
+    @rule()
+    def toggle_deferral_failure(self) -> None:
+        """Make every deferral write fail (as a full disk would), or heal it again."""
+        sql = f"DROP TRIGGER {TRIGGER}" if self.defer_blocked else CREATE_TRIGGER
+        with self.store.engine.begin() as conn:
+            conn.exec_driver_sql(sql)
+        self.defer_blocked = not self.defer_blocked
+
+    @precondition(lambda self: any(t.state == "deferred" for t in self.tasks.values()))
+    @rule(i=st.sampled_from(TOGGLABLE))
+    def toggle_input(self, i: int) -> None:
+        p = Path(self.payloads[i]["path"])
+        if p.exists():
+            p.unlink()
+        else:
+            p.write_bytes(b"back again")
+
+    @precondition(lambda self: self.active and not self.stopping)
+    @rule()
+    def graceful_stop(self) -> None:
+        """SIGTERM: this incarnation's in-flight work goes back to the queue head, no attempt
+        counted, oldest dispatch first."""
+        order = sorted(self.active.values(), key=lambda d: (d.created, d.rank), reverse=True)
+        with self.store.transaction() as tx:
+            requeued = dsp.requeue_in_flight(tx, earlier_incarnations=False)
+        assert requeued == [d.task_id for d in reversed(order)]  # oldest first, as queued
+        self.stopping = True
+        for d in order:
+            del self.active[d.rank]
+            self._to_head(self.tasks[d.task_id])
+            self.wstate[d.rank] = "idle"
+            self.events["stop_requeued"] += 1
+
+    @precondition(lambda self: self.incarnation < 4 and (
+        self.stopping or self.active or any(t.state == "deferred" for t in self.tasks.values())))
+    @rule()
+    def restart(self) -> None:
+        """The master dies (or stopped) and is started again: refused without resume, then
+        restart recovery with resume=True."""
+        self.store.close()
+        self.store = None
+        with pytest.raises(CampaignExistsError):
+            Store.open(self.path, policy=POLICY, clock=self._clock)
+        self._open(resume=True)
+        self.incarnation += 1
+        self.stopping = False
+        self.events["campaign"] += 1
+        # Dispatches of the dead incarnation: the attempt counts, the ceiling applies, the
+        # immediate-retry budget does not; newest first to the head, so the oldest leads.
+        interrupted = sorted(self.active.values(), key=lambda d: (d.created, d.rank),
+                             reverse=True)
+        for d in interrupted:
+            del self.active[d.rank]
+            t = self.tasks[d.task_id]
+            t.attempts += 1
+            self.events["interrupted"] += 1
+            if t.attempts >= POLICY.max_attempts:
+                t.state = "failed"
+                self.events["failed"] += 1
+            else:
+                self._to_head(t)
+        # R9: deferred tasks that can still run go first, oldest deferral first.
+        deferred = sorted((t for t in self.tasks.values() if t.state == "deferred"),
+                          key=lambda t: (t.deferred_at, t.id))
+        admitted = [t for t in deferred if t.self_contained or os.path.exists(t.path)]
+        refused = [t for t in deferred if t not in admitted]
+        pos = self._head() - len(admitted) + 1
+        for t in admitted:
+            t.state, t.pos = "queued", pos
+            pos += 1
+        self.events["reclaimed"] += len(admitted)
+        self.events["not_admitted"] += len(refused)
+        report = self.store.resume_report
+        assert report.interrupted == [d.task_id for d in reversed(interrupted)]
+        assert report.reclaimed == [t.id for t in admitted]
+        assert report.refused == [t.id for t in refused]
+        for r in RANKS:  # new processes: nothing known about the ranks carries over
+            self.wstate[r], self.parked[r] = "unknown", None
+
+    # -- invariants, by SQL on the file ------------------------------------------------------
+    @invariant()
+    def the_file_agrees(self) -> None:
+        if self.store is None:
+            return
+        with self.store.reading() as conn:
+            q = lambda sql: conn.execute(text(sql)).all()  # noqa: E731
+            assert q("PRAGMA integrity_check") == [("ok",)]
+            assert q("PRAGMA foreign_key_check") == []
+
+            # Every enqueued task exists, in exactly one known state; none appeared or vanished.
+            rows = {r.id: r for r in q(
+                "SELECT id, state, attempts, dispatches, queue_pos FROM tasks")}
+            assert set(rows) == set(self.tasks)
+            assert {r.state for r in rows.values()} <= set(STATES)
+            for tid, t in self.tasks.items():
+                assert rows[tid].state == t.state, (tid, rows[tid], t)
+                assert rows[tid].attempts == t.attempts, (tid, rows[tid], t)
+                assert rows[tid].dispatches == t.dispatches, (tid, rows[tid], t)
+                if t.state == "queued":
+                    assert rows[tid].queue_pos == t.pos, (tid, rows[tid], t)
+
+            # Results: one per task, only for done tasks, only from a token that was current.
+            res = q("SELECT task_id, token, rank FROM results")
+            assert len({r.task_id for r in res}) == len(res)
+            assert len({r.token for r in res}) == len(res)
+            for r in res:
+                assert r.token in self.committed_as_current, r
+                assert rows[r.task_id].state == "done"
+            assert {r.task_id: (r.token, r.rank) for r in res} == self.committed
+            assert {tid for tid, r in rows.items() if r.state == "done"} == set(self.committed)
+
+            # Dispatches <-> active tasks, one per rank and per task, matching the model.
+            disp = q("SELECT token, rank, task_id, ready_at, invalid_reason, deadline, "
+                     "sent_at FROM dispatches")
+            assert len({d.rank for d in disp}) == len(disp)
+            assert len({d.task_id for d in disp}) == len(disp)
+            assert {d.task_id for d in disp} == {
+                tid for tid, r in rows.items() if r.state == "active"}
+            assert {d.rank: d.token for d in disp} == {
+                r: d.token for r, d in self.active.items()}
+            for d in disp:
+                m = self.active[d.rank]
+                assert (d.task_id, d.ready_at is not None, d.invalid_reason, d.deadline) == (
+                    m.task_id, m.ready, m.invalid, m.deadline), (d, m)
+                assert d.sent_at is not None
+            assert not set(self.committed_as_current) & {d.token for d in disp}
+
+            # Leases: none without its dispatch, exactly one `work` lease per dispatch, and
+            # exactly the side-table reservations the task names.
+            leases = q("SELECT token, kind, key FROM leases")
+            tokens = {d.token for d in disp}
+            assert all(lease.token in tokens for lease in leases)
+            work = Counter(lease.token for lease in leases if lease.kind == "work")
+            assert work == Counter(tokens)
+            for d in disp:
+                side = {(lease.kind, lease.key) for lease in leases
+                        if lease.token == d.token and lease.kind != "work"}
+                assert side == set(self.tasks[d.task_id].keys)
+
+            # Workers.
+            wrows = {w.rank: w for w in q(
+                "SELECT rank, state, parked_token, bitmap_version, incarnation FROM workers")}
+            for r in RANKS:
+                w = wrows.get(r)
+                assert (w.state if w else "unknown") == self.wstate[r], (r, w, self.wstate)
+                assert (w.parked_token if w else None) == self.parked[r]
+                if self.bitmap[r] is not None:
+                    assert w.bitmap_version == self.bitmap[r]
+            assert q("SELECT incarnation FROM campaign") == [(self.incarnation,)]
+
+            # Statistics equal the rows they count, and the model's counts.
+            stats = read_stats(conn)
+            by_reason: dict[str, dict[str, int]] = {"ready": {}, "result": {}}
+            for channel, reason, n in q(
+                    "SELECT channel, reason, count(*) FROM quarantine GROUP BY channel, reason"):
+                by_reason[channel][reason] = n
+            assert stats.quarantine == by_reason
+            assert {(c, r): n for c, rs in by_reason.items() for r, n in rs.items()} == {
+                k: n for k, n in self.quarantine.items() if n}
+            ev = dict(q("SELECT kind, count(*) FROM events GROUP BY kind"))
+            assert stats.requeued == ev.get("requeued", 0) == self.events["requeued"]
+            assert stats.deferred == ev.get("deferred", 0) == self.events["deferred"]
+            assert stats.watchdog_timeouts == ev.get("watchdog", 0)
+            assert stats.watchdog_recoveries == ev.get("worker_recovered", 0)
+            assert stats.results == len(res)
+            assert stats.tasks == {s: sum(t.state == s for t in self.tasks.values())
+                                   for s in STATES}
+            assert {k: n for k, n in ev.items()} == {k: n for k, n in self.events.items() if n}
+
+
+GateMachine.TestCase.settings = settings(
+    max_examples=50, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_gate_state_machine = GateMachine.TestCase
+
+
+# -- the join rule: receive order does not matter -------------------------------------------
+
+class _Farm:
+    """Just enough of a master for the plain tests (a real file, no MPI)."""
+
+    def __init__(self, path: Path, policy: RetryPolicy = POLICY):
+        self.store = Store.open(path, policy=policy)
+        self.gate = Gate(self.store)
+
+    def enqueue(self, *payloads: dict[str, Any]) -> list[int]:
+        with self.store.transaction() as tx:
+            return enqueue_tasks(tx, [NewTask(p) for p in payloads])
+
+    def ready(self, rank: int, token: object = "") -> None:
+        with self.store.transaction() as tx:
+            self.gate.apply_ready(tx, [Inbound(rank, {
+                "rank": rank, "bitmap_version": 0, "empirical_profile_version": "",
+                READY_KEY: token})])
+
+    def dispatch(self, *ranks: int) -> dict[int, str]:
+        with self.store.transaction() as tx:
+            plan = self.gate.plan_dispatches(tx, list(ranks))
+        with self.store.transaction() as tx:
+            dsp.mark_sent(tx, [p.token for p in plan])
+        return {p.rank: p.token for p in plan}
+
+    def result(self, rank: int, body: object) -> None:
+        with self.store.transaction() as tx:
+            self.gate.apply_results(tx, [Inbound(rank, body)])
+
+    def sweep(self) -> None:
+        with self.store.transaction() as tx:
+            self.gate.sweep(tx)
+
+    def state(self) -> dict[str, Any]:
+        """The committed state, without what differs by construction (tokens, times, ids)."""
+        with self.store.reading() as conn:
+            q = lambda sql: [tuple(r) for r in conn.execute(text(sql)).all()]  # noqa: E731
+            return {
+                "tasks": q("SELECT semantic_id, state, attempts, dispatches, reason FROM tasks "
+                           "ORDER BY semantic_id"),
+                "results": q("SELECT t.semantic_id, r.rank, r.status, r.value FROM results r "
+                             "JOIN tasks t ON t.id = r.task_id ORDER BY 1"),
+                "dispatches": q("SELECT rank, task_id FROM dispatches ORDER BY rank"),
+                "leases": q("SELECT kind, key FROM leases ORDER BY kind, key"),
+                "workers": q("SELECT rank, state, parked_token FROM workers ORDER BY rank"),
+                "quarantine": q("SELECT channel, reason, rank FROM quarantine ORDER BY 1, 2, 3"),
+            }
+
+    def events(self) -> Counter[str]:
+        with self.store.reading() as conn:
+            return Counter(dict(conn.execute(text(
+                "SELECT kind, count(*) FROM events GROUP BY kind")).all()))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _run_order(path: Path, first: str, result_body) -> tuple[dict[str, Any], Counter[str]]:
+    farm = _Farm(path)
+    try:
+        farm.enqueue({"path": "/seeds/one", "target_branch": 9}, {"path": "/seeds/two"})
+        farm.ready(1)
+        token = farm.dispatch(1)[1]
+        if first == "ready":
+            farm.ready(1, token)
+            farm.result(1, result_body(token))
+        else:
+            farm.result(1, result_body(token))
+            farm.ready(1, token)
+        farm.sweep()
+        return farm.state(), farm.events()
+    finally:
+        farm.close()
+
+
+def test_ready_first_and_result_first_commit_the_same_state(tmp_path: Path):
+    def ok(token: str) -> dict[str, Any]:
+        return {"token": token, "status": "ok", "value": {"testcases": 3}}
+
+    a, a_events = _run_order(tmp_path / "ready_first.db", "ready", ok)
+    b, b_events = _run_order(tmp_path / "result_first.db", "result", ok)
+    assert a == b
+    # The only difference is in the log: READY-first records the ready mark; RESULT-first
+    # committed already, so its READY is an idle READY.
+    assert a_events - b_events == Counter(ready=1) and not b_events - a_events
+    assert [s for _, s, *_ in a["tasks"]].count("done") == 1
+    assert a["results"] and a["dispatches"] == [] and a["leases"] == []
+    assert a["workers"] == [(1, "idle", None)]
+    assert a["quarantine"] == []
+
+
+@pytest.mark.parametrize("invalid", [
+    {"status": "bogus"},                      # current token, payload fails validation
+    {"status": "ok"},                         # token missing
+    {"token": "NOT-A-TOKEN", "status": "ok"},  # token malformed
+], ids=["payload", "missing", "malformed"])
+def test_ready_first_and_invalid_result_first_recover_the_same_way(tmp_path: Path, invalid):
+    def bad(token: str) -> dict[str, Any]:
+        body = dict(invalid)
+        if body.get("status") == "bogus":
+            body["token"] = token
+        return body
+
+    a, a_events = _run_order(tmp_path / "ready_first.db", "ready", bad)
+    b, b_events = _run_order(tmp_path / "result_first.db", "result", bad)
+    assert a == b and a_events == b_events
+    # The join recovered the dispatch: requeued at the head, attempt counted, rank idle.
+    assert a["dispatches"] == [] and a["leases"] == [] and a["results"] == []
+    assert sorted((s, n) for _, s, n, *_ in a["tasks"]) == [("queued", 0), ("queued", 1)]
+    assert a["workers"] == [(1, "idle", None)]
+    assert a_events["recovered"] == 1 and a_events["requeued"] == 1
+
+
+def test_stale_ready_plus_current_invalid_result_does_not_recover(tmp_path: Path):
+    farm = _Farm(tmp_path / "c.db")
+    try:
+        farm.enqueue({"path": "/seeds/one"})
+        farm.ready(1)
+        token = farm.dispatch(1)[1]
+        farm.ready(1, _fresh_token("stale"))
+        farm.result(1, {"token": token, "status": "bogus"})
+        farm.sweep()
+        s = farm.state()
+        assert s["dispatches"] == [(1, 1)]
+        assert [t[1] for t in s["tasks"]] == ["active"]
+        # ... until the current READY joins the invalid mark.
+        farm.ready(1, token)
+        farm.sweep()
+        s = farm.state()
+        assert s["dispatches"] == [] and [t[1] for t in s["tasks"]] == ["queued"]
+    finally:
+        farm.close()
+
+
+def test_a_deferral_that_cannot_be_written_keeps_the_task_queued(tmp_path: Path):
+    farm = _Farm(tmp_path / "c.db", RetryPolicy(retries=0, max_attempts=5))
+    try:
+        farm.enqueue({"path": "/seeds/one"})
+        with farm.store.engine.begin() as conn:
+            conn.exec_driver_sql(CREATE_TRIGGER)
+        farm.ready(1)
+        token = farm.dispatch(1)[1]
+        farm.ready(1, token)
+        farm.result(1, {"token": token})  # missing status: invalid payload
+        farm.sweep()
+        s = farm.state()
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]
+        assert s["tasks"][0][4].startswith("deferral failed")
+        kinds = farm.events()
+        assert kinds["defer_failed"] == 1 and kinds["deferred"] == 0
+        with farm.store.reading() as conn:
+            assert read_stats(conn).deferred == 0
+        # Healed: the next post-send failure is deferred as the policy says.
+        with farm.store.engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP TRIGGER {TRIGGER}")
+        token = farm.dispatch(1)[1]
+        farm.ready(1, token)
+        farm.result(1, {"token": token, "status": 7})
+        farm.sweep()
+        s = farm.state()
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("deferred", 2)]
+    finally:
+        farm.close()
+
+
+def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_path: Path):
+    """msgpack decodes what JSON cannot store (bytes). With the master's wire validator such a
+    current RESULT sets the invalid mark (reason payload); the other rank's commit in the same
+    drain still happens. (Gate's default `validate_result` checks only the status, and
+    `commit_results` would then raise TypeError from json.dumps: the master always passes
+    `wire.check_result`.)"""
+    from coordinator.wire import check_result
+
+    farm = _Farm(tmp_path / "c.db")
+    farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
+        farm.ready(1)
+        farm.ready(2)
+        tokens = farm.dispatch(1, 2)
+        with farm.store.transaction() as tx:
+            farm.gate.apply_results(tx, [
+                Inbound(1, {"token": tokens[1], "status": "ok", "value": 1}),
+                Inbound(2, {"token": tokens[2], "status": "ok", "value": b"\x00raw"}),
+            ])
+        s = farm.state()
+        assert [r[1] for r in s["results"]] == [1]
+        assert s["quarantine"] == [("result", "payload", 2)]
+        assert s["dispatches"] == [(2, 2)]
+    finally:
+        farm.close()
+
+
+def test_a_timeout_result_sends_the_task_to_the_retry_policy(tmp_path: Path):
+    farm = _Farm(tmp_path / "c.db")
+    try:
+        [tid] = farm.enqueue({"path": "/seeds/one"})
+        farm.ready(1)
+        token = farm.dispatch(1)[1]
+        farm.result(1, {"token": token, "status": "timeout"})
+        farm.ready(1, token)
+        s = farm.state()
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]
+        assert s["results"] == [] and s["dispatches"] == []
+        assert s["workers"] == [(1, "idle", None)]
+        kinds = farm.events()
+        assert kinds["task_failed"] == 1 and kinds["retried"] == 1 and kinds["requeued"] == 0
+    finally:
+        farm.close()
+
+
+def test_the_watchdog_retires_a_dispatch_only_after_its_deadline(tmp_path: Path):
+    clock = [1000.0]
+    store = Store.open(tmp_path / "c.db", policy=POLICY, clock=lambda: clock[0])
+    gate = Gate(store)
+    try:
+        with store.transaction() as tx:
+            enqueue_tasks(tx, [NewTask({"path": "/seeds/one"})])
+            gate.apply_ready(tx, [Inbound(1, {READY_KEY: ""})])
+        with store.transaction() as tx:
+            [plan] = gate.plan_dispatches(tx, [1], deadline_s=DEADLINE_S)
+        clock[0] += DEADLINE_S  # exactly at the deadline: not yet past it
+        with store.transaction() as tx:
+            assert gate.watchdog(tx) == []
+        clock[0] += 0.001
+        with store.transaction() as tx:
+            [rec] = gate.watchdog(tx)
+        assert (rec.rank, rec.token) == (1, plan.token)
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT state, parked_token FROM workers")).all() == [
+                ("parked", plan.token)]
+        # Parked: a READY with another token does not free it, the retired token does.
+        with store.transaction() as tx:
+            assert [s.value for _, s in gate.apply_ready(
+                tx, [Inbound(1, {READY_KEY: ""})]).statuses] == ["missing"]
+            assert gate.apply_ready(
+                tx, [Inbound(1, {READY_KEY: plan.token})]).recovered_workers == [1]
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT state, parked_token FROM workers")).all() == [
+                ("idle", None)]
+    finally:
+        store.close()
