@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -368,6 +369,56 @@ class Master:
                   file=sys.stderr, flush=True)
         self.summary.unacked_ranks = self._stop_workers()
 
+    def stop_workers_now(self) -> list[int]:
+        """After a fatal error: STOP (no finalize) to every live worker, without the database
+        (it may be what failed); returns the ranks that did not acknowledge in time."""
+        pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
+        tokens: dict[int, str] = {}
+        for rank in sorted(pending):
+            self._stop_seq += 1
+            tokens[rank] = mint_token(self.store.epoch, -rank, self._stop_seq)
+            try:
+                self.transport.send_stop(encode(Stop(token=tokens[rank], finalize=False)), rank)
+            except SendFailed:
+                pending.discard(rank)
+        deadline = time.monotonic() + min(self.config.stop_wait_s, 5.0)
+        backoff = Backoff()
+        while pending and time.monotonic() < deadline:
+            for got in self.transport.drain(TAG_STOP_ACK):
+                body = decode_inbound(got.data, 4096)
+                if isinstance(body, dict) and body.get("token") == tokens.get(got.rank):
+                    pending.discard(got.rank)
+            for _ in self.transport.drain(TAG_RESULT):  # busy workers answer first: discard
+                pass
+            for _ in self.transport.drain(TAG_READY):
+                pass
+            pending -= set(self.transport.take_failed())
+            backoff.wait()
+        return sorted(pending)
+
+    def fence(self, ranks: list[int]) -> list[int]:
+        """SIGKILL the given ranks' processes if they run on this host (pid from READY); the
+        only way to end a rank that is hung (stopped) and so never answers MPI."""
+        if not ranks:
+            return []
+        here = socket.gethostname()
+        try:
+            with self.store.reading() as conn:
+                where = {r: (h, p) for r, h, p in conn.execute(
+                    select(workers.c.rank, workers.c.host, workers.c.pid))}
+        except Exception:  # the database may be what failed; then nothing can be fenced
+            return []
+        fenced = []
+        for rank in ranks:
+            host, pid = where.get(rank, (None, None))
+            if host == here and pid and pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    fenced.append(rank)
+                except ProcessLookupError:
+                    fenced.append(rank)  # already gone
+        return fenced
+
     def _stop_workers(self) -> list[int]:
         """Tokenized STOP to each worker once it has shown READY; wait, bounded, for the
         exact-token STOP_ACK. Returns the ranks that never acknowledged."""
@@ -377,6 +428,7 @@ class Master:
             shown_ready = {r for (r,) in conn.execute(select(workers.c.rank).where(
                 workers.c.state == WorkerState.IDLE.value))}
         stop_tokens: dict[int, str] = {}
+        acked: set[int] = set()
         deadline = time.monotonic() + self.config.stop_wait_s
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
@@ -410,6 +462,7 @@ class Master:
                 token = body.get("token") if isinstance(body, dict) else None
                 if got.rank in stop_tokens and token == stop_tokens[got.rank]:
                     pending.discard(got.rank)
+                    acked.add(got.rank)
                     progressed = True
                 else:
                     log.warning("rank %d: STOP_ACK with a token that is not its STOP's",
@@ -418,7 +471,8 @@ class Master:
                 backoff.reset()
             else:
                 backoff.wait()
+        # Acknowledged ranks are stopped even if they then exit without finalizing (ULFM
+        # reports that exit as a failure).
         with self._tx("workers stopped") as tx:
-            set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(
-                set(range(1, self.transport.size)) - pending - self._failed_ranks)])
+            set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])
         return sorted(pending)

@@ -21,6 +21,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_STORE = 3  # the database failed under us: stopped, restart with --resume
 EXIT_INTERNAL = 5  # a bug: the job is aborted, the database is consistent
+EXIT_UNACKED = 4  # finished, but some rank never acknowledged STOP (hung): the job was ended
 
 
 def run(cfg: RunConfig) -> int:
@@ -127,24 +128,21 @@ def _master(cfg: RunConfig, transport) -> int:
         # A failed COMMIT has an unknown outcome: stop, and let restart recovery decide.
         print(f"coordinator: {e}\ncoordinator: stopped; nothing is lost — fix the storage "
               f"and continue with --resume", file=sys.stderr, flush=True)
-        transport.abort(EXIT_STORE)
-        return EXIT_STORE
+        return end_job(transport, master, EXIT_STORE)
     except OSError as e:
         # Test cases could not be written (disk full, read-only output): the round that
         # wanted them rolled back, so its task runs again after --resume.
         print(f"coordinator: cannot write output: {e}\ncoordinator: stopped; nothing is lost "
               f"— free space or fix the output directory and continue with --resume",
               file=sys.stderr, flush=True)
-        transport.abort(EXIT_STORE)
-        return EXIT_STORE
+        return end_job(transport, master, EXIT_STORE)
     except BaseException:
         # Anything unhandled aborts the job instead of leaving the workers waiting for ever;
         # the database holds every committed transition, so --resume continues from there.
         traceback.print_exc()
         print("coordinator: internal error; the campaign is saved, continue with --resume",
               file=sys.stderr, flush=True)
-        transport.abort(EXIT_INTERNAL)
-        return EXIT_INTERNAL
+        return end_job(transport, master, EXIT_INTERNAL)
     with store.reading() as conn:
         s = read_stats(conn)
     store.close()
@@ -166,14 +164,43 @@ def _master(cfg: RunConfig, transport) -> int:
             "master_peak_rss_mib": peak_rss_mib(), "workers": transport.size - 1,
             "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
         }, indent=2) + "\n")
-    if transport.any_failed and not summary.unacked_ranks:
-        # After a rank failure MPI_Finalize can hang every survivor (Open MPI ULFM,
-        # ompi#11404); everything is committed, so leave without it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
-              f"aborting them (the campaign is saved)", file=sys.stderr, flush=True)
-        transport.abort(EXIT_OK if summary.stopped_by_signal else 4)
+              f"ending the job (the campaign is saved)", file=sys.stderr, flush=True)
+        return end_job(transport, master, EXIT_OK if summary.stopped_by_signal else
+                       EXIT_UNACKED, stop_first=False)
+    if transport.fault_tolerant or transport.any_failed:
+        # Under ULFM, MPI_Finalize can hang every survivor after a failure (ompi#11404);
+        # everything is committed and every worker has gone, so leave without it.
+        _exit_now(status)
     return status
+
+
+def _exit_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def end_job(transport, master, status: int, *, stop_first: bool = True) -> int:
+    """End the whole job from the master after saving everything.
+
+    Without ULFM, MPI_Abort does it. Under ULFM it does not (the launcher treats the master's
+    exit as one more process failure and the others wait on), so the master asks every live
+    worker to STOP without finalizing, then SIGKILLs the ranks on this host that did not
+    acknowledge (hung ones), by the pid each reported in its READY, and exits."""
+    if not transport.fault_tolerant:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.5)  # MPICH's launcher drops output not yet forwarded when the job aborts
+        transport.abort(status)
+        return status
+    unacked = master.stop_workers_now() if stop_first else master.summary.unacked_ranks
+    fenced = master.fence(unacked)
+    if fenced:
+        print(f"coordinator: killed unresponsive ranks {fenced}", file=sys.stderr, flush=True)
+    if set(unacked) - set(fenced):
+        print(f"coordinator: ranks {sorted(set(unacked) - set(fenced))} run on other hosts and "
+              f"did not stop; end the job with your launcher", file=sys.stderr, flush=True)
+    _exit_now(status)
+    return status  # not reached

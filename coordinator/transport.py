@@ -8,6 +8,7 @@ rank's queued leftovers are drained like any other message (NOTES: `Iprobe` foll
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -78,6 +79,10 @@ class Transport:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._status = MPI.Status()
+        #: Started with Open MPI's ULFM (`--with-ft ulfm`): a rank's death or MPI_Abort does
+        #: not end the job there, and MPI_Finalize can hang after a failure (ompi#11404), so
+        #: the ranks end the job themselves (see runtime.finish and worker.serve).
+        self.fault_tolerant = os.environ.get("OMPI_MCA_mpi_ft_enable") == "1"
         self._failed: set[int] = set()      # every rank the runtime reported dead
         self._new_failed: list[int] = []    # reported since the last take_failed()
 
@@ -180,5 +185,4 @@ class Transport:
 
 
 def host_and_pid() -> tuple[str, int]:
-    import os
     return socket.gethostname(), os.getpid()

@@ -106,7 +106,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
                     log.error("rank %d: undecodable STOP ignored: %s", transport.rank, e)
                     continue
                 transport.send_stop_ack(encode(Stop(token=stop.token)))
-                if not stop.finalize:
+                if not stop.finalize or transport.fault_tolerant:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(0)
