@@ -77,6 +77,16 @@ class Summary:
     unacked_ranks: list[int] = field(default_factory=list)
 
 
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Master:
     def __init__(self, store: Store, transport: Transport, config: MasterConfig, *,
                  sources: Sequence[Callable[[], list[NewInput]]] = (),
@@ -363,11 +373,29 @@ class Master:
         self.summary.stopped_by_signal = self._stop_signal
         with self._tx("graceful stop: in-flight work back to the queue") as tx:
             self._settle_sends(tx)
-            back = dsp.requeue_in_flight(tx, earlier_incarnations=False)
+            back = dsp.requeue_in_flight(tx, earlier_incarnations=False,
+                                         charged_ranks=self._gone_ranks(tx))
         if back:
             print(f"coordinator: {len(back)} unfinished dispatches returned to the queue",
                   file=sys.stderr, flush=True)
         self.summary.unacked_ranks = self._stop_workers()
+
+    def _gone_ranks(self, tx: Tx) -> set[int]:
+        """Ranks holding a dispatch whose worker is known to be gone: reported dead by MPI, or
+        (same host) its process no longer exists. Without ULFM, Open MPI's launcher answers a
+        worker's death by signalling the master, which must not then requeue the task that
+        killed it for free (a poison task would loop for ever across resumes)."""
+        self._failed_ranks.update(r for r in self.transport.take_failed() if r != 0)
+        here = socket.gethostname()
+        gone = set()
+        for rank, host, pid in tx.db.execute(
+                "SELECT d.rank, w.host, w.pid FROM dispatches d "
+                "LEFT JOIN workers w ON w.rank = d.rank"):
+            if rank in self._failed_ranks:
+                gone.add(rank)
+            elif host == here and pid and not _process_exists(pid):
+                gone.add(rank)
+        return gone
 
     def stop_workers_now(self) -> list[int]:
         """After a fatal error: STOP (no finalize) to every live worker, without the database

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,13 +272,16 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     return rec
 
 
-def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool) -> list[int]:
+def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
+                      charged_ranks: Collection[int] = ()) -> list[int]:
     """Return dispatched work to the queue head, oldest dispatch first.
 
     Graceful stop (`earlier_incarnations=False`): this incarnation's dispatches; no attempt is
-    counted. Resume (`True`): dispatches an earlier incarnation left behind when it died; the
-    attempt counts (the task may be what killed the job) and the ceiling applies, but the
-    immediate-retry budget does not (a coordinator crash is not a protocol failure).
+    counted, except for the dispatches of `charged_ranks` (workers known to be gone: the task
+    may be what killed them, and a launcher that tears the job down after a death signals the
+    master like an operator would). Resume (`True`): dispatches an earlier incarnation left
+    behind when it died; the attempt counts and the ceiling applies, but the immediate-retry
+    budget does not (a coordinator crash is not a protocol failure).
     """
     cond = (dispatches.c.incarnation < tx.incarnation if earlier_incarnations
             else dispatches.c.incarnation == tx.incarnation)
@@ -288,20 +291,25 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool) -> list[int]:
     kind = EventKind.INTERRUPTED if earlier_incarnations else EventKind.STOP_REQUEUED
     for r in rows:  # newest first, each to the head: the oldest ends up first
         _take(tx, r.rank, r.token)
-        tx.event(kind, rank=r.rank, token=r.token, task_id=r.task_id)
-        if earlier_incarnations:
+        charged = earlier_incarnations or r.rank in charged_ranks
+        tx.event(kind, rank=r.rank, token=r.token, task_id=r.task_id,
+                 detail="worker gone" if charged and not earlier_incarnations else None)
+        if charged:
             attempts = tx.conn.execute(
                 select(tasks.c.attempts).where(tasks.c.id == r.task_id)).scalar_one() + 1
             if attempts >= tx.policy.max_attempts:
+                last = ("interrupted by a coordinator restart" if earlier_incarnations
+                        else "its worker was gone at a stop")
                 why = (f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); "
-                       f"last: interrupted by a coordinator restart")
+                       f"last: {last}")
                 set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
                           reason=why)
                 tx.event(EventKind.FAILED, rank=r.rank, token=r.token, task_id=r.task_id,
                          detail=why)
                 continue
         set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                  queue_pos=head_position(tx), attempts_delta=int(earlier_incarnations))
+                  queue_pos=head_position(tx), attempts_delta=int(charged))
     if not earlier_incarnations and rows:
-        set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows])
+        set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows
+                         if r.rank not in charged_ranks])
     return [r.task_id for r in reversed(rows)]  # oldest dispatch first, as queued

@@ -102,3 +102,19 @@ def test_with_every_worker_dead_the_master_stops_with_everything_saved(tmp_path)
     assert again.returncode == 0, again.stderr
     check_conservation(db, expected_tasks=60)
     assert query(db, "SELECT count(*) FROM results") == [(60,)]
+
+
+def test_a_task_that_kills_its_worker_meets_the_ceiling_without_ulfm(tmp_path):
+    """Without ULFM the launcher tears the job down after a worker's death and may signal
+    the master first, like an operator's graceful stop. The task that killed the worker must
+    still be charged an attempt, or it would loop for ever across resumes."""
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "3", "--inject", "kill_before_result=1.0",
+            "--max-attempts", "2", "--grace", "0", "--stop-wait", "3", "--no-progress"]
+    for attempt in range(8):
+        run(args + (["--resume"] if attempt else []), np=2, ulfm=False, timeout=60)
+        kill_ranks(db)
+        if query(db, "SELECT count(*) FROM tasks WHERE state IN ('queued','active')") == [(0,)]:
+            break
+    assert query(db, "SELECT state, attempts FROM tasks") == [("failed", 2)] * 3
+    check_conservation(db, expected_tasks=3)
