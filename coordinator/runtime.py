@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 
 from .config import RunConfig
 

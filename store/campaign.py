@@ -25,7 +25,7 @@ from .engine import DEFAULT_SYNCHRONOUS, open_engine, write_tx
 from .errors import CampaignExistsError, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
-from .versioning import check_revision, current_revision, upgrade
+from .versioning import check_revision, upgrade
 from .workers import forget_incarnation
 
 
@@ -160,6 +160,3 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float) -> 
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch
 
-
-def schema_revision(conn: Connection) -> str | None:
-    return current_revision(conn)

@@ -14,12 +14,12 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, delete, insert, select, update
+from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
 from .errors import FenceError
 from .journal import Tx
-from .schema import EventKind, LeaseKind, TaskState, WorkerState, dispatches, leases, results, tasks
+from .schema import EventKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
 from .workers import set_workers
 

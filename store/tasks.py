@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, func, select, update
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .journal import RetryPolicy, Tx
-from .schema import EventKind, LeaseKind, TaskState, blobs, leases, tasks
+from .schema import EventKind, LeaseKind, TaskState, tasks
 from .semantic import canonical_json, content_hash, is_self_contained, normalize, semantic_id
 
 

@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import update
 
 from .journal import Tx
 from .schema import WorkerState, workers
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    rank: int
-    state: WorkerState
-    bitmap_version: int
-    profile_version: str
-    parked_token: str | None
-    host: str | None
-    pid: int | None
-
 
 _UPSERT_STATE = (
     "INSERT INTO workers (rank, state, incarnation, parked_token, last_seen) "
@@ -62,12 +49,6 @@ def idle_ranks(tx: Tx) -> list[int]:
     return [r for (r,) in tx.db.execute(
         "SELECT w.rank FROM workers w WHERE w.state = 'idle' AND NOT EXISTS "
         "(SELECT 1 FROM dispatches d WHERE d.rank = w.rank) ORDER BY w.rank")]
-
-
-def get_workers(tx: Tx) -> dict[int, WorkerRecord]:
-    rows = tx.conn.execute(select(workers)).all()
-    return {r.rank: WorkerRecord(r.rank, WorkerState(r.state), r.bitmap_version,
-                                 r.profile_version, r.parked_token, r.host, r.pid) for r in rows}
 
 
 def forget_incarnation(tx: Tx) -> None:
