@@ -107,6 +107,9 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
                     continue
                 transport.send_stop_ack(encode(Stop(token=stop.token)))
                 if not stop.finalize or transport.fault_tolerant:
+                    # os._exit skips the `finally` below: without this every run left one
+                    # scratch directory per worker behind in $TMPDIR.
+                    shutil.rmtree(scratch_dir, ignore_errors=True)
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(0)

@@ -44,9 +44,9 @@ class Done:
     stderr: str
 
 
-def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | None = None
-          ) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(job_command(args, np, ulfm), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                             start_new_session=True)

@@ -33,9 +33,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 def test_demo_300_completes_and_status_agrees(tmp_path):
     db = tmp_path / "demo.db"
-    done = run(["run", "--db", str(db), "--demo", "300", "--no-progress"])
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = run(["run", "--db", str(db), "--demo", "300", "--no-progress"],
+               env={"TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr
     assert "300 done" in done.stdout
+    # every worker removed its scratch directory, also on the os._exit path under ULFM
+    assert sorted(p.name for p in scratch.glob("coordinator-rank*")) == []
     check_conservation(db, expected_tasks=300)
     s = status_json(db)
     assert s["tasks"] == {"queued": 0, "active": 0, "done": 300, "deferred": 0, "failed": 0}
