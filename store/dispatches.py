@@ -140,10 +140,9 @@ def cancel_dispatch(tx: Tx, rank: int, token: str, *,
 
 def set_ready_mark(tx: Tx, rank: int, token: str) -> bool:
     """R2: the current READY for (rank, token) was observed. False if already set or stale."""
+    # No event: the mark is a column, and the committed result keeps its time (ready_at).
     n = tx.db.execute("UPDATE dispatches SET ready_at = ? WHERE rank = ? AND token = ? "
                       "AND ready_at IS NULL", (tx.now, rank, token)).rowcount
-    if n:
-        tx.event(EventKind.READY, rank=rank, token=token)
     return n == 1
 
 
@@ -168,16 +167,20 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
         if a is None or a.token != it.token:
             raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
     db = tx.db
-    n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
-                       [(it.rank, it.token) for it in items]).rowcount
+    # The result row is the record of the commit (no separate event): it takes the task, the
+    # token and the send/READY times from the dispatch row, which must still be there.
+    n = db.executemany(
+        "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
+        "testcases, new_tasks, sent_at, ready_at) SELECT task_id, token, rank, ?, ?, ?, ?, ?, "
+        "?, sent_at, ready_at FROM dispatches WHERE rank = ? AND token = ?",
+        [(tx.incarnation, tx.now, it.status,
+          None if it.value is None else json.dumps(it.value, sort_keys=True),
+          it.testcases, it.new_tasks, it.rank, it.token) for it in items]).rowcount
+    if n == len(items):
+        n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
+                           [(it.rank, it.token) for it in items]).rowcount
     if n != len(items):
         raise FenceError(f"{len(items) - n} dispatches vanished before their commit")
-    db.executemany(
-        "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
-        "testcases, new_tasks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        [(active[it.rank].task_id, it.token, it.rank, tx.incarnation, tx.now, it.status,
-          None if it.value is None else json.dumps(it.value, sort_keys=True),
-          it.testcases, it.new_tasks) for it in items])
     n = db.executemany(
         "UPDATE tasks SET state = 'done', updated_at = ?, reason = NULL "
         "WHERE id = ? AND state = 'active'",
@@ -186,9 +189,6 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
         raise FenceError("a committed task was not active")
     set_workers(tx, [(it.rank, WorkerState.IDLE if active[it.rank].ready else WorkerState.BUSY)
                      for it in items])
-    for it in items:
-        tx.event(EventKind.COMMITTED, rank=it.rank, token=it.token,
-                 task_id=active[it.rank].task_id, detail=it.status)
 
 
 def find_joined(tx: Tx) -> list[tuple[int, str]]:
@@ -261,7 +261,9 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     if row is None:
         return None
     detail = reason or cause.value
-    tx.event(cause, rank=rank, token=token, task_id=row[0], detail=detail)
+    # Whether the rank's READY was seen decides if it is free now or parked (post-mortems ask).
+    tx.event(cause, rank=rank, token=token, task_id=row[0],
+             detail=f"{detail} ({'READY seen' if row[2] is not None else 'no READY'})")
     rec = _apply_retry(tx, rank, token, row[0], detail,
                        protocol=cause is not EventKind.TASK_FAILED)
     if row[2] is not None:

@@ -100,9 +100,13 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         finally:
             cur.close()
 
+    begin_sql = "BEGIN IMMEDIATE" if write else "BEGIN"
+
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        # Straight to the driver: through exec_driver_sql this statement cost ~60 µs, a
+        # tenth of a master round at synchronous=NORMAL.
+        conn.connection.driver_connection.execute(begin_sql)
 
     return engine
 

@@ -97,9 +97,11 @@ class EventKind(str, enum.Enum):
     ENQUEUED = "enqueued"
     DISPATCHED = "dispatched"        # dispatch row recorded (before the send)
     SEND_FAILED = "send_failed"      # pre-send compensation: rewound exactly
-    READY = "ready"                  # current READY: ready mark set
+    # Not written since revision 0002 (the results row holds both facts; each event cost the
+    # master ~20 µs per task on its critical path); kept so that older files stay valid.
+    READY = "ready"                  # current READY: ready mark set (now results.ready_at)
     INVALID = "invalid"              # invalid-result mark set
-    COMMITTED = "committed"
+    COMMITTED = "committed"          # (now the results row itself)
     RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
     REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)
     DEFERRED = "deferred"            # protocol deferral (past the retry budget)
@@ -230,6 +232,10 @@ results = Table(
     Column("value", Text, nullable=True),  # JSON
     Column("testcases", Integer, nullable=False, server_default=text("0")),
     Column("new_tasks", Integer, nullable=False, server_default=text("0")),
+    # The committed dispatch's happy path, copied from its row (revision 0002): when its WORK
+    # left and when its current READY was seen (NULL: READY came after the commit).
+    Column("sent_at", Float, nullable=True),
+    Column("ready_at", Float, nullable=True),
 )
 
 quarantine = Table(

@@ -169,14 +169,6 @@ def test_checker_reports_another_tasks_value_as_wrong(campaign):
     assert _check(db)["wrong_commits"] == 1
 
 
-def test_checker_reports_a_second_commit_event_as_duplicate(campaign):
-    db, _, good = campaign
-    _write(db, "INSERT INTO events (at, incarnation, kind, rank, token, task_id, detail) "
-               "SELECT at, incarnation, kind, rank, token, task_id, detail FROM events "
-               "WHERE kind = 'committed' AND token = ?", params=(good,))
-    assert _check(db)["duplicate_commits"] == 1
-
-
 def test_checker_reports_a_commit_whose_result_never_left(campaign, tmp_path):
     db, _, good = campaign
     logs = tmp_path / "inject"

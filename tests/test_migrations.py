@@ -356,3 +356,36 @@ def test_a_migrated_file_accepts_every_enum_value_the_code_writes(tmp_path: Path
                     conn.execute(sql)
     finally:
         conn.close()
+
+
+def test_0002_moves_the_ready_time_from_the_old_events_into_results(tmp_path: Path):
+    """A file written at 0001 (ready/committed events, results without times) keeps every
+    row and gets results.ready_at from its `ready` events; a result whose READY came after the
+    commit (no ready event) stays NULL."""
+    db = tmp_path / "old.db"
+    versioning.upgrade(db, "0001")
+    t1, t2 = "a" * 64, "b" * 64
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            for i, tok in ((1, t1), (2, t2)):
+                conn.execute("INSERT INTO tasks (id, semantic_id, payload, state, queue_pos, "
+                             "created_at, updated_at) VALUES (?, ?, '{}', 'done', ?, 0, 0)",
+                             (i, f"{i:064x}", i))
+                conn.execute("INSERT INTO results (task_id, token, rank, incarnation, "
+                             "committed_at, status) VALUES (?, ?, 1, 1, 20, 'ok')", (i, tok))
+                conn.execute("INSERT INTO events (at, incarnation, kind, rank, token, task_id) "
+                             "VALUES (20, 1, 'committed', 1, ?, ?)", (tok, i))
+            conn.execute("INSERT INTO events (at, incarnation, kind, rank, token) "
+                         "VALUES (12.5, 1, 'ready', 1, ?)", (t1,))
+    finally:
+        conn.close()
+    assert versioning.upgrade(db) == ("0001", versioning.head_revision())
+    conn = sqlite3.connect(db)
+    try:
+        rows = conn.execute("SELECT task_id, ready_at, sent_at FROM results ORDER BY 1").fetchall()
+        kinds = conn.execute("SELECT kind, count(*) FROM events GROUP BY 1 ORDER BY 1").fetchall()
+    finally:
+        conn.close()
+    assert rows == [(1, 12.5, None), (2, None, None)]
+    assert kinds == [("committed", 2), ("ready", 1)]  # history is kept, not rewritten
