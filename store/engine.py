@@ -54,6 +54,18 @@ def filesystem_type(path: Path) -> str | None:
     return best_type
 
 
+#: `DELETE ... RETURNING` (the fenced rollback) needs 3.35; revision 0002 uses `UPDATE ... FROM`.
+MIN_SQLITE = (3, 35, 0)
+
+
+def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_info) -> None:
+    if version < MIN_SQLITE:
+        raise UnsafeDatabaseError(
+            f"this Python's SQLite is {'.'.join(map(str, version))}; the coordinator needs "
+            f"{'.'.join(map(str, MIN_SQLITE))} or newer (use a newer Python build, or one "
+            f"linked against a newer libsqlite3)")
+
+
 def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNCHRONOUS,
                 write: bool = True) -> Engine:
     """An engine on the SQLite file at `path`, verified safe to run the protocol on.
@@ -61,6 +73,7 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
     `write=False` gives an engine whose transactions start with a deferred `BEGIN`, for
     inspection commands that must not take the write lock while a master runs.
     """
+    check_sqlite_version()
     synchronous = synchronous.upper()
     if synchronous not in SYNCHRONOUS_MODES:
         raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, not {synchronous!r}")

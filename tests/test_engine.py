@@ -10,7 +10,9 @@ import pytest
 from sqlalchemy import text
 
 from store.campaign import Store
-from store.engine import BUSY_TIMEOUT_MS, filesystem_type, open_engine, read_pragmas
+from store.engine import (
+    BUSY_TIMEOUT_MS, check_sqlite_version, filesystem_type, open_engine, read_pragmas,
+)
 from store.errors import CampaignExistsError, UnsafeDatabaseError
 
 
@@ -34,6 +36,13 @@ def test_default_is_full(db_path):
 def test_unknown_synchronous_mode_is_refused(db_path):
     with pytest.raises(ValueError, match="synchronous"):
         open_engine(db_path, synchronous="OFF")
+
+
+def test_an_sqlite_without_returning_is_refused_by_name():
+    check_sqlite_version(sqlite3.sqlite_version_info)  # this machine's passes
+    check_sqlite_version((3, 35, 0))
+    with pytest.raises(UnsafeDatabaseError, match=r"SQLite is 3\.34\.1; .* needs 3\.35\.0"):
+        check_sqlite_version((3, 34, 1))
 
 
 def test_writes_begin_immediate(db_path):
