@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,23 +71,25 @@ class ResultRound:
 
 def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
     """The default payload check for a current RESULT: (the parsed result, None), or
-    (None, why it is invalid). The master plugs in the strict wire schema instead."""
+    (None, why it is invalid). The master plugs in the strict wire schema instead; either
+    way the gate then checks that the value can be stored (`dispatches.encode_value`)."""
     if body.get("status") not in RESULT_STATUSES:
         return None, f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
-    try:
-        json.dumps(body.get("value"), allow_nan=False)
-    except (TypeError, ValueError) as e:  # it could not be stored as a result
-        return None, f"value is not JSON-serialisable: {e}"[:300]
     return body, None
 
 
-def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any) -> dsp.CommitItem:
-    value = parsed.get("value") if isinstance(parsed, Mapping) else getattr(parsed, "value", None)
-    return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)), value=value)
+def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
+                   value_json: str | None) -> dsp.CommitItem:
+    return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)),
+                          value_json=value_json)
 
 
 def _status_of(parsed: Any) -> object:
     return parsed.get("status") if isinstance(parsed, Mapping) else getattr(parsed, "status", None)
+
+
+def _value_of(parsed: Any) -> object:
+    return parsed.get("value") if isinstance(parsed, Mapping) else getattr(parsed, "value", None)
 
 
 def _detail(body: object) -> str | None:
@@ -98,7 +99,7 @@ def _detail(body: object) -> str | None:
 class Gate:
     def __init__(self, store: Store, *,
                  validate: Callable[[Mapping[str, Any]], tuple[Any, str | None]] = validate_result,
-                 commit: Callable[[Tx, dsp.ActiveDispatch, Any],
+                 commit: Callable[[Tx, dsp.ActiveDispatch, Any, str | None],
                                   dsp.CommitItem] = default_commit):
         self.store = store
         self.validate, self.commit = validate, commit
@@ -180,6 +181,14 @@ class Gate:
             if status is ResultStatus.CURRENT:
                 assert a is not None and isinstance(m.body, Mapping)
                 parsed, why = self.validate(m.body)
+                value_json = None
+                if why is None:
+                    # Encoded once, here, for every validator: what cannot be stored is an
+                    # invalid payload, never an exception inside the round's transaction.
+                    try:
+                        value_json = dsp.encode_value(_value_of(parsed))
+                    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+                        why = f"value is not JSON-serialisable: {e}"[:300]
                 if why is not None:
                     out.statuses.append((m.rank, status))
                     tx.quarantine(Channel.RESULT, QuarantineReason.PAYLOAD, m.rank,
@@ -196,7 +205,7 @@ class Gate:
                     out.retried.append(m.rank)
                     del active[m.rank]
                     continue
-                out.committed.append(self.commit(tx, a, parsed))
+                out.committed.append(self.commit(tx, a, parsed, value_json))
                 committed_from[m.rank] = a
                 # Committed within this batch: a duplicate later in it finds no dispatch.
                 del active[m.rank]

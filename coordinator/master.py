@@ -306,7 +306,8 @@ class Master:
             out.extend(poll())
         return out
 
-    def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result) -> dsp.CommitItem:
+    def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
+                value_json: str | None) -> dsp.CommitItem:
         written, new = 0, []
         if res.testcases:
             task = task_ops.get_task(tx, active.task_id)
@@ -322,8 +323,9 @@ class Master:
                                                 depth=depth, parent_id=task.id))
         # Content already known as some task's input is not run again.
         created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
-        return dsp.CommitItem(active.rank, active.token, status=res.status, value=res.value,
-                              testcases=written, new_tasks=len(created))
+        return dsp.CommitItem(active.rank, active.token, status=res.status,
+                              value_json=value_json, testcases=written,
+                              new_tasks=len(created))
 
     def _tx(self, operation: str):
         self.summary.transactions += 1

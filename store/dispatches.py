@@ -47,12 +47,18 @@ class Planned:
     deadline: float | None = None
 
 
+def encode_value(value: Any) -> str | None:
+    """A result value as stored (`results.value`): canonical JSON, or None for no value.
+    Raises TypeError/ValueError for what JSON cannot hold (bytes, NaN, keys of mixed types)."""
+    return None if value is None else json.dumps(value, sort_keys=True, allow_nan=False)
+
+
 @dataclass(frozen=True)
 class CommitItem:
     rank: int
     token: str
     status: str = "ok"
-    value: Any = None
+    value_json: str | None = None  # from encode_value
     testcases: int = 0
     new_tasks: int = 0
 
@@ -173,9 +179,8 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
         "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
         "testcases, new_tasks, sent_at, ready_at) SELECT task_id, token, rank, ?, ?, ?, ?, ?, "
         "?, sent_at, ready_at FROM dispatches WHERE rank = ? AND token = ?",
-        [(tx.incarnation, tx.now, it.status,
-          None if it.value is None else json.dumps(it.value, sort_keys=True),
-          it.testcases, it.new_tasks, it.rank, it.token) for it in items]).rowcount
+        [(tx.incarnation, tx.now, it.status, it.value_json, it.testcases, it.new_tasks,
+          it.rank, it.token) for it in items]).rowcount
     if n == len(items):
         n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
                            [(it.rank, it.token) for it in items]).rowcount

@@ -974,9 +974,7 @@ def test_a_deferral_that_cannot_be_written_keeps_the_task_queued(tmp_path: Path)
 def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_path: Path):
     """msgpack decodes what JSON cannot store (bytes). With the master's wire validator such a
     current RESULT sets the invalid mark (reason payload); the other rank's commit in the same
-    drain still happens. (Gate's default `validate_result` checks only the status, and
-    `commit_results` would then raise TypeError from json.dumps: the master always passes
-    `wire.check_result`.)"""
+    drain still happens."""
     from coordinator.wire import check_result
 
     farm = _Farm(tmp_path / "c.db")
@@ -1048,3 +1046,34 @@ def test_the_watchdog_retires_a_dispatch_only_after_its_deadline(tmp_path: Path)
                 ("idle", None)]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("validator", ["default", "wire"])
+def test_a_value_with_keys_of_mixed_types_is_an_invalid_payload_not_a_crash(tmp_path: Path,
+                                                                           validator: str):
+    """msgpack maps may mix int and str keys; JSON can hold them, but not in the sorted
+    canonical form a result is stored in. Such a RESULT once passed validation and then raised
+    TypeError inside the round's transaction (the master exited); whatever the validator, the
+    gate now finds it before the commit."""
+    from coordinator.wire import check_result
+
+    farm = _Farm(tmp_path / "c.db")
+    if validator == "wire":
+        farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
+        farm.ready(1)
+        farm.ready(2)
+        tokens = farm.dispatch(1, 2)
+        with farm.store.transaction() as tx:
+            out = farm.gate.apply_results(tx, [
+                Inbound(1, {"token": tokens[1], "status": "ok", "value": {"b": 1, "a": [2]}}),
+                Inbound(2, {"token": tokens[2], "status": "ok", "value": {1: 0, "a": 0}}),
+            ])
+        assert [c.rank for c in out.committed] == [1]
+        s = farm.state()
+        assert [(r[1], r[3]) for r in s["results"]] == [(1, '{"a": [2], "b": 1}')]
+        assert s["quarantine"] == [("result", "payload", 2)]
+        assert s["dispatches"] == [(2, 2)]
+    finally:
+        farm.close()
