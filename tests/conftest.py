@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +60,14 @@ class Farm:
 
     def close(self) -> None:
         self.store.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test() -> Iterator[None]:
+    yield
+    jobs = sys.modules.get("mpi_jobs")  # only a test that imported it can have started a job
+    if jobs is not None:
+        jobs.kill_leftover_jobs()
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ JOB_TIMEOUT_S = 120
 
 @functools.lru_cache(maxsize=1)
 def mpi_kind() -> str:
-    out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True).stdout
+    out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True,
+                         timeout=60).stdout
     return "openmpi" if "Open MPI" in out else "mpich" if "HYDRA" in out else "other"
 
 
@@ -47,9 +48,28 @@ class Done:
 def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | None = None,
           env: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen(job_command(args, np, ulfm), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(job_command(args, np, ulfm), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                             start_new_session=True)
+    _started.append(proc)
+    return proc
+
+
+#: Every job started by the current test: a job runs in its own session, so a test that
+#: fails (or hits its pytest-timeout) before `finish` would otherwise leave it running.
+_started: list[subprocess.Popen] = []
+
+
+def kill_leftover_jobs() -> None:
+    """Called after every test (conftest): SIGKILL whatever job the test left running."""
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            kill_job(proc)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
@@ -122,7 +142,8 @@ def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
     while time.monotonic() < deadline:
         try:
             with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
-                value = c.execute(sql).fetchone()[0]
+                row = c.execute(sql).fetchone()
+            value = row[0] if row else None  # no row yet: keep polling
             if predicate(value):
                 return value
         except sqlite3.Error:

@@ -88,7 +88,8 @@ def main() -> int:
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise SystemExit("no mpiexec beside this Python or on PATH")
-    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
     print(f"# {args.tasks} no-op tasks, {args.workers} workers, "
           f"{version.splitlines()[0] if version else mpiexec}"
           f"{' with --with-ft ulfm' if args.ulfm and 'Open MPI' in version else ''}, "

@@ -843,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else \
         shlex.join([sys.executable, str(Path(__file__).resolve()), *argv])
     mpi = subprocess.run([mpiexec_command(2, [])[0], "--version"], capture_output=True,
-                         text=True).stdout.splitlines()[:1]
+                         text=True, timeout=60).stdout.splitlines()[:1]
     plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction)
     if ns.only:
         try:
