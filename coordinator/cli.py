@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .executors import EXECUTOR_KINDS
 from .faults import KINDS, InjectSpecError, parse_inject
+from .runtime import EXIT_USAGE
 from .config import (
     DEFAULT_DEMO_TASKS,
     ENV_MAX_ATTEMPTS,
@@ -26,7 +28,6 @@ from .config import (
     resolve_run,
 )
 
-EXIT_USAGE = 2
 
 RUN_EPILOG = f"""\
 environment (a flag wins over its variable):
@@ -82,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--name", default="symcc",
                      help="this coordinator's AFL instance directory (default symcc)")
     ex = r.add_argument_group("executors")
-    ex.add_argument("--executor", choices=("command", "python", "demo"), default=None,
+    ex.add_argument("--executor", choices=EXECUTOR_KINDS, default=None,
                     help="default: command if a command follows --, python with --callable, "
                          "else demo")
     ex.add_argument("--callable", default=None, metavar="MODULE:FUNCTION",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .executors import ExecOutcome
-from .wire import Ready, Result, encode
+from .wire import encode
 from .worker import Sender
 
 #: Every kind, and what it does to the task it fires on.
@@ -169,20 +169,16 @@ class FaultySender(Sender):
             if stale is not None and stale != completed:
                 self._record("ready_stale", completed)
                 token = stale
-        body = {"rank": self.transport.rank, "bitmap_version": 0,
-                "empirical_profile_version": "", "completed_dispatch_token": token,
-                "host": self.host, "pid": self.pid, "v": 1}
+        msg = self.ready_message(completed)
         if token == completed:
-            self.transport.send_ready(encode(Ready(
-                rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
-                completed_dispatch_token=completed, host=self.host, pid=self.pid)))
-        else:
+            self.transport.send_ready(encode(msg))
+        else:  # a shape the schema forbids: sent as a plain mapping
+            body = {f: getattr(msg, f) for f in msg.__struct_fields__}
+            body["completed_dispatch_token"] = token
             self.transport.send_ready(encode(body))
 
     def _result_bytes(self, token: str, outcome: ExecOutcome, fired: set[str]) -> bytes:
-        msg = Result(token=token, status=outcome.status, value=outcome.value,
-                     testcases=list(outcome.testcases), returncode=outcome.returncode,
-                     duration_s=outcome.duration_s, detail=outcome.detail[-2000:])
+        msg = self.result_message(token, outcome)
         shape = next((k for k in _RESULT_SHAPES if k in fired), None)
         if shape == "result_stale":
             stale = self._stale_token()

@@ -27,16 +27,17 @@ from store import tasks as task_ops
 from store.campaign import Store
 from store.journal import Tx
 from store.schema import EventKind, WorkerState, dispatches, tasks, workers
-from store.stats import read_stats, stats_text
+from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, set_workers
 
 from .gate import Gate, Inbound
 from .output import TestcaseWriter
 from .progress import Progress
-from .protocol import mint_token
+from .protocol import ReadyStatus, mint_token
 from .sources import NewInput
 from .transport import Backoff, SendFailed, Transport
 from .wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MasterConfig:
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     watchdog_s: float = 0.0          # 0: no per-dispatch deadline
     grace_s: float = 10.0            # after SIGINT/SIGTERM: let in-flight work finish
     stop_wait_s: float = 10.0        # bounded wait for READY and STOP_ACK from every worker
@@ -132,12 +133,14 @@ class Master:
                 self._periodic()
             self._shutdown()
         finally:
+            s = None
             if self._progress.enabled:
                 with self.store.reading() as conn:
-                    self._progress.update(read_stats(conn))  # the last frame shows the end
+                    s = read_stats(conn)
+                self._progress.update(s)  # the last frame shows the end
             self._progress.stop()
             self.summary.elapsed_s = time.monotonic() - start
-            self.write_stats()
+            self.write_stats(s)
         return self.summary
 
     def _round(self) -> bool:
@@ -164,7 +167,12 @@ class Master:
             self._settle_sends(tx)
             ready = self.gate.apply_ready(tx, readies)               # 1 drain READY
             active = ready.active
-            if dispatching and (self._idle or readies):
+            # Only an idle READY (or a parked rank's) frees a rank here; a current READY just
+            # sets its mark, so without one the idle set cannot have grown: no query for it.
+            planned_early = dispatching and bool(
+                self._idle or ready.recovered_workers
+                or any(s is ReadyStatus.IDLE for _, s in ready.statuses))
+            if planned_early:
                 plan += self._plan(tx, active)                       # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=active)  # 3 drain RESULT
             self.summary.committed += len(rr.committed)
@@ -182,7 +190,7 @@ class Master:
                 self._may_have_queued = True
             if dispatching and (rr.committed or recovered or rr.retried or new_inputs):
                 plan += self._plan(tx, None)                         # next round's dispatch
-            else:
+            elif not planned_early:  # (that one just refreshed it, and nothing freed a rank)
                 self._refresh_idle(tx)
         for p, data in plan:  # committed: now the WORK may leave
             self._send_work(p, data)
@@ -204,11 +212,11 @@ class Master:
                                         worker_state=WorkerState.FAILED)
                    if a is not None else None)
             if rec is None:
-                set_workers(tx, [(rank, WorkerState.FAILED)])
                 tx.event(EventKind.WORKER_FAILED, rank=rank, detail="worker process died")
             else:
-                set_workers(tx, [(rank, WorkerState.FAILED)])
                 recovered.append(rec)
+            # Also after a recovery: a rank whose READY was seen came back from it idle.
+            set_workers(tx, [(rank, WorkerState.FAILED)])
             print(f"coordinator: rank {rank} died" + (f"; its task {a.task_id} goes back to "
                   f"the queue" if a is not None else ""), file=sys.stderr, flush=True)
         self._idle = [r for r in self._idle if r not in self._failed_ranks]
@@ -309,13 +317,11 @@ class Master:
     def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
                 value_json: str | None) -> dsp.CommitItem:
         written, new = 0, []
-        if res.testcases:
+        if res.testcases and self.writer is not None:
             task = task_ops.get_task(tx, active.task_id)
             assert task is not None
             depth = task.depth + 1
             for _name, content in res.testcases:  # the worker's name never becomes a path
-                if self.writer is None:
-                    break
                 path, fresh = self.writer.store(content, src=f"{task.id:06d}")
                 written += fresh
                 if self.config.max_depth == 0 or depth <= self.config.max_depth:
@@ -334,18 +340,24 @@ class Master:
     # -- stats and progress ----------------------------------------------------------------
     def _periodic(self) -> None:
         now = time.monotonic()
-        if self._progress.due(now):
-            with self.store.reading() as conn:
-                self._progress.update(read_stats(conn))
-        if now >= self._next_stats:
+        progress_due, stats_due = self._progress.due(now), now >= self._next_stats
+        if not (progress_due or stats_due):
+            return
+        with self.store.reading() as conn:  # one read for both when they fall due together
+            s = read_stats(conn)
+        if progress_due:
+            self._progress.update(s)
+        if stats_due:
             self._next_stats = now + self.config.stats_interval_s
-            self.write_stats()
+            self.write_stats(s)
 
-    def write_stats(self) -> None:
+    def write_stats(self, s: Stats | None = None) -> None:
         if self.config.stats_file is None:
             return
-        with self.store.reading() as conn:
-            text = stats_text(read_stats(conn))
+        if s is None:
+            with self.store.reading() as conn:
+                s = read_stats(conn)
+        text = stats_text(s)
         tmp = self.config.stats_file.with_name(self.config.stats_file.name + ".tmp")
         try:
             tmp.write_text(text)

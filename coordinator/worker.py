@@ -38,18 +38,22 @@ class Sender:
         self.transport = transport
         self.host, self.pid = host_and_pid()
 
+    def result_message(self, token: str, outcome: ExecOutcome) -> Result:
+        # The token is the authoritative one from WORK: nothing in the outcome can set it.
+        return Result(token=token, status=outcome.status, value=outcome.value,
+                      testcases=list(outcome.testcases), returncode=outcome.returncode,
+                      duration_s=outcome.duration_s, detail=outcome.detail[-2000:])
+
+    def ready_message(self, completed: str) -> Ready:
+        return Ready(rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
+                     completed_dispatch_token=completed, host=self.host, pid=self.pid)
+
     def send_result(self, token: str, outcome: ExecOutcome) -> str:
-        msg = Result(token=token, status=outcome.status, value=outcome.value,
-                     testcases=list(outcome.testcases), returncode=outcome.returncode,
-                     duration_s=outcome.duration_s, detail=outcome.detail[-2000:])
-        msg.token = token  # authoritative: whatever the outcome carried is overwritten
-        self.transport.send_result(encode(msg))
+        self.transport.send_result(encode(self.result_message(token, outcome)))
         return token
 
     def send_ready(self, completed: str) -> None:
-        self.transport.send_ready(encode(Ready(
-            rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
-            completed_dispatch_token=completed, host=self.host, pid=self.pid)))
+        self.transport.send_ready(encode(self.ready_message(completed)))
 
 
 def run_task(executor: Executor, task: dict, input_bytes: bytes | None,

@@ -245,13 +245,20 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
                        queue_pos=head_position(tx), attempts_delta=1, reason=reason)
         tx.event(requeued_kind, rank=rank, token=token, task_id=task_id, detail=reason)
     else:
-        why = f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); last: {reason}"
-        ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
-                       reason=why)
-        tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=why)
+        ok = _hold_failed(tx, rank, token, task_id, attempts, reason)
     if not ok:
         raise FenceError(f"task {task_id} was not active")
     return Recovery(rank or 0, token, task_id, decision, attempts)
+
+
+def _hold_failed(tx: Tx, rank: int | None, token: str, task_id: int, attempts: int,
+                 last: str) -> bool:
+    """The attempt ceiling: the task is held as failed (its `attempts`-th failure counted)."""
+    why = f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); last: {last}"
+    ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
+                   reason=why)
+    tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=why)
+    return ok
 
 
 def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventKind.RECOVERED,
@@ -305,14 +312,9 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
             attempts = tx.conn.execute(
                 select(tasks.c.attempts).where(tasks.c.id == r.task_id)).scalar_one() + 1
             if attempts >= tx.policy.max_attempts:
-                last = ("interrupted by a coordinator restart" if earlier_incarnations
-                        else "its worker was gone at a stop")
-                why = (f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); "
-                       f"last: {last}")
-                set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
-                          reason=why)
-                tx.event(EventKind.FAILED, rank=r.rank, token=r.token, task_id=r.task_id,
-                         detail=why)
+                _hold_failed(tx, r.rank, r.token, r.task_id, attempts,
+                             "interrupted by a coordinator restart" if earlier_incarnations
+                             else "its worker was gone at a stop")
                 continue
         set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.QUEUED,
                   queue_pos=head_position(tx), attempts_delta=int(charged))

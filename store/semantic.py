@@ -108,7 +108,13 @@ def canonical_json(value: Any) -> str:
 
 def semantic_id(payload: Mapping[str, Any]) -> str:
     """SHA-256 hex of the canonical JSON of the normalized payload."""
-    return hashlib.sha256(canonical_json(normalize(payload)).encode()).hexdigest()
+    return canonical_form(payload)[1]
+
+
+def canonical_form(payload: Mapping[str, Any]) -> tuple[str, str]:
+    """(canonical JSON, semantic id) of a payload, normalizing and encoding it once."""
+    text = canonical_json(normalize(payload))
+    return text, hashlib.sha256(text.encode()).hexdigest()
 
 
 def is_self_contained(payload: Mapping[str, Any], has_stored_input: bool) -> bool:

@@ -12,7 +12,7 @@ from sqlalchemy import and_, func, select, update
 
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, LeaseKind, TaskState, tasks
-from .semantic import canonical_json, content_hash, is_self_contained, normalize, semantic_id
+from .semantic import canonical_form, canonical_json, content_hash, is_self_contained
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
     created: list[int] = []
     pos = tail_position(tx)
     for item in new:
-        canon = normalize(item.payload)
+        canon, sid = canonical_form(item.payload)
         ihash = None
         if item.input_bytes is not None:
             ihash = content_hash(item.input_bytes)
@@ -99,9 +99,8 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
             if not known:
                 db.execute("INSERT INTO blobs (hash, data) VALUES (?, ?)",
                            (ihash, bytes(item.input_bytes)))
-        cur = db.execute(_INSERT_TASK, (semantic_id(canon), canonical_json(canon), ihash, pos,
-                                        item.depth, item.parent_id, item.origin, tx.now,
-                                        tx.now))
+        cur = db.execute(_INSERT_TASK, (sid, canon, ihash, pos, item.depth, item.parent_id,
+                                        item.origin, tx.now, tx.now))
         if cur.rowcount == 1:
             created.append(cur.lastrowid)
             tx.event(EventKind.ENQUEUED, task_id=cur.lastrowid, detail=item.origin or None)
