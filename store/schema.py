@@ -120,6 +120,14 @@ class EventKind(str, enum.Enum):
     MANUAL_REQUEUE = "manual_requeue"
 
 
+#: The events that retire a dispatch without its result (a rollback, a requeue at a stop or a
+#: resume, a failed send or run, a dead worker): a result committed under such a token would
+#: be a commit from the wrong dispatch (the invariant checks in tests and tools read this).
+ROLLBACK_EVENTS = (EventKind.RECOVERED, EventKind.WATCHDOG, EventKind.INTERRUPTED,
+                   EventKind.STOP_REQUEUED, EventKind.TASK_FAILED, EventKind.SEND_FAILED,
+                   EventKind.WORKER_FAILED)
+
+
 def _enum_check(column: str, enum_cls: type[enum.Enum]) -> CheckConstraint:
     values = ", ".join(f"'{m.value}'" for m in enum_cls)
     return CheckConstraint(f"{column} IN ({values})", name=f"{column}_enum")

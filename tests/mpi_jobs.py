@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.cli import find_mpiexec, mpiexec_flags
+from store.schema import ROLLBACK_EVENTS
 
 MPIEXEC = find_mpiexec()
 JOB_TIMEOUT_S = 120
+ROLLBACK_KINDS_SQL = ",".join(f"'{k.value}'" for k in ROLLBACK_EVENTS)
 
 
 @functools.lru_cache(maxsize=1)
@@ -180,7 +182,6 @@ def check_conservation(db: Path, expected_tasks: int | None = None) -> None:
                  ) == [(0,)]
     # ...and was still current when it committed: never rolled back, requeued or retired
     assert query(db, "SELECT count(*) FROM results r JOIN events e ON e.token=r.token "
-                     "WHERE e.kind IN ('recovered','watchdog','interrupted','stop_requeued',"
-                     "'task_failed','send_failed','worker_failed')") == [(0,)]
+                     f"WHERE e.kind IN ({ROLLBACK_KINDS_SQL})") == [(0,)]
     if expected_tasks is not None:
         assert query(db, "SELECT count(*) FROM tasks")[0][0] == expected_tasks

@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.cli import find_mpiexec, mpiexec_flags  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
+from store.schema import ROLLBACK_EVENTS  # noqa: E402
 
 ALL_KINDS: tuple[str, ...] = tuple(KINDS)
 
@@ -76,8 +77,7 @@ BREAKING: frozenset[str] = frozenset({
 NEVER_VALIDLY_SENT: frozenset[str] = BREAKING - {"kill_after_result", "hang"}
 
 #: Events that retire a dispatch: a result committed with such a token is a wrong commit.
-ROLLBACK_KINDS = ("recovered", "watchdog", "interrupted", "stop_requeued", "task_failed",
-                  "send_failed", "worker_failed")
+ROLLBACK_KINDS = tuple(k.value for k in ROLLBACK_EVENTS)
 #: Events that mark a task as recovered (for the recovery rate and latency). `stop_requeued`
 #: too: under Open MPI a worker's death makes the launcher SIGTERM the master, whose graceful
 #: stop may return the dead worker's dispatch to the queue before the launcher's SIGKILL.
