@@ -59,15 +59,14 @@ def test_a_killed_worker_is_recovered_at_once_and_the_run_completes(tmp_path):
         assert "died" in done.stderr, done.stderr[-2000:]
         assert query(db, "SELECT count(*) FROM events WHERE kind='worker_failed'") == [(1,)]
         assert query(db, f"SELECT state FROM workers WHERE rank={rank}") == [("failed",)]
-        # recovered well under the watchdog: from the death's event to the requeue
+        # The task went back to the queue in the very transaction that learnt of the death
+        # (one transaction, one timestamp), not at a deadline: a fact, not a timing. The
+        # latency itself is measured by tools/fault_campaign.py.
         [(lag,)] = query(db, "SELECT r.at - f.at FROM events f JOIN events r "
                              "ON r.task_id = f.task_id AND r.kind = 'requeued' "
                              "WHERE f.kind = 'worker_failed'")
-        assert 0 <= lag < 1.0
-        [(took,)] = query(db, "SELECT f.at - d.at FROM events f JOIN events d "
-                              "ON d.token = f.token AND d.kind = 'dispatched' "
-                              "WHERE f.kind = 'worker_failed'")
-        assert took < WATCHDOG_S / 2  # noticed by MPI, not by the deadline
+        assert lag == 0
+        assert query(db, "SELECT count(*) FROM events WHERE kind = 'watchdog'") == [(0,)]
     else:
         # MPICH: the launcher kills every rank; the database decides what happened.
         kill_ranks(db)
