@@ -21,33 +21,6 @@ class ConfigError(ValueError):
     """A setting the user gave that cannot be used; the message names it."""
 
 
-def _env_int(name: str, lo: int, hi: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    if value < lo or (hi is not None and value > hi):
-        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ConfigError(f"{name}={value} is out of range ({rng})")
-    return value
-
-
-def _env_float(name: str) -> float | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if not value >= 0:
-        raise ConfigError(f"{name}={raw!r} must be >= 0")
-    return value
-
-
 def int_range(lo: int, hi: int | None = None):
     def parse(text: str) -> int:
         try:
@@ -69,6 +42,26 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
     return value
+
+
+def _from_env(name: str, parse):
+    """`name` from the environment through the flag's own parser (same checks, same words,
+    prefixed with the variable); None if unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return parse(raw)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"{name}={e}") from None
+
+
+def _env_int(name: str, lo: int, hi: int | None) -> int | None:
+    return _from_env(name, int_range(lo, hi))
+
+
+def _env_float(name: str) -> float | None:
+    return _from_env(name, non_negative_float)
 
 
 @dataclass(frozen=True)

@@ -120,18 +120,16 @@ class Gate:
             status = classify_ready(m.body, expected,
                                     consistent=a.consistent if a is not None else True)
             out.statuses.append((m.rank, status))
-            if status is ReadyStatus.IDLE:
+            unparked = status is ReadyStatus.CURRENT and parked is not None
+            if status is ReadyStatus.IDLE or unparked:
                 info = ready_info(m.body, bitmap)  # type: ignore[arg-type]
                 wrk.accept_versions(tx, m.rank, info.bitmap_version, info.profile_version,
                                     info.host, info.pid)
-            elif status is ReadyStatus.CURRENT and parked is not None:
-                # A parked rank echoed exactly its retired token: it is alive and free again.
-                info = ready_info(m.body, bitmap)  # type: ignore[arg-type]
-                wrk.accept_versions(tx, m.rank, info.bitmap_version, info.profile_version,
-                                    info.host, info.pid)
-                tx.event(EventKind.WORKER_RECOVERED, rank=m.rank, token=parked)
-                del parked_by_rank[m.rank]
-                out.recovered_workers.append(m.rank)
+                if unparked:
+                    # A parked rank echoed exactly its retired token: alive and free again.
+                    tx.event(EventKind.WORKER_RECOVERED, rank=m.rank, token=parked)
+                    del parked_by_rank[m.rank]
+                    out.recovered_workers.append(m.rank)
             elif status is ReadyStatus.CURRENT:
                 assert a is not None
                 dsp.set_ready_mark(tx, m.rank, a.token)

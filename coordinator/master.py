@@ -417,19 +417,15 @@ class Master:
         pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
         tokens: dict[int, str] = {}
         for rank in sorted(pending):
-            self._stop_seq += 1
-            tokens[rank] = mint_token(self.store.epoch, -rank, self._stop_seq)
-            try:
-                self.transport.send_stop(encode(Stop(token=tokens[rank], finalize=False)), rank)
-            except SendFailed:
+            token = self._send_stop(rank, finalize=False)
+            if token is None:
                 pending.discard(rank)
+            else:
+                tokens[rank] = token
         deadline = time.monotonic() + min(self.config.stop_wait_s, 5.0)
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
-            for got in self.transport.drain(TAG_STOP_ACK):
-                body = decode_inbound(got.data, 4096)
-                if isinstance(body, dict) and body.get("token") == tokens.get(got.rank):
-                    pending.discard(got.rank)
+            pending.difference_update(self._take_acks(tokens))
             for _ in self.transport.drain(TAG_RESULT):  # busy workers answer first: discard
                 pass
             for _ in self.transport.drain(TAG_READY):
@@ -461,11 +457,34 @@ class Master:
                     fenced.append(rank)  # already gone
         return fenced
 
+    def _send_stop(self, rank: int, *, finalize: bool) -> str | None:
+        """A tokenized STOP with a fresh token to `rank`: the token, or None if the send
+        failed (the rank is then not waited for)."""
+        self._stop_seq += 1
+        token = mint_token(self.store.epoch, -rank, self._stop_seq)
+        try:
+            self.transport.send_stop(encode(Stop(token=token, finalize=finalize)), rank)
+        except SendFailed as e:
+            log.error("%s", e)
+            return None
+        return token
+
+    def _take_acks(self, tokens: dict[int, str]) -> list[int]:
+        """The ranks whose STOP_ACK waiting now echoes exactly their STOP's token."""
+        acked = []
+        for got in self.transport.drain(TAG_STOP_ACK):
+            body = decode_inbound(got.data, 4096)
+            token = body.get("token") if isinstance(body, dict) else None
+            if got.rank in tokens and token == tokens[got.rank]:
+                acked.append(got.rank)
+            else:
+                log.warning("rank %d: STOP_ACK with a token that is not its STOP's", got.rank)
+        return acked
+
     def _stop_workers(self) -> list[int]:
         """Tokenized STOP to each worker once it has shown READY; wait, bounded, for the
         exact-token STOP_ACK. Returns the ranks that never acknowledged."""
         pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
-        shown_ready: set[int] = set()
         with self.store.reading() as conn:
             shown_ready = {r for (r,) in conn.execute(select(workers.c.rank).where(
                 workers.c.state == WorkerState.IDLE.value))}
@@ -489,26 +508,16 @@ class Master:
                     self.gate.apply_results(tx, results)
                 shown_ready.update(m.rank for m in readies)
             for rank in sorted(pending & shown_ready - set(stop_tokens)):
-                self._stop_seq += 1
-                token = mint_token(self.store.epoch, -rank, self._stop_seq)
-                try:
-                    self.transport.send_stop(encode(Stop(
-                        token=token, finalize=not self.transport.any_failed)), rank)
-                    stop_tokens[rank] = token
-                except SendFailed as e:
-                    log.error("%s", e)
+                token = self._send_stop(rank, finalize=not self.transport.any_failed)
+                if token is None:
                     pending.discard(rank)
-                progressed = True
-            for got in self.transport.drain(TAG_STOP_ACK):
-                body = decode_inbound(got.data, 4096)
-                token = body.get("token") if isinstance(body, dict) else None
-                if got.rank in stop_tokens and token == stop_tokens[got.rank]:
-                    pending.discard(got.rank)
-                    acked.add(got.rank)
-                    progressed = True
                 else:
-                    log.warning("rank %d: STOP_ACK with a token that is not its STOP's",
-                                got.rank)
+                    stop_tokens[rank] = token
+                progressed = True
+            for rank in self._take_acks(stop_tokens):
+                pending.discard(rank)
+                acked.add(rank)
+                progressed = True
             if progressed:
                 backoff.reset()
             else:
