@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import text
 
+from conftest import Farm
 from coordinator.gate import Gate, Inbound, Undecodable
 from store import dispatches as dsp
 from store.campaign import Store
@@ -802,37 +803,20 @@ test_gate_state_machine = GateMachine.TestCase
 
 # -- the join rule: receive order does not matter -------------------------------------------
 
-class _Farm:
-    """Just enough of a master for the plain tests (a real file, no MPI)."""
+class _Farm(Farm):
+    """The shared message-by-message master (conftest), as the plain tests here drive it:
+    this module's retry policy, WORK marked sent, RESULT bodies given whole."""
 
     def __init__(self, path: Path, policy: RetryPolicy = POLICY):
-        self.store = Store.open(path, policy=policy)
-        self.gate = Gate(self.store)
-
-    def enqueue(self, *payloads: dict[str, Any]) -> list[int]:
-        with self.store.transaction() as tx:
-            return enqueue_tasks(tx, [NewTask(p) for p in payloads])
-
-    def ready(self, rank: int, token: object = "") -> None:
-        with self.store.transaction() as tx:
-            self.gate.apply_ready(tx, [Inbound(rank, {
-                "rank": rank, "bitmap_version": 0, "empirical_profile_version": "",
-                READY_KEY: token})])
+        super().__init__(path, policy=policy)
 
     def dispatch(self, *ranks: int) -> dict[int, str]:
+        tokens = super().dispatch(*ranks)
         with self.store.transaction() as tx:
-            plan = self.gate.plan_dispatches(tx, list(ranks))
-        with self.store.transaction() as tx:
-            dsp.mark_sent(tx, [p.token for p in plan])
-        return {p.rank: p.token for p in plan}
+            dsp.mark_sent(tx, tokens.values())
+        return tokens
 
-    def result(self, rank: int, body: object) -> None:
-        with self.store.transaction() as tx:
-            self.gate.apply_results(tx, [Inbound(rank, body)])
-
-    def sweep(self) -> None:
-        with self.store.transaction() as tx:
-            self.gate.sweep(tx)
+    result = Farm.result_raw
 
     def state(self) -> dict[str, Any]:
         """The committed state, without what differs by construction (tokens, times, ids)."""
@@ -853,9 +837,6 @@ class _Farm:
         with self.store.reading() as conn:
             return Counter(dict(conn.execute(text(
                 "SELECT kind, count(*) FROM events GROUP BY kind")).all()))
-
-    def close(self) -> None:
-        self.store.close()
 
 
 def _run_order(path: Path, first: str, result_body) -> tuple[dict[str, Any], Counter[str]]:
