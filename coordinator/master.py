@@ -2,10 +2,12 @@
 
     drain READY -> dispatch to idle ranks -> drain RESULT -> recovery sweep -> watchdog sweep
 
-Phases 1–2 share one transaction and phases 3–5 another (group commit: every message drained
-in a phase is applied in one transaction). Every dispatch is committed before its WORK is
-sent; a WORK that fails to leave is compensated pre-send in the next transaction, and the
-sends that did leave are marked there, so a rollback afterwards is post-send.
+A round is one transaction (group commit). Answers that arrive while it is open join it: the
+READY and RESULT phases are applied again for them, in that order, before the sweeps, so the
+round's COMMIT carries every answer that came in within `linger_s` while the store work for
+the first ones was already being done. Every dispatch is committed before its WORK is sent; a
+WORK that fails to leave is compensated pre-send in the next transaction, and the sends that
+did leave are marked there, so a rollback afterwards is post-send.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class MasterConfig:
     exit_when_drained: bool = True   # --demo/--tasks: stop when nothing is queued or active
     source_interval_s: float = 1.0
     progress: bool = False
-    linger_s: float = 0.0005         # group commit: wait this long for more answers
+    linger_s: float = 0.0005         # group commit: hold a round open this long for more answers
 
 
 @dataclass
@@ -150,7 +152,7 @@ class Master:
         would have nothing new: those messages were just applied), so a rank freed by this
         round's commits gets work without waiting for another COMMIT."""
         dispatching = self._stop_signal is None
-        results, readies = self._gather()
+        results, readies = self._receive()
         now = time.monotonic()
         poll_sources = bool(dispatching and self.sources and now >= self._next_source)
         watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
@@ -165,17 +167,9 @@ class Master:
         plan: list[tuple[dsp.Planned, bytes | None]] = []
         with self._tx("master round") as tx:
             self._settle_sends(tx)
-            ready = self.gate.apply_ready(tx, readies)               # 1 drain READY
-            active = ready.active
-            # Only an idle READY (or a parked rank's) frees a rank here; a current READY just
-            # sets its mark, so without one the idle set cannot have grown: no query for it.
-            planned_early = dispatching and bool(
-                self._idle or ready.recovered_workers
-                or any(s is ReadyStatus.IDLE for _, s in ready.statuses))
-            if planned_early:
-                plan += self._plan(tx, active)                       # 2 dispatch
-            rr = self.gate.apply_results(tx, results, active=active)  # 3 drain RESULT
-            self.summary.committed += len(rr.committed)
+            committed, retried, planned_early = self._apply_answers(
+                tx, results, readies, dispatching, plan)                 # phases 1–3
+            self.summary.committed += len(committed)
             recovered = self._retire_dead(tx, died)                  # ranks the MPI lost
             recovered += self.gate.sweep(tx)                         # 4 recovery sweep
             if watchdog_due:                                         # 5 watchdog sweep
@@ -186,9 +180,9 @@ class Master:
                 task_ops.enqueue_tasks(tx, [task_ops.NewTask(
                     i.payload, i.input_bytes, origin=i.origin) for i in new_inputs],
                     skip_known_content=True)
-            if recovered or new_inputs or rr.retried or any(c.new_tasks for c in rr.committed):
+            if recovered or new_inputs or retried or any(c.new_tasks for c in committed):
                 self._may_have_queued = True
-            if dispatching and (rr.committed or recovered or rr.retried or new_inputs):
+            if dispatching and (committed or recovered or retried or new_inputs):
                 plan += self._plan(tx, None)                         # next round's dispatch
             elif not planned_early:  # (that one just refreshed it, and nothing freed a rank)
                 self._refresh_idle(tx)
@@ -227,35 +221,66 @@ class Master:
             self._stop_at = time.monotonic()
         return recovered
 
-    def _gather(self) -> tuple[list[Inbound], list[Inbound]]:
-        """Receive what is waiting, and linger briefly for the other half of a finished
-        dispatch (group commit: a COMMIT costs as much as a dozen statements, so answers
-        that arrive within a fraction of it should share it).
+    def _apply_answers(self, tx: Tx, results: list[Inbound], readies: list[Inbound],
+                       dispatching: bool, plan: list[tuple[dsp.Planned, bytes | None]],
+                       ) -> tuple[list[dsp.CommitItem], list[int], bool]:
+        """Phases 1–3 (READY, dispatch to ranks it freed, RESULT) for what was received, then
+        again for each answer that arrives while the round is still open, up to `linger_s`
+        (group commit: a COMMIT with its fsync costs more than a task's statements, so answers
+        that arrive within a fraction of it should share it, and applying the first ones while
+        the others are on their way takes their statements off the critical path).
 
-        A worker sends RESULT then READY, but the master often *observes* READY first (tag
-        queues are matched independently), so it waits while the ranks that sent a RESULT
-        and the ranks that sent a READY differ, or while fewer answers than outstanding
-        dispatches arrived, up to `linger_s`. What is received is applied in the SPEC's
-        order, which does not depend on arrival order at all."""
-        limit = self.config.max_message_bytes
-        results: list[Inbound] = []
-        readies: list[Inbound] = []
+        The round stays open while fewer answers than outstanding dispatches arrived, or while
+        the ranks that sent a RESULT and those that sent a READY differ: a worker sends RESULT
+        then READY, but the master often *observes* READY first (tag queues are matched
+        independently). Each batch is applied READY first, then RESULT, and the sweeps run
+        after the last, so arrival order changes nothing. Returns the commits, the ranks whose
+        run is retried, and whether a dispatch phase ran."""
+        committed: list[dsp.CommitItem] = []
+        retried: list[int] = []
+        planned_early = False
+        outstanding = self.transport.size - 1 - len(self._idle) - len(self._failed_ranks)
+        sent_result: set[int] = set()
+        sent_ready: set[int] = set()
         deadline = None
         while True:
-            results += [Inbound(r.rank, decode_inbound(r.data, limit))
-                        for r in self.transport.drain(TAG_RESULT)]
-            readies += [Inbound(r.rank, decode_inbound(r.data, limit))
-                        for r in self.transport.drain(TAG_READY)]
-            if not (results or readies) or self.config.linger_s <= 0:
-                return results, readies
-            answered = {m.rank for m in results}
-            outstanding = self.transport.size - 1 - len(self._idle) - len(self._failed_ranks)
-            if answered == {m.rank for m in readies} and len(answered) >= outstanding:
-                return results, readies
-            now = time.monotonic()
+            ready = self.gate.apply_ready(tx, readies)                   # 1 drain READY
+            # Only an idle READY (or a parked rank's) frees a rank here; a current READY just
+            # sets its mark, so without one the idle set cannot have grown: no query for it.
+            if dispatching and (self._idle or ready.recovered_workers
+                                or any(s is ReadyStatus.IDLE for _, s in ready.statuses)):
+                planned_early = True
+                plan.extend(self._plan(tx, ready.active))                # 2 dispatch
+            rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
+            committed += rr.committed
+            retried += rr.retried
+            if self.config.linger_s <= 0:
+                break
+            sent_result.update(m.rank for m in results)
+            sent_ready.update(m.rank for m in readies)
+            if sent_result == sent_ready and len(sent_result) >= outstanding:
+                break
             if deadline is None:
-                deadline = now + self.config.linger_s
-            elif now >= deadline:
+                deadline = time.monotonic() + self.config.linger_s
+            results, readies = self._linger(deadline)
+            if not (results or readies):
+                break
+        return committed, retried, planned_early
+
+    def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
+        """The RESULTs and READYs waiting now, decoded (undecodable ones as such)."""
+        limit = self.config.max_message_bytes
+        results = [Inbound(r.rank, decode_inbound(r.data, limit))
+                   for r in self.transport.drain(TAG_RESULT)]
+        readies = [Inbound(r.rank, decode_inbound(r.data, limit))
+                   for r in self.transport.drain(TAG_READY)]
+        return results, readies
+
+    def _linger(self, deadline: float) -> tuple[list[Inbound], list[Inbound]]:
+        """The next answers to arrive before `deadline` (empty lists if none did)."""
+        while True:
+            results, readies = self._receive()
+            if results or readies or time.monotonic() >= deadline:
                 return results, readies
             time.sleep(20e-6)
 
@@ -497,10 +522,7 @@ class Master:
             for rank in self.transport.take_failed():  # died while stopping: nothing to ack
                 self._failed_ranks.add(rank)
                 pending.discard(rank)
-            readies = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
-                       for r in self.transport.drain(TAG_READY)]
-            results = [Inbound(r.rank, decode_inbound(r.data, self.config.max_message_bytes))
-                       for r in self.transport.drain(TAG_RESULT)]
+            results, readies = self._receive()
             if readies or results:
                 progressed = True
                 with self._tx("drain during stop") as tx:  # late messages: quarantined
