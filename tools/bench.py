@@ -1,6 +1,9 @@
 """Throughput benchmark: N no-op tasks through this coordinator and through
 mpi4py.futures.MPIPoolExecutor (map, chunksize=1: one task per message, the fair comparison
-for per-task dispatch), with the same number of workers, in one invocation.
+for per-task dispatch), with the same number of workers, in one invocation. Both run the same
+no-op, `noop(x): return x`: the coordinator through its python executor (`--callable`) on
+`--demo N` task payloads; `--workload demo` runs the demo executor instead (~35 µs of hashing
+per task).
 
     python tools/bench.py                       # 10,000 tasks, 3 workers, FULL and NORMAL
     python tools/bench.py --tasks 2000 --workers 3 --sync FULL
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,14 +63,24 @@ def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float,
     raise SystemExit(f"futures run failed:\n{out.stdout}\n{out.stderr[-3000:]}")
 
 
+NOOP_MODULE = "def noop(x):\n    return x\n"
+
+
 def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
-                    timeout: float, ulfm: bool) -> dict:
+                    timeout: float, ulfm: bool, workload: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         db, summary = Path(d) / "bench.db", Path(d) / "summary.json"
         cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1, ulfm), sys.executable, "-m",
                "coordinator", "run", "--db", str(db), "--demo", str(tasks), "--synchronous",
                sync, "--no-progress", "--summary-json", str(summary)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        env = dict(os.environ)
+        if workload == "noop":
+            (Path(d) / "bench_noop.py").write_text(NOOP_MODULE)
+            # Every rank runs here, so the environment reaches them all (no `-x` needed).
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (d, env.get("PYTHONPATH")) if p)
+            cmd += ["--callable", "bench_noop:noop"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if out.returncode != 0 or not summary.exists():
             raise SystemExit(f"coordinator run failed ({out.returncode}):\n{out.stderr[-3000:]}")
         return json.loads(summary.read_text())
@@ -79,6 +93,9 @@ def main() -> int:
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
+    p.add_argument("--workload", choices=("noop", "demo"), default="noop",
+                   help="the coordinator's task: the same no-op as futures through the python "
+                        "executor (default), or the built-in demo executor")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
                    help="launch both with Open MPI's --with-ft ulfm, as `coordinator run` "
@@ -90,7 +107,7 @@ def main() -> int:
         raise SystemExit("no mpiexec beside this Python or on PATH")
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
-    print(f"# {args.tasks} no-op tasks, {args.workers} workers, "
+    print(f"# {args.tasks} tasks ({args.workload}), {args.workers} workers, "
           f"{version.splitlines()[0] if version else mpiexec}"
           f"{' with --with-ft ulfm' if args.ulfm and 'Open MPI' in version else ''}, "
           f"{time.strftime('%Y-%m-%d')}")
@@ -105,7 +122,8 @@ def main() -> int:
           f"client peak RSS {median([m for _, m in fut]):.0f} MiB")
     first = None
     for sync in modes:
-        runs = [run_coordinator(mpiexec, args.tasks, args.workers, sync, args.timeout, args.ulfm)
+        runs = [run_coordinator(mpiexec, args.tasks, args.workers, sync, args.timeout, args.ulfm,
+                                args.workload)
                 for _ in range(args.repeat)]
         run = sorted(runs, key=lambda r: r["tasks_per_s"])[len(runs) // 2]
         rate = run["tasks_per_s"]
