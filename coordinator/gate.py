@@ -8,7 +8,6 @@ The master loop (SPEC §3) calls, every round and in this order: `apply_ready` (
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -133,7 +132,7 @@ class Gate:
             elif status is ReadyStatus.CURRENT:
                 assert a is not None
                 dsp.set_ready_mark(tx, m.rank, a.token)
-                active[m.rank] = dataclasses.replace(a, ready=True)
+                active[m.rank] = a.with_ready_mark()
             else:
                 token = m.body.get(READY_TOKEN_KEY) if isinstance(m.body, Mapping) else None
                 detail = _detail(m.body)

@@ -3,16 +3,21 @@ the retry policy, payload identity and the stats text."""
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 
 import pytest
 from sqlalchemy import select
 
 from coordinator.protocol import ReadyStatus, ResultStatus
+from store import dispatches as dsp
 from store.journal import RetryPolicy
-from store.schema import TaskState, dispatches, events, leases, results, tasks, workers
+from store.schema import (
+    TaskState, WorkerState, dispatches, events, leases, results, tasks, workers,
+)
 from store.semantic import PayloadError, normalize, semantic_id
 from store.stats import read_stats, stats_text
+from store.workers import set_workers
 
 from conftest import Farm
 
@@ -367,3 +372,22 @@ def test_stats_text_labels(farm):
     assert "Protocol-requeued dispatches: 1\n" in text
     assert "Protocol-deferred dispatches: 0\n" in text
     assert "Dispatch watchdog timeouts: 0\n" in text
+
+
+def test_with_ready_mark_changes_only_the_mark():
+    # Spelled out for speed; it must stay what dataclasses.replace would give, field by field.
+    a = dsp.ActiveDispatch("t" * 64, 3, 7, 2, True, False, "payload", 12.5, False)
+    assert a.with_ready_mark() == dataclasses.replace(a, ready=True)
+
+
+def test_set_workers_updates_known_ranks_and_creates_unknown_ones(farm):
+    before = {r.rank: r.state for r in rows(farm, workers)}
+    new_rank = max(before, default=0) + 5
+    known = sorted(before)[:1]
+    with farm.store.transaction("test") as tx:
+        set_workers(tx, [(r, WorkerState.FAILED) for r in known] + [(new_rank, WorkerState.BUSY)])
+    after = {r.rank: r.state for r in rows(farm, workers)}
+    assert after == {**before, **{r: "failed" for r in known}, new_rank: "busy"}
+    with farm.store.transaction("test") as tx:  # now every rank is known: UPDATE only
+        set_workers(tx, [(new_rank, WorkerState.IDLE)])
+    assert {r.rank: r.state for r in rows(farm, workers)}[new_rank] == "idle"
