@@ -262,6 +262,8 @@ class Master:
                 break
             if deadline is None:
                 deadline = time.monotonic() + self.config.linger_s
+            elif time.monotonic() >= deadline:
+                break  # even if more keeps coming (a rank repeating READY): the round ends
             results, readies = self._linger(deadline)
             if not (results or readies):
                 break
