@@ -59,6 +59,8 @@ class ReadyRound:
     #: The active dispatches as this phase left them (ready marks included), for the phases
     #: that follow in the same transaction: it saves them reading the table again.
     active: dict[int, dsp.ActiveDispatch] | None = None
+    #: Likewise the parked ranks and the token each must echo.
+    parked: dict[int, str] | None = None
 
 
 @dataclass
@@ -66,6 +68,8 @@ class ResultRound:
     statuses: list[tuple[int, ResultStatus]] = field(default_factory=list)
     committed: list[dsp.CommitItem] = field(default_factory=list)
     retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout)
+    #: The active dispatches as this phase left them (its commits and retries gone).
+    active: dict[int, dsp.ActiveDispatch] | None = None
 
 
 def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
@@ -105,12 +109,20 @@ class Gate:
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
-    def apply_ready(self, tx: Tx, msgs: Sequence[Inbound]) -> ReadyRound:
-        out = ReadyRound()
+    def apply_ready(self, tx: Tx, msgs: Sequence[Inbound], *,
+                    active: dict[int, dsp.ActiveDispatch] | None = None,
+                    parked: dict[int, str] | None = None) -> ReadyRound:
+        """`active` and `parked`, if given, are the state as the phases before this one in
+        the same transaction left it (`ResultRound.active`, `ReadyRound.parked`); they are
+        updated in place. None reads them from the store."""
+        out = ReadyRound(active=active, parked=parked)
         if not msgs:
             return out
-        active = out.active = dsp.active_by_rank(tx)
-        parked_by_rank = wrk.parked_tokens(tx)
+        if active is None:
+            active = out.active = dsp.active_by_rank(tx)
+        if parked is None:
+            parked = out.parked = wrk.parked_tokens(tx)
+        parked_by_rank = parked
         bitmap = self.store.bitmap_version
         for m in msgs:
             a = active.get(m.rank)
@@ -166,10 +178,10 @@ class Gate:
     # -- phase 3: RESULT -------------------------------------------------------------------
     def apply_results(self, tx: Tx, msgs: Sequence[Inbound], *,
                       active: dict[int, dsp.ActiveDispatch] | None = None) -> ResultRound:
-        out = ResultRound()
+        out = ResultRound(active=active)
         if not msgs:
             return out
-        active = dict(active) if active is not None else dsp.active_by_rank(tx)
+        active = out.active = dict(active) if active is not None else dsp.active_by_rank(tx)
         committed_from: dict[int, dsp.ActiveDispatch] = {}
         for m in msgs:
             a = active.get(m.rank)

@@ -243,8 +243,12 @@ class Master:
         sent_result: set[int] = set()
         sent_ready: set[int] = set()
         deadline = None
+        # What each batch leaves is what the next one starts from: nothing else writes
+        # dispatches or parked ranks between them, so they are not read again.
+        active: dict[int, dsp.ActiveDispatch] | None = None
+        parked: dict[int, str] | None = None
         while True:
-            ready = self.gate.apply_ready(tx, readies)                   # 1 drain READY
+            ready = self.gate.apply_ready(tx, readies, active=active, parked=parked)  # 1 READY
             # Only an idle READY (or a parked rank's) frees a rank here; a current READY just
             # sets its mark, so without one the idle set cannot have grown: no query for it.
             if dispatching and (self._idle or ready.recovered_workers
@@ -252,6 +256,7 @@ class Master:
                 planned_early = True
                 plan.extend(self._plan(tx, ready.active))                # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
+            active, parked = rr.active, ready.parked
             committed += rr.committed
             retried += rr.retried
             if self.config.linger_s <= 0:

@@ -3,6 +3,7 @@ loop itself decides, like when a round that lingers for more answers must end an
 
 from __future__ import annotations
 
+import sqlite3
 from collections import deque
 
 import pytest
@@ -87,3 +88,69 @@ def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
     assert (summary.exit_status, done, committed) == (0, 5, 5)
     # Every WORK left while rank 2 was still sending: no round waited for it to stop.
     assert ranks.committed_during_spam == 5
+
+
+class StaggeredRanks(ScriptedRanks):
+    """Each rank's RESULT and READY become visible a given number of drains after its WORK
+    left, one message per drain at most: the two halves of an answer (and the answers of
+    different ranks) land in different batches of the same open round."""
+
+    def __init__(self, delays: dict[int, tuple[int, int]]):
+        self.delays = delays  # rank -> (drains until RESULT, drains until READY)
+        self.size = len(delays) + 1
+        self.clock = 0
+        self.pending: list[tuple[int, int, Received]] = []  # (visible at, tag, message)
+        self.queues = {TAG_STOP_ACK: deque()}
+        for rank in delays:
+            self.pending.append((0, TAG_READY, _ready(rank, "")))
+        self.spam_readies = self.committed_during_spam = 0
+
+    def drain(self, tag: int, limit: int = 10_000):
+        self.clock += 1
+        if tag == TAG_STOP_ACK:
+            yield from ScriptedRanks.drain(self, tag)
+            return
+        for i, (at, t, msg) in enumerate(self.pending):
+            if t == tag and at <= self.clock:
+                del self.pending[i]
+                yield msg
+                return
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        work = decode_work(data)
+        to_result, to_ready = self.delays[dest]
+        self.pending.append((self.clock + to_result, TAG_RESULT, Received(
+            dest, TAG_RESULT, bytearray(encode(Result(token=work.token, status="ok",
+                                                      value={"n": 1}))))))
+        self.pending.append((self.clock + to_ready, TAG_READY, _ready(dest, work.token)))
+        self.pending.sort(key=lambda p: p[0])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delays", [
+    {1: (1, 4)},                  # RESULT, then READY in a later batch
+    {1: (4, 1)},                  # READY, then RESULT
+    {1: (1, 6), 2: (4, 2)},       # rank 1 RESULT, rank 2 READY, rank 2 RESULT, rank 1 READY
+    {1: (6, 1), 2: (2, 8), 3: (3, 3)},
+], ids=["result-ready", "ready-result", "two-ranks-interleaved", "three-ranks"])
+def test_the_halves_of_answers_in_separate_batches_join_in_one_round(tmp_path, delays):
+    """What one batch leaves (a commit, a ready mark, a freed rank) is what the next batch of
+    the same round starts from: every answer commits, every rank gets its next task in the
+    round that committed its last one, and nothing is quarantined."""
+    n = 6 * len(delays)
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(n)])
+        summary = Master(store, StaggeredRanks(delays), MasterConfig(
+            linger_s=0.2, grace_s=1, stop_wait_s=1, stats_file=None)).run()
+        with sqlite3.connect(tmp_path / "c.db") as db:
+            done = db.execute("SELECT count(*) FROM tasks WHERE state = 'done'").fetchone()[0]
+            rounds = db.execute("SELECT count(DISTINCT committed_at) FROM results").fetchone()[0]
+            quarantined = db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+            left = db.execute("SELECT count(*) FROM dispatches").fetchone()[0]
+    finally:
+        store.close()
+    assert (summary.exit_status, summary.committed, done, quarantined, left) == (0, n, n, 0, 0)
+    # Every round committed one task per rank: no answer waited for a later round.
+    assert rounds == n // len(delays)
