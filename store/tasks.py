@@ -130,18 +130,24 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
     window = max(4 * n, 16)
     offset = 0
     while len(picked) < n:
-        rows = db.execute(_QUEUED, (window, offset)).fetchall()
-        for row in rows:
-            rec = TaskRecord(row[0], row[1], json.loads(row[2]), row[3], TaskState(row[4]),
-                             row[5], row[6], row[7], row[8])
-            keys = [k for k in rec.lease_keys() if k[0] is not LeaseKind.WORK]
-            if any(k in held for k in keys):
-                continue
-            held.update(keys)
-            picked.append(rec)
-            if len(picked) == n:
-                break
-        if len(rows) < window:
+        # Stepped row by row, not fetched: usually the first n rows are all it takes.
+        cur = db.execute(_QUEUED, (window, offset))
+        seen = 0
+        try:
+            for row in cur:
+                seen += 1
+                rec = TaskRecord(row[0], row[1], json.loads(row[2]), row[3],
+                                 TaskState(row[4]), row[5], row[6], row[7], row[8])
+                keys = [k for k in rec.lease_keys() if k[0] is not LeaseKind.WORK]
+                if any(k in held for k in keys):
+                    continue
+                held.update(keys)
+                picked.append(rec)
+                if len(picked) == n:
+                    break
+        finally:
+            cur.close()
+        if seen < window:
             break
         offset += window
     return picked

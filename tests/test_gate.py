@@ -391,3 +391,21 @@ def test_set_workers_updates_known_ranks_and_creates_unknown_ones(farm):
     with farm.store.transaction("test") as tx:  # now every rank is known: UPDATE only
         set_workers(tx, [(new_rank, WorkerState.IDLE)])
     assert {r.rank: r.state for r in rows(farm, workers)}[new_rank] == "idle"
+
+
+def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm):
+    """take_queued reads the queue a window of rows at a time: more waiting tasks than one
+    window holds must not hide the dispatchable ones behind them, nor lose their places."""
+    held, _ = started(farm, {"path": "/seed/held", "target_branch": 5})
+    waiting = farm.enqueue(*({"path": f"/seed/w{i}", "target_branch": 5} for i in range(40)))
+    free = farm.enqueue({"path": "/seed/free1"}, {"path": "/seed/free2", "target_branch": 6},
+                        {"path": "/seed/free3", "target_branch": 6})
+    farm.ready(2, "")
+    farm.ready(3, "")
+    farm.ready(4, "")
+    got = farm.dispatch(2, 3, 4)
+    assert sorted(got) == [2, 3]  # free3 waits: free2 took target 6 in the same plan
+    with farm.store.reading() as conn:
+        active = {r.task_id for r in conn.execute(select(dispatches.c.task_id))}
+    assert active == {held, *free[:2]}
+    assert all(task_state(farm, t) == "queued" for t in waiting + free[2:])
