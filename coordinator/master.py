@@ -259,8 +259,8 @@ class Master:
             active, parked = rr.active, ready.parked
             committed += rr.committed
             retried += rr.retried
-            if self.config.linger_s <= 0:
-                break
+            if self.config.linger_s <= 0 or not (results or readies):
+                break  # (a round opened for another reason, with no answers: nothing to pair)
             sent_result.update(m.rank for m in results)
             sent_ready.update(m.rank for m in readies)
             if sent_result == sent_ready and len(sent_result) >= outstanding:
@@ -275,12 +275,17 @@ class Master:
         return committed, retried, planned_early
 
     def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
-        """The RESULTs and READYs waiting now, decoded (undecodable ones as such)."""
+        """The RESULTs and READYs waiting now, decoded (undecodable ones as such).
+
+        READY is drained first, as the SPEC's round orders it: a RESULT that a worker sent
+        before the READY just received, if it can be received at all, is then taken in the
+        same batch, and so applied before the sweep could join that READY with an earlier
+        invalid mark and roll the dispatch back."""
         limit = self.config.max_message_bytes
-        results = [Inbound(r.rank, decode_inbound(r.data, limit))
-                   for r in self.transport.drain(TAG_RESULT)]
         readies = [Inbound(r.rank, decode_inbound(r.data, limit))
                    for r in self.transport.drain(TAG_READY)]
+        results = [Inbound(r.rank, decode_inbound(r.data, limit))
+                   for r in self.transport.drain(TAG_RESULT)]
         return results, readies
 
     def _linger(self, deadline: float) -> tuple[list[Inbound], list[Inbound]]:

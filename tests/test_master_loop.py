@@ -6,11 +6,12 @@ from __future__ import annotations
 import sqlite3
 from collections import deque
 
+import msgspec
 import pytest
 from sqlalchemy import func, select
 
 from coordinator.master import Master, MasterConfig
-from coordinator.sources import demo_tasks
+from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import Received
 from coordinator.wire import (
     TAG_READY, TAG_RESULT, TAG_STOP_ACK, Ready, Result, Stop, decode_stop, decode_work, encode,
@@ -154,3 +155,77 @@ def test_the_halves_of_answers_in_separate_batches_join_in_one_round(tmp_path, d
     assert (summary.exit_status, summary.committed, done, quarantined, left) == (0, n, n, 0, 0)
     # Every round committed one task per rank: no answer waited for a later round.
     assert rounds == n // len(delays)
+
+
+class ScriptedAnswers(StaggeredRanks):
+    """Each WORK is answered by `script(token)`: (drains until visible, tag, encoded body)."""
+
+    def __init__(self, ranks: int, script):
+        super().__init__({r: (0, 0) for r in range(1, ranks + 1)})
+        self.script = script
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        token = decode_work(data).token
+        for delay, tag, body in self.script(token):
+            self.pending.append((self.clock + delay, tag, Received(dest, tag, bytearray(body))))
+        self.pending.sort(key=lambda p: p[0])
+
+
+def _valid_result(token: str) -> bytes:
+    return encode(Result(token=token, status="ok", value={"n": 1}))
+
+
+@pytest.mark.timeout(60)
+def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_that_ready(
+        tmp_path):
+    """SPEC §3: a valid RESULT waiting in its tag queue is committed before the sweep can roll
+    its dispatch back. Here a malformed RESULT sets the invalid mark first; the valid RESULT
+    becomes receivable just before the READY. A batch that took the READY and not that RESULT
+    would let the sweep join READY and invalid mark, and roll a good dispatch back."""
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(3)])
+        ranks = ScriptedAnswers(1, lambda token: [
+            (1, TAG_RESULT, msgspec.msgpack.encode(["not", "a", "mapping"])),
+            (4, TAG_RESULT, _valid_result(token)),
+            (4, TAG_READY, bytes(_ready(1, token).data))])
+        summary = Master(store, ranks, MasterConfig(
+            linger_s=0.5, grace_s=1, stop_wait_s=1, stats_file=None)).run()
+    finally:
+        store.close()
+    with sqlite3.connect(tmp_path / "c.db") as db:
+        committed = db.execute("SELECT count(*) FROM results").fetchone()[0]
+        rolled_back = db.execute("SELECT count(*) FROM events WHERE kind = 'recovered'"
+                                 ).fetchone()[0]
+        quarantined = db.execute("SELECT channel, reason, count(*) FROM quarantine "
+                                 "GROUP BY 1, 2").fetchall()
+        attempts = db.execute("SELECT sum(attempts) FROM tasks").fetchone()[0]
+    assert (summary.exit_status, committed, rolled_back, attempts) == (0, 3, 0, 0)
+    assert quarantined == [("result", "malformed", 3)]
+
+
+@pytest.mark.timeout(60)
+def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
+    """A round opened for something else (here a source poll that finds an input) while a rank
+    is busy has no answer to pair: it commits at once instead of lingering for one."""
+    store = Store.open(tmp_path / "c.db")
+    try:
+        inputs = iter(range(1000))
+        source = lambda: [NewInput(payload={"data": {"n": 10_000 + next(inputs)}},  # noqa: E731
+                                   input_bytes=None, origin="test")]
+        ranks = ScriptedAnswers(1, lambda token: [])  # takes its WORK and never answers
+        master = Master(store, ranks, MasterConfig(
+            linger_s=0.5, source_interval_s=0.0, exit_when_drained=False, stats_file=None),
+            sources=[source])
+        assert master._round()  # the rank's first READY: it gets the first input
+        for _ in range(3):
+            before = ranks.clock
+            master._round()  # a new input each time, the rank busy: a transaction, no answer
+            assert ranks.clock - before == 2  # one READY and one RESULT drain, no lingering
+        with sqlite3.connect(tmp_path / "c.db") as db:
+            queued = db.execute("SELECT count(*) FROM tasks WHERE state = 'queued'"
+                                ).fetchone()[0]
+        assert queued == 3
+    finally:
+        store.close()
