@@ -180,7 +180,8 @@ def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_tha
         tmp_path):
     """SPEC §3: a valid RESULT waiting in its tag queue is committed before the sweep can roll
     its dispatch back. Here a malformed RESULT sets the invalid mark first; the valid RESULT
-    becomes receivable just before the READY. A batch that took the READY and not that RESULT
+    becomes receivable together with the READY, after a poll's RESULT drain and before its
+    READY drain. A round that applied that READY and ended without draining RESULT again
     would let the sweep join READY and invalid mark, and roll a good dispatch back."""
     store = Store.open(tmp_path / "c.db")
     try:
