@@ -27,7 +27,7 @@ def _ready(rank: int, token: str) -> Received:
         completed_dispatch_token=token, host="test", pid=None))))
 
 
-SPAM_DRAINS = 20_000
+SPAM_DRAINS = 5_000
 
 
 class ScriptedRanks:
@@ -94,7 +94,8 @@ def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
 class StaggeredRanks(ScriptedRanks):
     """Each rank's RESULT and READY become visible a given number of drains after its WORK
     left, one message per drain at most: the two halves of an answer (and the answers of
-    different ranks) land in different batches of the same open round."""
+    different ranks) land in different batches of the same open round. The ranks' first
+    READYs are all waiting at the master's first poll."""
 
     def __init__(self, delays: dict[int, tuple[int, int]]):
         self.delays = delays  # rank -> (drains until RESULT, drains until READY)
@@ -102,14 +103,17 @@ class StaggeredRanks(ScriptedRanks):
         self.clock = 0
         self.pending: list[tuple[int, int, Received]] = []  # (visible at, tag, message)
         self.queues = {TAG_STOP_ACK: deque()}
-        for rank in delays:
-            self.pending.append((0, TAG_READY, _ready(rank, "")))
+        self.first_readies = [_ready(rank, "") for rank in delays]
         self.spam_readies = self.committed_during_spam = 0
 
     def drain(self, tag: int, limit: int = 10_000):
         self.clock += 1
         if tag == TAG_STOP_ACK:
             yield from ScriptedRanks.drain(self, tag)
+            return
+        if tag == TAG_READY and self.first_readies:  # all waiting when the master starts
+            yield from self.first_readies
+            self.first_readies = []
             return
         for i, (at, t, msg) in enumerate(self.pending):
             if t == tag and at <= self.clock:
@@ -230,3 +234,4 @@ def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
         assert queued == 3
     finally:
         store.close()
+
