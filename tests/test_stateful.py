@@ -952,6 +952,14 @@ def test_a_deferral_that_cannot_be_written_keeps_the_task_queued(tmp_path: Path)
         farm.close()
 
 
+def _two_ranks_busy(farm: _Farm) -> dict[int, str]:
+    """Two tasks, ranks 1 and 2 idle, then each dispatched one: {rank: token}."""
+    farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
+    farm.ready(1)
+    farm.ready(2)
+    return farm.dispatch(1, 2)
+
+
 def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_path: Path):
     """msgpack decodes what JSON cannot store (bytes). With the master's wire validator such a
     current RESULT sets the invalid mark (reason payload); the other rank's commit in the same
@@ -961,10 +969,7 @@ def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_p
     farm = _Farm(tmp_path / "c.db")
     farm.gate = Gate(farm.store, validate=check_result)
     try:
-        farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
-        farm.ready(1)
-        farm.ready(2)
-        tokens = farm.dispatch(1, 2)
+        tokens = _two_ranks_busy(farm)
         with farm.store.transaction() as tx:
             farm.gate.apply_results(tx, [
                 Inbound(1, {"token": tokens[1], "status": "ok", "value": 1}),
@@ -1042,10 +1047,7 @@ def test_a_value_with_keys_of_mixed_types_is_an_invalid_payload_not_a_crash(tmp_
     if validator == "wire":
         farm.gate = Gate(farm.store, validate=check_result)
     try:
-        farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
-        farm.ready(1)
-        farm.ready(2)
-        tokens = farm.dispatch(1, 2)
+        tokens = _two_ranks_busy(farm)
         with farm.store.transaction() as tx:
             out = farm.gate.apply_results(tx, [
                 Inbound(1, {"token": tokens[1], "status": "ok", "value": {"b": 1, "a": [2]}}),
