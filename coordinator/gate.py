@@ -122,24 +122,23 @@ class Gate:
             active = out.active = dsp.active_by_rank(tx)
         if parked is None:
             parked = out.parked = wrk.parked_tokens(tx)
-        parked_by_rank = parked
         bitmap = self.store.bitmap_version
         for m in msgs:
             a = active.get(m.rank)
-            parked = parked_by_rank.get(m.rank) if a is None else None
-            expected = a.token if a is not None else parked
+            parked_token = parked.get(m.rank) if a is None else None
+            expected = a.token if a is not None else parked_token
             status = classify_ready(m.body, expected,
                                     consistent=a.consistent if a is not None else True)
             out.statuses.append((m.rank, status))
-            unparked = status is ReadyStatus.CURRENT and parked is not None
+            unparked = status is ReadyStatus.CURRENT and parked_token is not None
             if status is ReadyStatus.IDLE or unparked:
                 info = ready_info(m.body, bitmap)  # type: ignore[arg-type]
                 wrk.accept_versions(tx, m.rank, info.bitmap_version, info.profile_version,
                                     info.host, info.pid)
                 if unparked:
                     # A parked rank echoed exactly its retired token: alive and free again.
-                    tx.event(EventKind.WORKER_RECOVERED, rank=m.rank, token=parked)
-                    del parked_by_rank[m.rank]
+                    tx.event(EventKind.WORKER_RECOVERED, rank=m.rank, token=parked_token)
+                    del parked[m.rank]
                     out.recovered_workers.append(m.rank)
             elif status is ReadyStatus.CURRENT:
                 assert a is not None

@@ -278,7 +278,7 @@ class Master:
             # SPEC §3: READY drained, then RESULT, then the sweep. A RESULT sent before a READY
             # applied above and receivable only now is applied before the sweep can join that
             # READY with an earlier invalid mark and roll a good dispatch back.
-            late = self._receive_results()
+            late = self._receive_tag(TAG_RESULT)
             if late:
                 rr = self.gate.apply_results(tx, late, active=active)
                 committed += rr.committed
@@ -293,16 +293,12 @@ class Master:
         more often, and each extra batch costs the master ~4 % of its throughput). The SPEC's
         order, READY drained before RESULT, is kept where it matters: `_apply_answers`
         drains RESULT once more after the last READY, before the sweep."""
-        limit = self.config.max_message_bytes
-        results = self._receive_results()
-        readies = [Inbound(r.rank, decode_inbound(r.data, limit))
-                   for r in self.transport.drain(TAG_READY)]
-        return results, readies
+        results = self._receive_tag(TAG_RESULT)
+        return results, self._receive_tag(TAG_READY)
 
-    def _receive_results(self) -> list[Inbound]:
+    def _receive_tag(self, tag: int) -> list[Inbound]:
         limit = self.config.max_message_bytes
-        return [Inbound(r.rank, decode_inbound(r.data, limit))
-                for r in self.transport.drain(TAG_RESULT)]
+        return [Inbound(r.rank, decode_inbound(r.data, limit)) for r in self.transport.drain(tag)]
 
     def _linger(self, deadline: float) -> tuple[list[Inbound], list[Inbound]]:
         """The next answers to arrive before `deadline` (empty lists if none did)."""
