@@ -103,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--stats-file", type=Path, default=None,
                    help="stats text, rewritten every --stats-interval and at exit "
                         "(default DB.stats)")
-    r.add_argument("--stats-interval", type=non_negative_float, default=60.0, metavar="S")
+    r.add_argument("--stats-interval", type=non_negative_float, default=60.0, metavar="S",
+                   help="seconds between rewrites of the stats file (default 60)")
     r.add_argument("--grace", type=non_negative_float, default=10.0, metavar="S",
                    help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
     r.add_argument("--stop-wait", type=non_negative_float, default=10.0, metavar="S",
@@ -134,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     fi.add_argument("--inject-log", type=Path, default=None, metavar="DIR",
                     help="append every injected fault to DIR/faults-rank<R>.jsonl")
     r.add_argument("command", nargs=argparse.REMAINDER,
-                   help="-- COMMAND ARGS...: the command executor's command; @@ is the input")
+                   help="-- COMMAND ARGS...: the command executor's command; @@ is replaced "
+                        "by the input file's path (without @@ the input is on stdin)")
 
     s = sub.add_parser("status", help="what a campaign database holds")
     s.add_argument("--db", type=Path, required=True)
@@ -272,7 +274,7 @@ def _open_readonly(db: Path):
 
 def _status(db: Path, as_json: bool) -> int:
     from store.errors import StoreError
-    from store.stats import read_stats, stats_text
+    from store.stats import read_stats, recent_failures, result_statuses, stats_text
     from store.versioning import check_revision
     engine = _open_readonly(db)
     if engine is None:
@@ -281,19 +283,28 @@ def _status(db: Path, as_json: bool) -> int:
         with engine.connect() as conn:
             check_revision(conn, db)
             s = read_stats(conn)
+            by_status = result_statuses(conn)
+            failures = recent_failures(conn) if set(by_status) - {"ok"} else []
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         engine.dispose()
     if as_json:
-        print(json.dumps(s.as_json(), indent=2, sort_keys=True))
+        print(json.dumps({**s.as_json(), "results_by_status": by_status}, indent=2,
+                         sort_keys=True))
         return 0
     t = s.tasks
     print(f"campaign {db} (incarnation {s.incarnation}, schema {s.schema_revision})")
     print(f"tasks: {sum(t.values())} = {t['done']} done, {t['queued']} queued, "
           f"{t['active']} active, {t['deferred']} deferred, {t['failed']} failed")
-    print(f"committed results: {s.results}")
+    shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
+    print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))
+    if failures:
+        print("latest results that are not ok:")
+        for task_id, rank, status, detail in failures:
+            last = (detail or "(no detail)").strip().splitlines()[-1:] or [""]
+            print(f"  task {task_id} (rank {rank}): {status}: {last[0][:200]}")
     print(stats_text(s), end="")
     return 0
 

@@ -56,6 +56,21 @@ def _from_env(name: str, parse):
         raise ConfigError(f"{name}={e}") from None
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_flag(name: str) -> bool:
+    """A yes/no variable: 1/true/yes/on or 0/false/no/off (unset or empty: no). Anything else
+    is an error rather than a guess (`SYMCC_RESUME=false` must not resume)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE or raw == "":
+        return False
+    raise ConfigError(f"{name}={os.environ[name]!r} is not a yes/no value "
+                      f"(use 1, true, yes, on or 0, false, no, off)")
+
+
 def _env_int(name: str, lo: int, hi: int | None) -> int | None:
     return _from_env(name, int_range(lo, hi))
 
@@ -98,7 +113,7 @@ class RunConfig:
 
 def resolve_run(ns: argparse.Namespace) -> RunConfig:
     """Merge flags with the environment and check the combinations (raises ConfigError)."""
-    resume = bool(ns.resume) or os.environ.get(ENV_RESUME, "") not in ("", "0")
+    resume = bool(ns.resume) or _env_flag(ENV_RESUME)
     retries = ns.retries if ns.retries is not None else _env_int(ENV_RETRIES, 0, 16)
     max_attempts = (ns.max_attempts if ns.max_attempts is not None
                     else _env_int(ENV_MAX_ATTEMPTS, 1, None))
@@ -134,10 +149,17 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
                           "-- ./target_symcc @@")
     if executor == "python" and not ns.callable:
         raise ConfigError("the python executor needs --callable module:function")
+    if executor == "command" and demo is not None:
+        raise ConfigError("the command executor runs a command on each task's input file, and "
+                          "--demo tasks have none: give it --tasks FILE (payloads with a "
+                          "\"path\") or --afl-out DIR")
     if executor != "command" and argv:
         raise ConfigError(f"a command after -- is only used with --executor command "
                           f"(executor is {executor})")
 
+    if ns.db.is_dir() or ns.db.name in ("", ".", ".."):
+        raise ConfigError(f"--db {ns.db} is a directory; it names the campaign's database "
+                          f"file, e.g. --db {ns.db / 'campaign.db'}")
     stats_file = ns.stats_file or ns.db.with_name(ns.db.name + ".stats")
     return RunConfig(
         db=ns.db, resume=resume, retries=1 if retries is None else retries,

@@ -84,7 +84,24 @@ def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
 def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
                    value_json: str | None) -> dsp.CommitItem:
     return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)),
-                          value_json=value_json)
+                          value_json=value_json, detail=failure_detail(parsed))
+
+
+#: What is kept of a failed run's explanation (the worker already sends only the tail).
+MAX_DETAIL_CHARS = 2000
+
+
+def failure_detail(parsed: Any) -> str | None:
+    """For a result whose status is not ok: the worker's explanation (how the command
+    ended and its stderr tail, or the exception), as stored in `results.detail`; None for an
+    ok result."""
+    if _status_of(parsed) == "ok":
+        return None
+    get = parsed.get if isinstance(parsed, Mapping) else lambda k: getattr(parsed, k, None)
+    text = str(get("detail") or "").strip()
+    if not text and get("returncode") is not None:
+        text = f"exit status {get('returncode')}"
+    return text[-MAX_DETAIL_CHARS:] or None
 
 
 def _status_of(parsed: Any) -> object:

@@ -32,7 +32,7 @@ from store.schema import EventKind, WorkerState, dispatches, tasks, workers
 from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, set_workers
 
-from .gate import Gate, Inbound
+from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
@@ -380,7 +380,7 @@ class Master:
         created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
         return dsp.CommitItem(active.rank, active.token, status=res.status,
                               value_json=value_json, testcases=written,
-                              new_tasks=len(created))
+                              new_tasks=len(created), detail=failure_detail(res))
 
     def _tx(self, operation: str):
         self.summary.transactions += 1

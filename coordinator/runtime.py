@@ -63,7 +63,7 @@ def _master(cfg: RunConfig, transport) -> int:
     from store.campaign import Store
     from store.errors import StoreError, StoreWriteError
     from store.journal import RetryPolicy
-    from store.stats import read_stats, stats_text
+    from store.stats import read_stats, result_statuses, stats_text
     from store.tasks import NewTask, enqueue_tasks
 
     from .cli import describe
@@ -89,19 +89,30 @@ def _master(cfg: RunConfig, transport) -> int:
             with store.transaction("import of the initial tasks") as tx:
                 enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
                                    for i in initial])
-    except (StoreError, TaskFileError, ValueError, OSError) as e:
-        print(f"coordinator: {e}", file=sys.stderr, flush=True)
+    except BaseException as e:
+        # Whatever stops the start, the workers hear the verdict: they wait in the broadcast.
+        refused = isinstance(e, (StoreError, TaskFileError, ValueError, OSError))
+        if refused:
+            print(f"coordinator: {e}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+            print("coordinator: internal error before the run started", file=sys.stderr,
+                  flush=True)
         if store is not None:
             store.close()
-        transport.bcast(EXIT_USAGE)
-        return EXIT_USAGE
+        status = EXIT_USAGE if refused else EXIT_INTERNAL
+        transport.bcast(status)
+        return status
     transport.bcast(0)
     print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} workers, "
           f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}` (or Ctrl-C)",
           file=sys.stderr, flush=True)
 
     report = store.resume_report
-    if cfg.resume:
+    if cfg.resume and store.incarnation == 1:
+        print(f"coordinator: --resume: {cfg.db} held no campaign yet; this starts a new one",
+              file=sys.stderr, flush=True)
+    elif cfg.resume:
         print(f"coordinator: resumed incarnation {store.incarnation}: "
               f"{len(report.interrupted)} interrupted and {len(report.reclaimed)} deferred "
               f"tasks first in the queue; {len(report.refused)} deferred tasks whose input is "
@@ -144,15 +155,21 @@ def _master(cfg: RunConfig, transport) -> int:
         return end_job(transport, master, EXIT_INTERNAL)
     with store.reading() as conn:
         s = read_stats(conn)
+        by_status = result_statuses(conn)
     store.close()
     elapsed = time.monotonic() - started
     t = s.tasks
     print(stats_text(s), end="", file=sys.stderr)
-    print(f"coordinator: {t['done']} done, {t['queued']} queued, {t['deferred']} deferred, "
-          f"{t['failed']} failed; {s.results} results committed in {elapsed:.1f} s "
+    not_ok = ", ".join(f"{n} {st}" for st, n in sorted(by_status.items()) if st != "ok")
+    left = t["queued"] + t["active"] + t["deferred"]
+    print(f"coordinator: this run committed {summary.committed} results in {elapsed:.1f} s "
           f"({summary.committed / max(summary.elapsed_s, 1e-9):,.0f} tasks/s in the loop; "
           f"{summary.rounds} rounds, {summary.transactions} transactions; master peak RSS "
-          f"{peak_rss_mib():.0f} MiB); stats in {cfg.stats_file}", flush=True)
+          f"{peak_rss_mib():.0f} MiB); campaign: {t['done']} done, {t['queued']} queued, "
+          f"{t['deferred']} deferred, {t['failed']} failed, {s.results} results"
+          f"{f' ({not_ok}: see `coordinator status`)' if not_ok else ''}"
+          f"{'; continue it with --resume' if left else ''}; stats in {cfg.stats_file}",
+          flush=True)
     if cfg.summary_json is not None:
         cfg.summary_json.write_text(json.dumps({
             "tasks": t, "results": s.results, "committed_this_run": summary.committed,

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from store.semantic import PayloadError, canonical_form
+
 __all__ = [
     "AflQueueSource",
     "NewInput",
@@ -189,6 +191,10 @@ def _parse_line(path: pathlib.Path, lineno: int, raw: bytes) -> NewInput | None:
     if "path" in obj and (not isinstance(obj["path"], str) or not obj["path"]):
         raise TaskFileError(path, lineno, "'path' must be a non-empty string")
     payload = {k: v for k, v in obj.items() if k != "input_file"}
+    try:
+        canonical_form(payload)  # the store's own checks, here where the line is known
+    except PayloadError as exc:
+        raise TaskFileError(path, lineno, str(exc)) from None
     return NewInput(payload=payload, input_bytes=_read_input_file(path, lineno, obj), origin=f"{path}:{lineno}")
 
 

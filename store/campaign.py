@@ -56,7 +56,8 @@ class Store:
         """Open (creating if new) and start a new incarnation.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
-        existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used.
+        existing campaign with tasks without `resume`, UnsafeDatabaseError if WAL cannot be
+        used, DatabaseOpenError for a path that cannot hold a campaign.
         """
         path = Path(path)
         policy = policy or RetryPolicy()
@@ -154,8 +155,11 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float) -> 
         conn.execute(insert(campaign).values(id=1, created_at=now, incarnation=1, epoch=epoch))
         return 1, epoch
     if not resume:
+        # A campaign that never got a task (its first import failed, or a queue it watched
+        # stayed empty) has nothing --resume could protect: starting again is no risk.
         n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
-        raise CampaignExistsError(str(path), n_tasks)
+        if n_tasks:
+            raise CampaignExistsError(str(path), n_tasks)
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch

@@ -66,6 +66,7 @@ class CommitItem:
     value_json: str | None = None  # from encode_value
     testcases: int = 0
     new_tasks: int = 0
+    detail: str | None = None  # kept for a non-ok status only (results.detail)
 
 
 @dataclass(frozen=True)
@@ -182,10 +183,10 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
     # token and the send/READY times from the dispatch row, which must still be there.
     n = db.executemany(
         "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
-        "testcases, new_tasks, sent_at, ready_at) SELECT task_id, token, rank, ?, ?, ?, ?, ?, "
-        "?, sent_at, ready_at FROM dispatches WHERE rank = ? AND token = ?",
+        "testcases, new_tasks, detail, sent_at, ready_at) SELECT task_id, token, rank, ?, ?, "
+        "?, ?, ?, ?, ?, sent_at, ready_at FROM dispatches WHERE rank = ? AND token = ?",
         [(tx.incarnation, tx.now, it.status, it.value_json, it.testcases, it.new_tasks,
-          it.rank, it.token) for it in items]).rowcount
+          it.detail, it.rank, it.token) for it in items]).rowcount
     if n == len(items):
         n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
                            [(it.rank, it.token) for it in items]).rowcount

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, exc
 
-from .errors import StoreWriteError, UnsafeDatabaseError
+from .errors import DatabaseOpenError, StoreWriteError, UnsafeDatabaseError
 
 #: FULL: every acknowledged commit survives a power loss (measured: NORMAL lost up to 19
 #: acknowledged transactions in 65 of 80 simulated power losses; FULL lost none). NORMAL is
@@ -121,7 +121,31 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         # tenth of a master round at synchronous=NORMAL.
         conn.connection.driver_connection.execute(begin_sql)
 
+    # Connect now, so that a path that cannot be a database fails here with a message that
+    # says why, not later inside the caller's first transaction as a driver traceback.
+    try:
+        with engine.connect():
+            pass
+    except (exc.DBAPIError, sqlite3.Error) as e:
+        engine.dispose()
+        raise cannot_open(db_path, e) from e
+    except BaseException:
+        engine.dispose()
+        raise
     return engine
+
+
+def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
+    cause = getattr(e, "orig", None) or e
+    if path.is_dir():
+        why = "is a directory; --db names the campaign's database file"
+    elif not path.parent.is_dir():
+        why = f"cannot be created: the directory {path.parent} does not exist"
+    elif isinstance(cause, sqlite3.DatabaseError) and "not a database" in str(cause):
+        why = "is not an SQLite database (some other kind of file, or a damaged one)"
+    else:
+        why = f"cannot be opened: {cause}"
+    return DatabaseOpenError(f"{path} {why}")
 
 
 def read_pragmas(conn: Connection) -> dict[str, object]:

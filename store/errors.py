@@ -15,6 +15,11 @@ class UnsafeDatabaseError(StoreError):
     """The file cannot be run safely: WAL did not take effect, or a pragma did not stick."""
 
 
+class DatabaseOpenError(StoreError):
+    """The path cannot hold a campaign: a directory, a missing directory, a file that is not
+    SQLite, or an SQLite file that belongs to something else."""
+
+
 class SchemaVersionError(StoreError):
     """The database's schema revision is not the one this code was written for."""
 

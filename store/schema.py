@@ -244,6 +244,8 @@ results = Table(
     # left and when its current READY was seen (NULL: READY came after the commit).
     Column("sent_at", Float, nullable=True),
     Column("ready_at", Float, nullable=True),
+    # Why a run with a non-ok status failed, clipped (revision 0003); NULL for ok results.
+    Column("detail", Text, nullable=True),
 )
 
 quarantine = Table(

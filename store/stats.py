@@ -65,6 +65,21 @@ def read_stats(conn: Connection) -> Stats:
     )
 
 
+def result_statuses(conn: Connection) -> dict[str, int]:
+    """Committed results by the executor's status (ok / error ...). Not part of `read_stats`:
+    it reads every result row, too much for the live progress display of a large campaign."""
+    return dict(conn.execute(select(results.c.status, func.count())
+                             .group_by(results.c.status)).all())
+
+
+def recent_failures(conn: Connection, limit: int = 5) -> list[tuple[int, int, str, str | None]]:
+    """The latest committed results whose status is not ok: (task id, rank, status, detail)."""
+    return [tuple(r) for r in conn.execute(  # type: ignore[misc]
+        select(results.c.task_id, results.c.rank, results.c.status, results.c.detail)
+        .where(results.c.status != "ok")
+        .order_by(results.c.committed_at.desc(), results.c.task_id.desc()).limit(limit))]
+
+
 def _reasons(counts: dict[str, int]) -> str:
     total = sum(counts.values())
     inner = ",".join(f"{r}={n}" for r, n in sorted(counts.items()) if n)

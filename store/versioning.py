@@ -14,12 +14,13 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection
+from sqlalchemy import Connection, inspect
 
 import migrations
 
 from .engine import open_engine
-from .errors import SchemaVersionError
+from .errors import DatabaseOpenError, SchemaVersionError
+from .schema import metadata
 
 
 def alembic_config() -> Config:
@@ -44,11 +45,25 @@ def current_revision(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
 
+def refuse_foreign(conn: Connection, path: str | os.PathLike[str]) -> None:
+    """An SQLite file with tables, none of them ours, and no revision stamp was never a
+    campaign: upgrading it would write our tables into someone else's database."""
+    if current_revision(conn) is not None:
+        return
+    ours = {*metadata.tables, "alembic_version"}
+    tables = sorted(t for t in inspect(conn).get_table_names() if not t.startswith("sqlite_"))
+    if tables and not set(tables) & ours:
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        raise DatabaseOpenError(f"{path} is an SQLite database of something else (tables "
+                                f"{shown}), not a coordinator campaign; choose another --db path")
+
+
 def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
     """Refuse a file whose revision is not the code's head, naming the way forward."""
     found, head = current_revision(conn), head_revision()
     if found == head:
         return
+    refuse_foreign(conn, path)
     known = {rev.revision for rev in _script().walk_revisions()}
     raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
 
@@ -58,6 +73,7 @@ def upgrade(path: str | os.PathLike[str], revision: str = "head") -> tuple[str |
     engine = open_engine(path)
     try:
         with engine.connect() as conn:
+            refuse_foreign(conn, path)
             before = current_revision(conn)
             known = {rev.revision for rev in _script().walk_revisions()}
             if before is not None and before not in known:

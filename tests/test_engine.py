@@ -13,7 +13,8 @@ from store.campaign import Store
 from store.engine import (
     BUSY_TIMEOUT_MS, check_sqlite_version, filesystem_type, open_engine, read_pragmas,
 )
-from store.errors import CampaignExistsError, UnsafeDatabaseError
+from store.errors import CampaignExistsError, DatabaseOpenError, UnsafeDatabaseError
+from store.versioning import upgrade
 
 
 @pytest.mark.parametrize("mode, level", [("FULL", 2), ("NORMAL", 1)])
@@ -72,11 +73,8 @@ def test_read_only_file_is_refused_with_a_clear_error(tmp_path):
         if os.access(path, os.W_OK):
             pytest.skip("neither chattr +i nor a read-only mode can protect the file here")
     try:
-        engine = open_engine(path)
         with pytest.raises(UnsafeDatabaseError, match="WAL"):
-            with engine.connect():
-                pass
-        engine.dispose()
+            open_engine(path)  # refused at once, not at the caller's first transaction
     finally:
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
 
@@ -105,4 +103,45 @@ def test_existing_campaign_needs_resume(db_path, farm):
         Store.open(db_path)
     again = Store.open(db_path, resume=True)
     assert again.incarnation == 2 and again.epoch != farm.store.epoch
+    again.close()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("junk", "is not an SQLite database"),
+    ("directory", "is a directory"),
+    ("missing directory", "directory .* does not exist"),
+])
+def test_a_path_that_cannot_be_a_database_is_refused_with_the_reason(tmp_path, kind, message):
+    path = {"junk": tmp_path / "junk.db", "directory": tmp_path,
+            "missing directory": tmp_path / "nowhere" / "c.db"}[kind]
+    if kind == "junk":
+        path.write_bytes(b"these bytes are not an SQLite header\n" * 4)
+    with pytest.raises(DatabaseOpenError, match=message):
+        open_engine(path)
+    with pytest.raises(DatabaseOpenError, match=message):
+        Store.open(path)
+    if kind == "junk":  # refused, not overwritten
+        assert path.read_bytes().startswith(b"these bytes")
+
+
+def test_an_sqlite_file_of_something_else_is_not_turned_into_a_campaign(tmp_path):
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+    conn.close()
+    with pytest.raises(DatabaseOpenError, match="something else .*users"):
+        Store.open(path)
+    with pytest.raises(DatabaseOpenError, match="something else"):
+        upgrade(path)
+    conn = sqlite3.connect(path)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["users"]
+    conn.close()
+
+
+def test_a_campaign_that_never_got_a_task_starts_again_without_resume(db_path):
+    """Its first import failed (or the queue it watched stayed empty): nothing to protect."""
+    Store.open(db_path).close()
+    again = Store.open(db_path)
+    assert again.incarnation == 2
     again.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -65,11 +66,36 @@ def test_existing_campaign_without_resume_exits_2_naming_resume(tmp_path):
     assert query(db, "SELECT count(*) FROM results") == [(5,)]  # nothing touched
 
 
+def test_refused_starts_end_every_rank_with_a_clear_message(tmp_path):
+    """Refusals found on rank 0 after the launch reach the workers too (they wait in the
+    start-up broadcast): the job ends with exit 2 and one line saying why."""
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database\n" * 8)
+    bad = run(["run", "--db", str(junk), "--demo", "3", "--no-progress"], timeout=120)
+    assert bad.returncode == 2
+    assert "is not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr
+    assert junk.read_bytes() == b"not a database\n" * 8
+    # a payload the store would refuse is named by its line, before any database exists
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"data": 1}\n{"path": "x", "focus_bytes": "abc"}\n')
+    db = tmp_path / "c.db"
+    bad = run(["run", "--db", str(db), "--tasks", str(tasks), "--no-progress"], timeout=120)
+    assert bad.returncode == 2
+    assert f"{tasks}:2: focus_bytes must be a list of integers" in bad.stderr
+    assert not db.exists()
+    # --resume with nothing to resume says that it starts a new campaign
+    fresh = run(["run", "--db", str(db), "--demo", "3", "--resume", "--no-progress"])
+    assert fresh.returncode == 0, fresh.stderr
+    assert "held no campaign yet; this starts a new one" in fresh.stderr
+
+
 TARGET = textwrap.dedent("""\
     import os, sys, time
     data = open(sys.argv[1], "rb").read()
     if data.startswith(b"HANG"):
         time.sleep(600)
+    if data.startswith(b"FAIL"):
+        sys.exit("target: this input is refused")
     out = os.environ["SYMCC_OUTPUT_DIR"]
     # two new test cases per input, as SymCC writes them: derived from the input
     for i in range(2):
@@ -89,7 +115,7 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     seeds = tmp_path / "seeds"
     seeds.mkdir()
     lines = []
-    for name, content in [("a", b"A"), ("b", b"B"), ("hang", b"HANG")]:
+    for name, content in [("a", b"A"), ("b", b"B"), ("hang", b"HANG"), ("fail", b"FAIL")]:
         (seeds / name).write_bytes(content)
         lines.append(f'{{"path": "{seeds / name}", "input_file": "{seeds / name}"}}')
     tasks = tmp_path / "tasks.jsonl"
@@ -105,7 +131,20 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     files = {p.read_bytes() for p in out.iterdir()}
     assert {b"A-0", b"A-1", b"B-0", b"B-1", b"A-0-0", b"B-1-1"} <= files
     depth = dict(query(db, "SELECT depth, count(*) FROM tasks WHERE state='done' GROUP BY depth"))
-    assert depth == {0: 2, 1: 4}
+    assert depth == {0: 3, 1: 4}
+    # the failing input ran to its end: a committed result, status error, with the reason
+    [(status, detail)] = query(db, "SELECT r.status, r.detail FROM results r JOIN tasks t "
+                                   "ON t.id = r.task_id WHERE t.payload LIKE '%fail%'")
+    assert status == "error"
+    assert "exited with status 1" in detail and "this input is refused" in detail
+    assert query(db, "SELECT count(*) FROM results WHERE status = 'ok' AND detail IS NOT NULL"
+                 ) == [(0,)]
+    assert status_json(db)["results_by_status"] == {"ok": 6, "error": 1}
+    shown = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db)],
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert "(error=1, ok=6)" in shown.stdout
+    assert "this input is refused" in shown.stdout
+    assert "1 error: see `coordinator status`" in done.stdout
     # the hanging input was killed at 1 s each time: requeued once, then deferred
     [(state, attempts)] = query(db, "SELECT state, attempts FROM tasks "
                                     "WHERE payload LIKE '%hang%'")

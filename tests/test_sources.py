@@ -154,6 +154,9 @@ def test_jsonl_good_file(tmp_path):
         ('{"path": 7}', "'path' must be a non-empty string"),
         ('{"path": "a", "path": "b"}', "duplicate key 'path'"),
         ('{"path": "x", "input_file": 3}', "'input_file' must be a non-empty string"),
+        # the store's payload checks, run at load time so that the line is named
+        ('{"path": "x", "focus_bytes": "abc"}', "focus_bytes must be a list of integers"),
+        ('{"path": "x", "s2f_actions": [[1, "fly"]]}', "s2f_actions"),
     ],
 )
 def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_path, bad_line, reason):

@@ -85,7 +85,7 @@ CAUSE_KINDS = ("recovered", "watchdog", "interrupted", "task_failed", "stop_requ
 #: What follows a cause event for the same task: the task is back in the queue (or held).
 FOLLOW_KINDS = ("requeued", "deferred", "failed", "retried", "task_deferred", "defer_failed")
 
-FINISHED_MARK = "results committed in"  # the master's last line after a drained campaign
+FINISHED_MARK = "this run committed"  # the master's last line after a drained campaign
 RATE_MIN, RATE_MAX = 0.02, 0.3
 
 

@@ -1,0 +1,46 @@
+"""`coordinator run` flags and SYMCC_* variables as resolved before anything is launched
+(pure logic: the parser and `resolve_run`, no MPI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.cli import _parser
+from coordinator.config import ConfigError, resolve_run
+
+
+def resolve(tmp_path, *args: str):
+    return resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "c.db"), *args]))
+
+
+@pytest.mark.parametrize("value, resume", [
+    ("1", True), ("true", True), ("YES", True), ("on", True),
+    ("0", False), ("false", False), ("No", False), ("off", False), ("", False),
+])
+def test_symcc_resume_takes_yes_and_no_words(tmp_path, monkeypatch, value, resume):
+    monkeypatch.setenv("SYMCC_RESUME", value)
+    assert resolve(tmp_path).resume is resume
+
+
+def test_symcc_resume_that_is_neither_yes_nor_no_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYMCC_RESUME", "maybe")
+    with pytest.raises(ConfigError, match="SYMCC_RESUME='maybe' is not a yes/no value"):
+        resolve(tmp_path)
+
+
+def test_resume_flag_wins_over_a_no_in_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SYMCC_RESUME", "0")
+    assert resolve(tmp_path, "--resume").resume is True
+
+
+def test_command_executor_on_demo_tasks_is_refused(tmp_path):
+    """Demo tasks carry no input file: every run would end in an error result."""
+    with pytest.raises(ConfigError, match="--demo tasks have none"):
+        resolve(tmp_path, "--demo", "5", "--", "./target", "@@")
+    with pytest.raises(ConfigError, match="--demo tasks have none"):
+        resolve(tmp_path, "--", "./target", "@@")  # the default source is the demo
+
+
+def test_db_that_is_a_directory_is_refused_before_launch(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        resolve_run(_parser().parse_args(["run", "--db", str(tmp_path)]))
