@@ -7,8 +7,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .executors import EXECUTOR_KINDS
@@ -117,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--summary-json", type=Path, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
                         "peak memory) as JSON at exit, for scripts")
+    # Set by the self-launch for rank 0 (see _self_launch), not by users.
+    r.add_argument("--master-pid-file", type=Path, default=None, help=argparse.SUPPRESS)
     r.add_argument("--np", type=int_range(2), default=4,
                    help="ranks to launch when started outside mpiexec (default 4)")
     r.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
@@ -232,11 +236,57 @@ def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
     if ns.progress is None and sys.stderr.isatty():
         # Under mpiexec a rank's stderr is a pipe: decide here, where the terminal is.
         rest.insert(1, "--progress")
-    cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
-           "coordinator", *rest]
+    with tempfile.TemporaryDirectory(prefix="coordinator-launch-") as d:
+        pid_file = Path(d) / "master.pid"
+        rest[1:1] = ["--master-pid-file", str(pid_file)]
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
+               "coordinator", *rest]
+        return _supervise(cmd, pid_file)
+
+
+#: Ctrl-C presses (or SIGTERMs to the launcher) after which the job is ended at once.
+FORCE_AFTER = 3
+
+
+def _supervise(cmd: list[str], pid_file: Path) -> int:
+    """Run the job in a session of its own and turn a stop request into a signal to the master.
+
+    A terminal's Ctrl-C goes to its foreground process group. If that held `mpiexec`, Open
+    MPI's launcher would answer it by killing every rank before the master could requeue its
+    in-flight work or acknowledge anything (exit 1, no summary). So the launcher stays in
+    front, and the master, whose pid rank 0 writes to `pid_file`, gets the signal instead and
+    stops gracefully; pressing Ctrl-C FORCE_AFTER times ends the job at once."""
     sys.stdout.flush()
-    os.execv(mpiexec, cmd)
-    return 0  # not reached
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    presses = 0
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal presses
+        presses += 1
+        try:
+            master = int(pid_file.read_text().strip() or 0)
+        except (OSError, ValueError):
+            master = 0  # not started yet: nothing to save, end the launch
+        target_sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+        try:
+            if master and presses < FORCE_AFTER:
+                os.kill(master, target_sig)
+                if presses == FORCE_AFTER - 1:
+                    print("coordinator: still stopping; signal once more to end the job at "
+                          "once (the campaign is saved: continue with --resume)",
+                          file=sys.stderr, flush=True)
+            else:
+                if master:
+                    print("coordinator: ending the job now (the campaign is saved: continue "
+                          "with --resume)", file=sys.stderr, flush=True)
+                os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    rc = proc.wait()
+    return rc if rc >= 0 else 128 - rc
 
 
 def _strip_launch_options(args: list[str]) -> list[str]:

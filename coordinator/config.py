@@ -109,6 +109,7 @@ class RunConfig:
     inject_seed: int = 0
     inject_log: Path | None = None
     summary_json: Path | None = None
+    master_pid_file: Path | None = None
 
 
 def resolve_run(ns: argparse.Namespace) -> RunConfig:
@@ -171,5 +172,5 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         grace_s=ns.grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, progress=bool(ns.progress),
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
-        summary_json=ns.summary_json,
+        summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )

@@ -75,6 +75,13 @@ def _master(cfg: RunConfig, transport) -> int:
 
     started = time.monotonic()
     store = None
+    if cfg.master_pid_file is not None:
+        # The self-launching `coordinator run` forwards Ctrl-C and SIGTERM here.
+        try:
+            cfg.master_pid_file.write_text(f"{os.getpid()}\n")
+        except OSError as e:
+            print(f"coordinator: cannot record the master's pid ({e}); stop the run with "
+                  f"`kill -TERM {os.getpid()}`", file=sys.stderr, flush=True)
     try:
         make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
                       timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)

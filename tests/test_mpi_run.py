@@ -221,6 +221,35 @@ def test_sigterm_stops_gracefully_and_resume_completes(tmp_path):
     assert query(db, "SELECT count(*) FROM results") == [(300,)]
 
 
+def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):
+    """`coordinator run` outside mpiexec (the README's demo command) launches the job itself.
+    A terminal's Ctrl-C (SIGINT to the launcher's process group) must stop it as a signal to
+    the master does: in-flight work requeued, workers stopped, the summary printed, exit 0."""
+    db = tmp_path / "c.db"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMI", "PMIX", "HYDRA", "MPI_LOCAL"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--demo", "3000",
+         "--demo-work-ms", "5", "--no-progress", "--np", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True)
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n and n >= 20), timeout=120)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_ranks(db)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGINT: no new dispatches" in err
+    assert "this run committed" in out and "continue it with --resume" in out
+    assert query(db, "SELECT count(*) FROM tasks WHERE state = 'active'") == [(0,)]
+    assert query(db, "SELECT DISTINCT state FROM workers") == [("stopped",)]
+    check_conservation(db, expected_tasks=3000)
+
+
 def test_undecodable_results_are_quarantined_and_the_master_keeps_going(tmp_path):
     db = tmp_path / "c.db"
     done = run(["run", "--db", str(db), "--demo", "60", "--inject", "result_garbage=0.3",
