@@ -138,9 +138,17 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         raise ConfigError("--afl-out needs --fuzzer NAME (the AFL instance whose queue to read)")
     if ns.fuzzer and ns.afl_out is None:
         raise ConfigError("--fuzzer needs --afl-out DIR")
+    for flag, value in (("--fuzzer", ns.fuzzer), ("--name", ns.name)):
+        # A path here could name the fuzzer's own queue in another spelling ("main/",
+        # "x/../main"): the coordinator would then feed its results back to itself for ever.
+        if value is not None and (not value or "/" in value or value in (".", "..")):
+            raise ConfigError(f"{flag} {value!r} must be a single directory name, like "
+                              f"{'main' if flag == '--fuzzer' else 'symcc'}")
     if ns.fuzzer and ns.fuzzer == ns.name:
         raise ConfigError(f"--name {ns.name!r} is the fuzzer's own instance; the coordinator "
                           f"must write to its own directory (choose another --name)")
+    if ns.afl_out is not None and ns.afl_out.exists() and not ns.afl_out.is_dir():
+        raise ConfigError(f"--afl-out {ns.afl_out} is not a directory (AFL's -o directory)")
 
     executor = ns.executor
     if executor is None:

@@ -484,7 +484,9 @@ class PythonExecutor:
             args += (input_bytes,)
         try:
             result = self.fn(*args)
-        except (Exception, SystemExit) as exc:
+        # Workers ignore SIGINT, so a KeyboardInterrupt here was raised by the callable itself:
+        # like SystemExit, it is the task's failure, not a reason for the worker to stop.
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
             return ExecOutcome(
                 status=STATUS_ERROR,
                 duration_s=time.perf_counter() - started,

@@ -12,6 +12,7 @@ did leave are marked there, so a rollback afterwards is post-send.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -413,6 +414,8 @@ class Master:
             os.replace(tmp, self.config.stats_file)
         except OSError as e:  # a convenience copy: the numbers stay in the database
             log.warning("cannot write the stats file %s: %s", self.config.stats_file, e)
+            with contextlib.suppress(OSError):  # a full disk may have left it half written
+                tmp.unlink()
 
     # -- graceful stop -----------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:

@@ -44,6 +44,9 @@ class TestcaseWriter:
         self.afl_style = afl_style
         self._paths: dict[str, pathlib.Path] = {}  # content sha256 -> where it is
         self._next_id = 0
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ValueError(f"{self.out_dir} is not a directory (new test cases are written "
+                             f"there)")
         if self.out_dir.exists():  # created on the first write: no empty dirs left behind
             self._scan_existing()
 

@@ -47,16 +47,36 @@ def _worker(cfg: RunConfig, transport) -> int:
     # The master decides when the job stops (a terminal's Ctrl-C reaches every rank).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    verdict = transport.bcast(None)
-    if verdict:
-        return int(verdict)
-    executor = make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
-                             timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
-    sender = None
-    if cfg.inject:
-        from .faults import FaultPlan, FaultySender
-        sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed, cfg.inject_log))
-    return serve(transport, executor, sender=sender)
+    try:
+        verdict = transport.bcast(None)
+        if verdict:
+            return int(verdict)
+        executor = make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
+                                 timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
+        sender = None
+        if cfg.inject:
+            from .faults import FaultPlan, FaultySender
+            sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
+                                                       cfg.inject_log))
+        return serve(transport, executor, sender=sender)
+    except BaseException:
+        _leave_job(transport)
+        raise  # not reached
+
+
+def _leave_job(transport) -> None:
+    """A worker that cannot go on (its executor does not load here, another rank died during
+    the start-up broadcast, a bug) must not return into MPI_Finalize: that waits for ranks
+    that will never finalize, spinning, and the master is never told. Under ULFM it exits
+    without finalizing, which the master sees as this rank's death (its task goes back to the
+    queue, the run goes on with the others; only a zero exit status keeps Open MPI's launcher
+    from ending the whole job). Without ULFM a rank's exit ends the job anyway: abort it."""
+    traceback.print_exc()
+    print(f"coordinator: rank {transport.rank} cannot go on and leaves the job (the master "
+          f"returns its task to the queue)", file=sys.stderr, flush=True)
+    if transport.fault_tolerant:
+        _exit_now(0)
+    transport.abort(EXIT_INTERNAL)
 
 
 def _master(cfg: RunConfig, transport) -> int:
@@ -68,10 +88,8 @@ def _master(cfg: RunConfig, transport) -> int:
 
     from .cli import describe
     from .executors import make_executor
-    from .master import Master, MasterConfig
+    from .sources import TaskFileError, demo_tasks, load_tasks_jsonl
     from .transport import host_and_pid
-    from .output import TestcaseWriter
-    from .sources import AflQueueSource, TaskFileError, demo_tasks, load_tasks_jsonl
 
     started = time.monotonic()
     store = None
@@ -96,6 +114,7 @@ def _master(cfg: RunConfig, transport) -> int:
             with store.transaction("import of the initial tasks") as tx:
                 enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
                                    for i in initial])
+        master = _make_master(cfg, store, transport)
     except BaseException as e:
         # Whatever stops the start, the workers hear the verdict: they wait in the broadcast.
         refused = isinstance(e, (StoreError, TaskFileError, ValueError, OSError))
@@ -107,7 +126,9 @@ def _master(cfg: RunConfig, transport) -> int:
                   flush=True)
         if store is not None:
             store.close()
-        status = EXIT_USAGE if refused else EXIT_INTERNAL
+        # A write that failed (disk full) is the storage's fault, not the command line's.
+        status = (EXIT_STORE if isinstance(e, StoreWriteError) else
+                  EXIT_USAGE if refused else EXIT_INTERNAL)
         transport.bcast(status)
         return status
     transport.bcast(0)
@@ -124,20 +145,10 @@ def _master(cfg: RunConfig, transport) -> int:
               f"{len(report.interrupted)} interrupted and {len(report.reclaimed)} deferred "
               f"tasks first in the queue; {len(report.refused)} deferred tasks whose input is "
               f"gone stay deferred", file=sys.stderr, flush=True)
-    sources = []
-    if cfg.afl_out is not None:
-        out_dir = cfg.afl_out / cfg.name / "queue"
-        sources.append(AflQueueSource(cfg.afl_out, cfg.fuzzer).poll)
-        writer = TestcaseWriter(out_dir, afl_style=True)
-    else:
-        writer = TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
-                                afl_style=False)
-    master = Master(store, transport, MasterConfig(
-        max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,
-        grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
-        stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
-        exit_when_drained=cfg.afl_out is None, progress=cfg.progress,
-    ), sources=sources, writer=writer)
+    if cfg.afl_out is not None and not (cfg.afl_out / cfg.fuzzer / "queue").is_dir():
+        print(f"coordinator: {cfg.afl_out / cfg.fuzzer / 'queue'} does not exist yet; waiting "
+              f"for it (is AFL running with -o {cfg.afl_out} and -M/-S {cfg.fuzzer}?)",
+              file=sys.stderr, flush=True)
     status = EXIT_OK
     try:
         summary = master.run()
@@ -199,6 +210,27 @@ def _master(cfg: RunConfig, transport) -> int:
     return status
 
 
+def _make_master(cfg: RunConfig, store, transport):
+    """The master and what it writes to; raises before any work moves if the output
+    directory or the AFL layout cannot be used."""
+    from .master import Master, MasterConfig
+    from .output import TestcaseWriter
+    from .sources import AflQueueSource
+    sources = []
+    if cfg.afl_out is not None:
+        sources.append(AflQueueSource(cfg.afl_out, cfg.fuzzer).poll)
+        writer = TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True)
+    else:
+        writer = TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
+                                afl_style=False)
+    return Master(store, transport, MasterConfig(
+        max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,
+        grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
+        stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
+        exit_when_drained=cfg.afl_out is None, progress=cfg.progress,
+    ), sources=sources, writer=writer)
+
+
 def _exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -223,7 +255,8 @@ def end_job(transport, master, status: int, *, stop_first: bool = True) -> int:
     if fenced:
         print(f"coordinator: killed unresponsive ranks {fenced}", file=sys.stderr, flush=True)
     if set(unacked) - set(fenced):
-        print(f"coordinator: ranks {sorted(set(unacked) - set(fenced))} run on other hosts and "
-              f"did not stop; end the job with your launcher", file=sys.stderr, flush=True)
+        print(f"coordinator: ranks {sorted(set(unacked) - set(fenced))} did not stop and cannot "
+              f"be killed from here (on another host, or no READY ever reported their pid); "
+              f"end the job with your launcher", file=sys.stderr, flush=True)
     _exit_now(status)
     return status  # not reached

@@ -179,6 +179,8 @@ def _parse_line(path: pathlib.Path, lineno: int, raw: bytes) -> NewInput | None:
         obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except ValueError as exc:
         raise TaskFileError(path, lineno, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise TaskFileError(path, lineno, "JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise TaskFileError(path, lineno, "not a JSON object")
     unknown = sorted(set(obj) - TASK_FILE_FIELDS)
@@ -193,8 +195,10 @@ def _parse_line(path: pathlib.Path, lineno: int, raw: bytes) -> NewInput | None:
     payload = {k: v for k, v in obj.items() if k != "input_file"}
     try:
         canonical_form(payload)  # the store's own checks, here where the line is known
-    except PayloadError as exc:
+    except (PayloadError, ValueError) as exc:  # e.g. a lone surrogate cannot be UTF-8
         raise TaskFileError(path, lineno, str(exc)) from None
+    except RecursionError:
+        raise TaskFileError(path, lineno, "payload nested too deeply") from None
     return NewInput(payload=payload, input_bytes=_read_input_file(path, lineno, obj), origin=f"{path}:{lineno}")
 
 

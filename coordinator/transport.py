@@ -197,8 +197,17 @@ class Transport:
             backoff.wait()
 
     def bcast(self, obj: object) -> object:
-        """Start-up only: the master's verdict (go, or an error and exit status) to all ranks."""
-        return self.comm.bcast(obj, root=0)
+        """Start-up only: the master's verdict (go, or an error and exit status) to all ranks.
+
+        A rank that died before it (ULFM) fails the broadcast: a worker then cannot know the
+        verdict and raises; the master notes the death and goes on with the ranks left."""
+        try:
+            return self.comm.bcast(obj, root=0)
+        except MPI.Exception as e:
+            if self.rank != 0 or not is_process_failure(e):
+                raise
+            self._note_failure()
+            return obj
 
     def abort(self, code: int) -> None:
         self.comm.Abort(code)

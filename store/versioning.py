@@ -64,6 +64,10 @@ def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
     if found == head:
         return
     refuse_foreign(conn, path)
+    if found is None and not inspect(conn).get_table_names():
+        # Empty: a master that has just created the file is about to write its schema.
+        raise DatabaseOpenError(f"{path} holds no campaign yet (a master starting on it "
+                                f"creates one within a moment)")
     known = {rev.revision for rev in _script().walk_revisions()}
     raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
 

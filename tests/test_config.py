@@ -44,3 +44,21 @@ def test_command_executor_on_demo_tasks_is_refused(tmp_path):
 def test_db_that_is_a_directory_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         resolve_run(_parser().parse_args(["run", "--db", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--name", "main/"), ("--name", "x/../main"), ("--name", "../o2/main"), ("--name", "."),
+    ("--fuzzer", "../etc"), ("--fuzzer", "a/b"),
+])
+def test_afl_instance_names_must_be_plain_directory_names(tmp_path, flag, value):
+    """Another spelling of the fuzzer's own directory would feed results back for ever."""
+    args = ["--afl-out", str(tmp_path), "--fuzzer", "main", flag, value]
+    with pytest.raises(ConfigError, match="single directory name"):
+        resolve(tmp_path, *args, "--", "./target", "@@")
+
+
+def test_afl_out_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "afl").write_text("not a directory")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        resolve(tmp_path, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main",
+                "--", "./target", "@@")

@@ -14,7 +14,7 @@ from store.engine import (
     BUSY_TIMEOUT_MS, check_sqlite_version, filesystem_type, open_engine, read_pragmas,
 )
 from store.errors import CampaignExistsError, DatabaseOpenError, UnsafeDatabaseError
-from store.versioning import upgrade
+from store.versioning import check_revision, upgrade
 
 
 @pytest.mark.parametrize("mode, level", [("FULL", 2), ("NORMAL", 1)])
@@ -145,3 +145,17 @@ def test_a_campaign_that_never_got_a_task_starts_again_without_resume(db_path):
     again = Store.open(db_path)
     assert again.incarnation == 2
     again.close()
+
+
+def test_an_empty_file_holds_no_campaign_yet(tmp_path):
+    """What `status` meets while a new master is still creating the schema: not advice to run
+    `db upgrade` (which would race the master)."""
+    path = tmp_path / "new.db"
+    path.touch()
+    engine = open_engine(path, write=False)
+    try:
+        with engine.connect() as conn, pytest.raises(DatabaseOpenError,
+                                                     match="holds no campaign yet"):
+            check_revision(conn, path)
+    finally:
+        engine.dispose()

@@ -236,6 +236,9 @@ TASK_MODULE = textwrap.dedent(
     def leaves(task):
         raise SystemExit(7)
 
+    def interrupts(task):
+        raise KeyboardInterrupt("from the callable")
+
     def not_json(task):
         return {"x": object()}
 
@@ -287,6 +290,10 @@ def test_python_exception_becomes_an_error_outcome(task_file, workdir):
     out = PythonExecutor(f"{task_file}:leaves").run({"data": 1}, None, workdir)
     assert out.status == "error"
     assert out.detail.startswith("SystemExit")
+    # workers ignore SIGINT: this one can only come from the callable, a task failure too
+    out = PythonExecutor(f"{task_file}:interrupts").run({"data": 1}, None, workdir)
+    assert out.status == "error"
+    assert out.detail == "KeyboardInterrupt: from the callable"
 
 
 @pytest.mark.parametrize("function", ["not_json", "nan", "bad_testcases"])

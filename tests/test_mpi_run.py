@@ -83,6 +83,13 @@ def test_refused_starts_end_every_rank_with_a_clear_message(tmp_path):
     assert bad.returncode == 2
     assert f"{tasks}:2: focus_bytes must be a list of integers" in bad.stderr
     assert not db.exists()
+    # refusals found while building the master (after the import) end the job too
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    bad = run(["run", "--db", str(tmp_path / "o.db"), "--demo", "3", "--out", str(afile),
+               "--no-progress"], timeout=120)
+    assert bad.returncode == 2
+    assert "is not a directory" in bad.stderr and "Traceback" not in bad.stderr
     # --resume with nothing to resume says that it starts a new campaign
     fresh = run(["run", "--db", str(db), "--demo", "3", "--resume", "--no-progress"])
     assert fresh.returncode == 0, fresh.stderr
@@ -219,6 +226,36 @@ def test_sigterm_stops_gracefully_and_resume_completes(tmp_path):
     assert again.returncode == 0, again.stderr
     check_conservation(db, expected_tasks=300)
     assert query(db, "SELECT count(*) FROM results") == [(300,)]
+
+
+WORKER_FAILS = textwrap.dedent("""\
+    import os
+    # Loads on the master (rank 0 checks the spec before the start), not on the workers.
+    if any(os.environ.get(v, "0") != "0" for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK")):
+        raise ImportError("a module missing on the worker nodes")
+    def work(task):
+        return task
+    """)
+
+
+def test_a_worker_that_cannot_load_its_executor_leaves_and_nothing_is_lost(tmp_path):
+    """Such a worker used to fall into MPI_Finalize, spinning, with the master never told:
+    the job never ended. It now leaves the job (under ULFM the master sees it die and stops
+    when no worker is left; otherwise the job is aborted), and --resume with a callable that
+    loads finishes every task once."""
+    spec = tmp_path / "fails.py"
+    spec.write_text(WORKER_FAILS)
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "20", "--callable", f"{spec}:work",
+            "--no-progress"]
+    broken = run(args, timeout=120)
+    assert "cannot go on and leaves the job" in broken.stderr
+    assert "a module missing on the worker nodes" in broken.stderr
+    spec.write_text("def work(task):\n    return task\n")
+    done = run(args[:1] + ["--resume"] + args[1:])
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=20)
+    assert status_json(db)["tasks"]["done"] == 20
 
 
 def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):

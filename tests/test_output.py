@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import pathlib
 
+import pytest
+
 from coordinator.output import TestcaseWriter, sanitize_src
 
 
@@ -76,3 +78,10 @@ def test_stale_temp_files_are_removed_and_ignored(tmp_path):
     writer = TestcaseWriter(tmp_path, afl_style=True)
     assert listing(tmp_path) == []
     assert writer.write(b"half written", "s") == tmp_path / "id:000000,src:s"
+
+
+def test_an_output_path_that_is_a_file_is_refused_at_once(tmp_path):
+    out = tmp_path / "afile"
+    out.write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        TestcaseWriter(out, afl_style=False)

@@ -157,6 +157,8 @@ def test_jsonl_good_file(tmp_path):
         # the store's payload checks, run at load time so that the line is named
         ('{"path": "x", "focus_bytes": "abc"}', "focus_bytes must be a list of integers"),
         ('{"path": "x", "s2f_actions": [[1, "fly"]]}', "s2f_actions"),
+        ('{"data": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
+        ('{"data": "\\ud800"}', "surrogate"),
     ],
 )
 def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_path, bad_line, reason):
