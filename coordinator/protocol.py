@@ -97,11 +97,6 @@ def sanitize_profile_version(value: object) -> str:
     return value[:200] if isinstance(value, str) else ""
 
 
-def should_recover(ready_token: str | None, invalid_token: str | None, token: str) -> bool:
-    """R3: recover(rank, T) := ready == T and invalid == T."""
-    return ready_token == token and invalid_token == token
-
-
 @dataclass(frozen=True)
 class ReadyInfo:
     """The fields of a READY the master takes once it is classified idle."""

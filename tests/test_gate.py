@@ -9,6 +9,7 @@ import sqlite3
 import pytest
 from sqlalchemy import select
 
+from coordinator.gate import MAX_DETAIL_CHARS, Inbound, failure_detail
 from coordinator.protocol import ReadyStatus, ResultStatus
 from store import dispatches as dsp
 from store.journal import RetryPolicy
@@ -305,6 +306,64 @@ def test_failed_deferral_leaves_the_task_queued_and_reported(farm):
     assert s.deferred == 0 and s.events["defer_failed"] == 1
 
 
+def test_failed_deferral_puts_the_task_back_at_the_head(farm):
+    """R8's fallback keeps the task *queued at the head*, not where it stood before: here
+    other tasks were requeued in front of its old place meanwhile, and must not stay there."""
+    a, b, c = farm.enqueue({"data": "a"}, {"data": "b"}, {"data": "c"})
+    fail_once(farm, rank=1)  # a: first failure, requeued at the head
+    farm.ready(1, "")
+    tok_a = farm.dispatch(1)[1]
+    farm.ready(2, "")
+    farm.ready(3, "")
+    tokens = farm.dispatch(2, 3)
+    for rank in (3, 2):  # c, then b fail once: each requeued at the head, b first
+        farm.result(rank, None)
+        farm.ready(rank, tokens[rank])
+        farm.sweep()
+    with sqlite3.connect(farm.path) as db:
+        db.execute("CREATE TRIGGER refuse_defer BEFORE UPDATE OF state ON tasks "
+                  "WHEN NEW.state = 'deferred' BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+    farm.result(1, None)  # a's second failure: deferral refused, so queued at the head
+    farm.ready(1, tok_a)
+    [rec] = farm.sweep()
+    assert rec.defer_failed and rec.outcome is TaskState.QUEUED
+    with farm.store.reading() as conn:
+        order = [r.id for r in conn.execute(select(tasks.c.id).where(
+            tasks.c.state == "queued").order_by(tasks.c.queue_pos, tasks.c.id))]
+    assert order == [a, b, c]
+
+
+def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
+    """Two READYs echoing the retired token in the same batch: the rank comes back once
+    (the second is an idle READY), so `watchdog_recoveries` counts one recovery."""
+    farm.enqueue({"data": 1})
+    farm.ready(1, "")
+    tok = farm.dispatch(1, deadline_s=-1)[1]  # already past its deadline
+    with farm.store.transaction() as tx:
+        [rec] = farm.gate.watchdog(tx)
+    assert worker_state(farm, 1) == "parked" and rec.token == tok
+    body = {"rank": 1, "bitmap_version": 0, "empirical_profile_version": "",
+            "completed_dispatch_token": tok}
+    with farm.store.transaction() as tx:
+        out = farm.gate.apply_ready(tx, [Inbound(1, body), Inbound(1, dict(body))])
+    assert out.recovered_workers == [1]
+    assert worker_state(farm, 1) == "idle"
+    with farm.store.reading() as conn:
+        assert read_stats(conn).watchdog_recoveries == 1
+
+
+@pytest.mark.parametrize("parsed, detail", [
+    ({"status": "ok", "detail": "warnings on stderr", "returncode": 0}, None),
+    ({"status": "error", "detail": "target exited with status 3\nboom", "returncode": 3},
+     "target exited with status 3\nboom"),
+    ({"status": "error", "detail": "", "returncode": 3}, "exit status 3"),
+    ({"status": "error", "detail": "", "returncode": None}, None),
+    ({"status": "error", "detail": "x" * 5000}, "x" * MAX_DETAIL_CHARS),
+])
+def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
+    assert failure_detail(parsed) == detail
+
+
 # -- payload identity (R7, §4) -------------------------------------------------------------
 
 FULL = {"path": "/q/id:000001", "focus_bytes": [3, 1, 4], "target_branch": 2**63,
@@ -381,9 +440,12 @@ def test_with_ready_mark_changes_only_the_mark():
 
 
 def test_set_workers_updates_known_ranks_and_creates_unknown_ones(farm):
+    farm.ready(1, "")
+    farm.ready(2, "")
     before = {r.rank: r.state for r in rows(farm, workers)}
-    new_rank = max(before, default=0) + 5
-    known = sorted(before)[:1]
+    assert before == {1: "idle", 2: "idle"}
+    new_rank = 7
+    known = [1]  # one statement for a batch that mixes a known rank and a new one
     with farm.store.transaction("test") as tx:
         set_workers(tx, [(r, WorkerState.FAILED) for r in known] + [(new_rank, WorkerState.BUSY)])
     after = {r.rank: r.state for r in rows(farm, workers)}

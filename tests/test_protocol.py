@@ -13,8 +13,8 @@ from coordinator.protocol import (
     classify_result,
     is_token,
     mint_token,
+    ready_info,
     sanitize_bitmap_version,
-    should_recover,
 )
 
 T = mint_token("e" * 32, 1, 1)
@@ -105,9 +105,24 @@ def test_bitmap_version_fails_closed(value, current, out):
     assert sanitize_bitmap_version(value, current) == out
 
 
-def test_join_rule():
-    assert should_recover(T, T, T)
-    assert not should_recover(T, None, T)     # READY alone
-    assert not should_recover(None, T, T)     # invalid RESULT alone
-    assert not should_recover(T, OLD, T)      # stale invalid + current READY
-    assert not should_recover(OLD, T, T)      # stale READY + current invalid
+# --- ready_info: the READY fields an idle rank's message may set ----------------------------
+
+
+def test_ready_profile_version_is_clipped_to_200_chars():
+    """A worker cannot make the master store an unbounded string; short values pass unchanged,
+    a non-string becomes the empty version."""
+    assert ready_info({"empirical_profile_version": "p" * 1000}, 0).profile_version == "p" * 200
+    assert ready_info({"empirical_profile_version": "p" * 200}, 0).profile_version == "p" * 200
+    assert ready_info({"empirical_profile_version": "v1"}, 0).profile_version == "v1"
+    assert ready_info({"empirical_profile_version": 7}, 0).profile_version == ""
+
+
+@pytest.mark.parametrize("pid", [True, False, 0, -1, -4242, 1.0, "12", [12], None])
+def test_ready_pid_must_be_a_positive_int(pid):
+    """bool is an int subclass and 0/negatives are not process ids: all are dropped (None)."""
+    assert ready_info({"pid": pid}, 0).pid is None
+
+
+@pytest.mark.parametrize("pid", [1, 4242])
+def test_ready_pid_positive_int_is_kept(pid):
+    assert ready_info({"pid": pid}, 0).pid == pid

@@ -6,7 +6,7 @@ from sqlalchemy import select
 
 from store.dispatches import requeue_in_flight
 from store.journal import RetryPolicy
-from store.schema import dispatches, events, leases, tasks
+from store.schema import dispatches, events, leases, tasks, workers
 from store.tasks import NewTask, enqueue_tasks, get_task, requeue_tasks, take_queued
 
 from conftest import Farm
@@ -136,3 +136,25 @@ def test_graceful_stop_returns_in_flight_work_without_counting_it(farm):
     assert rows(farm, dispatches) == [] and rows(farm, leases) == []
     assert [(t.state, t.attempts) for t in rows(farm, tasks)] == [("queued", 0)] * 2
     assert queue_order(farm) == ids
+
+
+def test_graceful_stop_charges_the_attempt_of_a_worker_known_to_be_gone(farm):
+    """A dead worker's task may be what killed it: a stop must not requeue it for free (a
+    poison task would otherwise loop across resumes), while the live ranks' tasks are not
+    charged and their ranks end idle."""
+    ids = farm.enqueue({"data": 1}, {"data": 2})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    sent = farm.dispatch(1, 2)
+    with farm.store.reading() as conn:
+        task_of = dict(conn.execute(select(dispatches.c.rank, dispatches.c.task_id)).all())
+    with farm.store.transaction() as tx:
+        assert sorted(requeue_in_flight(tx, earlier_incarnations=False,
+                                        charged_ranks={2})) == ids
+    attempts = {t.id: t.attempts for t in rows(farm, tasks)}
+    assert (attempts[task_of[1]], attempts[task_of[2]]) == (0, 1)
+    assert [t.state for t in rows(farm, tasks)] == ["queued"] * 2
+    assert {w.rank: w.state for w in rows(farm, workers)}[1] == "idle"
+    kinds = [(e.rank, e.token, e.detail) for e in rows(farm, events)
+             if e.kind == "stop_requeued"]
+    assert sorted(kinds) == [(1, sent[1], None), (2, sent[2], "worker gone")]

@@ -990,6 +990,9 @@ def test_a_timeout_result_sends_the_task_to_the_retry_policy(tmp_path: Path):
         farm.ready(1)
         token = farm.dispatch(1)[1]
         farm.result(1, {"token": token, "status": "timeout"})
+        # Its READY not seen yet: the worker may still be busy with the run, so it is not
+        # free for new WORK until that READY arrives.
+        assert farm.state()["workers"] == [(1, "busy", None)]
         farm.ready(1, token)
         s = farm.state()
         assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]

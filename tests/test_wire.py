@@ -1,0 +1,109 @@
+"""The wire schema (coordinator/wire.py): what the master accepts from a worker.
+
+`decode_inbound` must turn every byte string, however broken or large, into data (a plain value
+or `Undecodable`) and never raise into the master loop; `check_result` must refuse any RESULT
+payload that is not exactly the current, strictly typed schema rather than coerce it.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from coordinator.gate import RESULT_STATUSES, Undecodable
+from coordinator.protocol import (
+    ReadyStatus,
+    ResultStatus,
+    classify_ready,
+    classify_result,
+    mint_token,
+)
+from coordinator.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    WIRE_VERSION,
+    Result,
+    check_result,
+    decode_inbound,
+    encode,
+)
+
+T = mint_token("e" * 32, 1, 1)
+
+
+def result(**fields):
+    return {"token": T, "status": "ok", **fields}
+
+
+# --- decode_inbound: size bound ------------------------------------------------------------
+
+def test_message_at_the_bound_decodes_one_byte_over_is_oversized():
+    """The bound is in bytes and inclusive: a valid RESULT one byte too large is refused unread."""
+    data = encode(result(value="x" * 1000))
+    assert decode_inbound(data, len(data)) == result(value="x" * 1000)
+    over = decode_inbound(data, len(data) - 1)
+    assert isinstance(over, Undecodable) and "oversized" in over.detail
+    assert classify_result(over, T) is ResultStatus.MALFORMED
+
+
+def test_default_bound_is_exact():
+    """The default bound, not a multiple of it: a valid message of bound + 1 bytes is refused."""
+    at = encode(bytes(DEFAULT_MAX_MESSAGE_BYTES - 5))  # bin32: 5 header bytes
+    assert len(at) == DEFAULT_MAX_MESSAGE_BYTES
+    assert isinstance(decode_inbound(at, DEFAULT_MAX_MESSAGE_BYTES), bytes)
+    over = encode(bytes(DEFAULT_MAX_MESSAGE_BYTES - 4))
+    assert isinstance(decode_inbound(over, DEFAULT_MAX_MESSAGE_BYTES), Undecodable)
+
+
+# --- decode_inbound: broken bytes are data, not exceptions ---------------------------------
+
+@pytest.mark.parametrize("data", [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\x92\x01", id="truncated"),
+    pytest.param(b"\x01\x02", id="trailing-bytes"),
+    pytest.param(b"\xa2\xff\xfe", id="str-not-utf8"),            # UnicodeDecodeError
+    pytest.param(b"\x81\xa2\xff\xfe\x01", id="map-key-not-utf8"),
+    pytest.param(b"\xd7\xff" + b"\xff" * 8, id="bad-timestamp"),
+    pytest.param(b"\x91" * 100_000 + b"\xc0", id="deeply-nested"),  # RecursionError
+])
+def test_undecodable_bytes_become_malformed_messages(data):
+    """Whatever the decoder raises (DecodeError, ValueError, RecursionError) must not escape:
+    the message becomes `Undecodable`, which both classifiers see as malformed."""
+    body = decode_inbound(data, DEFAULT_MAX_MESSAGE_BYTES)
+    assert isinstance(body, Undecodable) and body.detail.startswith("undecodable")
+    assert classify_result(body, T) is ResultStatus.MALFORMED
+    assert classify_ready(body, None) is ReadyStatus.MALFORMED
+
+
+@given(st.binary(max_size=64))
+def test_decode_inbound_never_raises(data):
+    decode_inbound(data, DEFAULT_MAX_MESSAGE_BYTES)
+
+
+# --- check_result: the strict RESULT schema ------------------------------------------------
+
+@pytest.mark.parametrize("status", sorted(RESULT_STATUSES))
+def test_a_well_formed_result_round_trips(status):
+    """What a worker encodes is what the master commits."""
+    sent = Result(T, status, value={"k": [1, 2.5]}, testcases=[("t1", b"\x00")], returncode=0,
+                  duration_s=1.5, detail="d")
+    res, why = check_result(decode_inbound(encode(sent), DEFAULT_MAX_MESSAGE_BYTES))
+    assert why is None and res == sent
+
+
+@pytest.mark.parametrize("body", [
+    pytest.param(result(v=WIRE_VERSION + 1), id="future-wire-version"),
+    pytest.param(result(v=WIRE_VERSION - 1), id="old-wire-version"),
+    pytest.param(result(status="bogus"), id="unknown-status"),
+    pytest.param(result(status="OK"), id="status-case"),
+    pytest.param(result(extra=1), id="unknown-field"),
+    pytest.param(result(returncode="3"), id="str-for-int"),
+    pytest.param(result(duration_s="1.5"), id="str-for-float"),
+    pytest.param(result(v=str(WIRE_VERSION)), id="str-for-version"),
+    pytest.param(result(returncode=True), id="bool-for-int"),
+    pytest.param({"token": T}, id="no-status"),
+])
+def test_results_off_schema_are_refused(body):
+    """Strict: nothing is coerced, nothing unknown is ignored; the reason is returned, not raised."""
+    res, why = check_result(body)
+    assert res is None and isinstance(why, str) and why
