@@ -71,12 +71,20 @@ def _leave_job(transport) -> None:
     without finalizing, which the master sees as this rank's death (its task goes back to the
     queue, the run goes on with the others; only a zero exit status keeps Open MPI's launcher
     from ending the whole job). Without ULFM a rank's exit ends the job anyway: abort it."""
-    traceback.print_exc()
+    # The one line first: it must reach the terminal even if the traceback does not.
     print(f"coordinator: rank {transport.rank} cannot go on and leaves the job (the master "
-          f"returns its task to the queue)", file=sys.stderr, flush=True)
+          f"returns any task it held to the queue)", file=sys.stderr, flush=True)
+    traceback.print_exc()
     if transport.fault_tolerant:
         _exit_now(0)
-    transport.abort(EXIT_INTERNAL)
+    _abort_job(transport, EXIT_INTERNAL)
+
+
+def _abort_job(transport, status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(0.5)  # MPICH's launcher drops output not yet forwarded when the job aborts
+    transport.abort(status)
 
 
 def _master(cfg: RunConfig, transport) -> int:
@@ -245,10 +253,7 @@ def end_job(transport, master, status: int, *, stop_first: bool = True) -> int:
     worker to STOP without finalizing, then SIGKILLs the ranks on this host that did not
     acknowledge (hung ones), by the pid each reported in its READY, and exits."""
     if not transport.fault_tolerant:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        time.sleep(0.5)  # MPICH's launcher drops output not yet forwarded when the job aborts
-        transport.abort(status)
+        _abort_job(transport, status)
         return status
     unacked = master.stop_workers_now() if stop_first else master.summary.unacked_ranks
     fenced = master.fence(unacked)
