@@ -117,3 +117,30 @@ def test_a_task_that_kills_its_worker_meets_the_ceiling_without_ulfm(tmp_path):
             break
     assert query(db, "SELECT state, attempts FROM tasks") == [("failed", 2)] * 3
     check_conservation(db, expected_tasks=3)
+
+
+def test_a_worker_that_dies_during_the_start_leaves_no_rank_waiting(tmp_path):
+    """A rank killed while the master imports its tasks makes the start-up broadcast fail in
+    the other workers. They used to fall into MPI_Finalize and spin there while the master
+    waited for them for ever; now they leave the job, and the master, told of every death,
+    stops with everything saved. (Should the kill land after the broadcast instead, the run
+    simply finishes with the workers left: either way the job must end by itself.)"""
+    if mpi_kind() != "openmpi":
+        pytest.skip("only Open MPI's ULFM survives a rank's death (MPICH ends the job)")
+    db = tmp_path / "c.db"
+    tasks = 40_000  # the import takes long enough to kill a worker inside it
+    proc = start(["run", "--db", str(db), "--demo", str(tasks), "--no-progress"], ulfm=True)
+    try:
+        master = master_pid(db)  # recorded when the incarnation starts, before the import
+        victim = max(p for p in ranks_of(db) if p != master)
+        os.kill(victim, signal.SIGKILL)
+        done = finish(proc, timeout=180)
+    finally:
+        kill_job(proc)
+    check_conservation(db)
+    assert query(db, "SELECT count(*) FROM tasks") == [(tasks,)]
+    if "no workers left" in done.stderr:  # the kill came during the start
+        assert "cannot go on and leaves the job" in done.stderr
+        assert done.returncode == 0
+    else:
+        assert query(db, "SELECT count(*) FROM results") == [(tasks,)]
