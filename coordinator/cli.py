@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -244,6 +246,16 @@ def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
         return _supervise(cmd, pid_file)
 
 
+def _end_with_parent() -> None:
+    """In the launched mpiexec: SIGTERM when the launcher dies. Its own session keeps the
+    terminal's Ctrl-C away from it, but also a kill of the launcher's process group (a CI
+    cancel, `timeout -s KILL`), which would otherwise leave the job running unattended."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+PR_SET_PDEATHSIG = 1
+
 #: Ctrl-C presses (or SIGTERMs to the launcher) after which the job is ended at once.
 FORCE_AFTER = 3
 
@@ -257,7 +269,8 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
     front, and the master, whose pid rank 0 writes to `pid_file`, gets the signal instead and
     stops gracefully; pressing Ctrl-C FORCE_AFTER times ends the job at once."""
     sys.stdout.flush()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_end_with_parent)
     presses = 0
 
     def forward(signum: int, _frame: object) -> None:
@@ -268,20 +281,21 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
         except (OSError, ValueError):
             master = 0  # not started yet: nothing to save, end the launch
         target_sig = signal.SIGTERM if signum == signal.SIGHUP else signum
-        try:
-            if master and presses < FORCE_AFTER:
+        if master and presses < FORCE_AFTER:
+            try:
                 os.kill(master, target_sig)
                 if presses == FORCE_AFTER - 1:
                     print("coordinator: still stopping; signal once more to end the job at "
                           "once (the campaign is saved: continue with --resume)",
                           file=sys.stderr, flush=True)
-            else:
-                if master:
-                    print("coordinator: ending the job now (the campaign is saved: continue "
-                          "with --resume)", file=sys.stderr, flush=True)
-                os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+                return
+            except ProcessLookupError:
+                pass  # the master has gone already: nothing is left to save, end the rest
+        if master:
+            print("coordinator: ending the job now (the campaign is saved: continue with "
+                  "--resume)", file=sys.stderr, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)

@@ -418,13 +418,18 @@ class Master:
                 tmp.unlink()
 
     # -- graceful stop -----------------------------------------------------------------------
+    def request_stop(self, why: str) -> None:
+        """A graceful stop (SIGINT/SIGTERM, also one that came before `run`): no new
+        dispatches, in-flight work gets the grace period."""
+        if self._stop_signal is None:
+            self._stop_signal = why
+            self._stop_at = time.monotonic()
+            print(f"coordinator: {why}: no new dispatches; giving in-flight work "
+                  f"{self.config.grace_s:g} s", file=sys.stderr, flush=True)
+
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: object) -> None:
-            if self._stop_signal is None:
-                self._stop_signal = signal.Signals(signum).name
-                self._stop_at = time.monotonic()
-                print(f"coordinator: {self._stop_signal}: no new dispatches; giving in-flight "
-                      f"work {self.config.grace_s:g} s", file=sys.stderr, flush=True)
+            self.request_stop(signal.Signals(signum).name)
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
 

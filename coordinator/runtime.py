@@ -101,6 +101,20 @@ def _master(cfg: RunConfig, transport) -> int:
 
     started = time.monotonic()
     store = None
+    master = None
+    # A stop asked for while the start is still going on (opening the database, importing a
+    # large tasks file) is kept, and honoured as soon as the master runs: the start completes
+    # (it is one transaction) and the run stops at once, gracefully.
+    early_stops: list[str] = []
+
+    def stop_early(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if master is not None:
+            master.request_stop(name)
+        else:
+            early_stops.append(name)
+    signal.signal(signal.SIGINT, stop_early)
+    signal.signal(signal.SIGTERM, stop_early)
     if cfg.master_pid_file is not None:
         # The self-launching `coordinator run` forwards Ctrl-C and SIGTERM here.
         try:
@@ -123,6 +137,8 @@ def _master(cfg: RunConfig, transport) -> int:
                 enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
                                    for i in initial])
         master = _make_master(cfg, store, transport)
+        if early_stops:
+            master.request_stop(early_stops[0])
     except BaseException as e:
         # Whatever stops the start, the workers hear the verdict: they wait in the broadcast.
         refused = isinstance(e, (StoreError, TaskFileError, ValueError, OSError))
@@ -138,6 +154,8 @@ def _master(cfg: RunConfig, transport) -> int:
         status = (EXIT_STORE if isinstance(e, StoreWriteError) else
                   EXIT_USAGE if refused else EXIT_INTERNAL)
         transport.bcast(status)
+        if transport.fault_tolerant and transport.any_failed:
+            _exit_now(status)  # MPI_Finalize can hang after a rank's death (ompi#11404)
         return status
     transport.bcast(0)
     print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} workers, "

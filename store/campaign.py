@@ -9,8 +9,10 @@ deferred tasks that can still run are reclaimed in front of them, before any new
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
 from .engine import DEFAULT_SYNCHRONOUS, open_engine, write_tx
-from .errors import CampaignExistsError, StoreError
+from .errors import CampaignExistsError, CampaignLockedError, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
 from .versioning import check_revision, upgrade
@@ -47,6 +49,7 @@ class Store:
         #: The master's current coverage-bitmap version (READY versions above it are future).
         self.bitmap_version = bitmap_version
         self._conn: Connection | None = None
+        self._lock_fd: int | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, resume: bool = False,
@@ -56,13 +59,16 @@ class Store:
         """Open (creating if new) and start a new incarnation.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
-        existing campaign with tasks without `resume`, UnsafeDatabaseError if WAL cannot be
-        used, DatabaseOpenError for a path that cannot hold a campaign.
+        existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used,
+        DatabaseOpenError for a path that cannot hold a campaign, CampaignLockedError while
+        another master runs on it.
         """
         path = Path(path)
         policy = policy or RetryPolicy()
         engine = open_engine(path, synchronous=synchronous)
+        lock_fd = None
         try:
+            lock_fd = _lock_campaign(path)
             with engine.connect() as conn:
                 fresh = not inspect(conn).get_table_names()
             if fresh:
@@ -85,8 +91,12 @@ class Store:
                 bitmap = conn.execute(select(campaign.c.bitmap_version)).scalar_one()
         except BaseException:
             engine.dispose()
+            if lock_fd is not None:
+                os.close(lock_fd)
             raise
-        return cls(path, engine, incarnation, epoch, policy, report, clock, bitmap)
+        store = cls(path, engine, incarnation, epoch, policy, report, clock, bitmap)
+        store._lock_fd = lock_fd
+        return store
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str], *,
@@ -137,12 +147,36 @@ class Store:
             self._conn.close()
             self._conn = None
         self.engine.dispose()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the campaign to the next master
+            self._lock_fd = None
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lock_campaign(path: Path) -> int:
+    """Hold `PATH.lock` exclusively for the master's life (released when the process ends,
+    however it ends). Only one master may run a campaign; readers and `requeue` need no lock."""
+    lock = path.with_name(path.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise CampaignLockedError(
+            f"{path} is in use by another master ({holder or 'pid unknown'}); stop it "
+            f"first (its pid is in {lock}), or choose another --db path") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
 
 
 def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float) -> tuple[int, str]:
@@ -155,11 +189,8 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float) -> 
         conn.execute(insert(campaign).values(id=1, created_at=now, incarnation=1, epoch=epoch))
         return 1, epoch
     if not resume:
-        # A campaign that never got a task (its first import failed, or a queue it watched
-        # stayed empty) has nothing --resume could protect: starting again is no risk.
         n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
-        if n_tasks:
-            raise CampaignExistsError(str(path), n_tasks)
+        raise CampaignExistsError(str(path), n_tasks)
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch

@@ -50,6 +50,11 @@ class CampaignExistsError(StoreError):
         )
 
 
+class CampaignLockedError(StoreError):
+    """Another master holds the campaign: two masters on one file would fence each other's
+    dispatches out and hand the same ranks work twice."""
+
+
 class StoreWriteError(StoreError):
     """A write failed (disk full, I/O error, read-only file, lock timeout).
 

@@ -20,7 +20,6 @@ import migrations
 
 from .engine import open_engine
 from .errors import DatabaseOpenError, SchemaVersionError
-from .schema import metadata
 
 
 def alembic_config() -> Config:
@@ -46,13 +45,15 @@ def current_revision(conn: Connection) -> str | None:
 
 
 def refuse_foreign(conn: Connection, path: str | os.PathLike[str]) -> None:
-    """An SQLite file with tables, none of them ours, and no revision stamp was never a
-    campaign: upgrading it would write our tables into someone else's database."""
+    """An SQLite file with tables but no revision stamp was never a campaign: every revision,
+    the baseline included, writes its tables and the stamp in one transaction. Upgrading it
+    would write our tables into someone else's database (or fail on a name both use, such
+    as `tasks`). Only the stamp table itself, as a downgrade to base leaves it, is ours."""
     if current_revision(conn) is not None:
         return
-    ours = {*metadata.tables, "alembic_version"}
-    tables = sorted(t for t in inspect(conn).get_table_names() if not t.startswith("sqlite_"))
-    if tables and not set(tables) & ours:
+    tables = sorted(t for t in inspect(conn).get_table_names()
+                    if not t.startswith("sqlite_") and t != "alembic_version")
+    if tables:
         shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
         raise DatabaseOpenError(f"{path} is an SQLite database of something else (tables "
                                 f"{shown}), not a coordinator campaign; choose another --db path")
@@ -67,7 +68,8 @@ def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
     if found is None and not inspect(conn).get_table_names():
         # Empty: a master that has just created the file is about to write its schema.
         raise DatabaseOpenError(f"{path} holds no campaign yet (a master starting on it "
-                                f"creates one within a moment)")
+                                f"creates one within a moment; an empty file left by a start "
+                                f"that failed is used as it is by the next `coordinator run`)")
     known = {rev.revision for rev in _script().walk_revisions()}
     raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
 

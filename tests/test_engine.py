@@ -13,7 +13,9 @@ from store.campaign import Store
 from store.engine import (
     BUSY_TIMEOUT_MS, check_sqlite_version, filesystem_type, open_engine, read_pragmas,
 )
-from store.errors import CampaignExistsError, DatabaseOpenError, UnsafeDatabaseError
+from store.errors import (
+    CampaignExistsError, CampaignLockedError, DatabaseOpenError, UnsafeDatabaseError,
+)
 from store.versioning import check_revision, upgrade
 
 
@@ -99,6 +101,7 @@ def test_filesystem_type_of_tmp_is_known(tmp_path):
 
 def test_existing_campaign_needs_resume(db_path, farm):
     farm.enqueue({"data": 1})
+    farm.store.close()  # the master that made it is gone (it would hold the campaign's lock)
     with pytest.raises(CampaignExistsError, match="--resume"):
         Store.open(db_path)
     again = Store.open(db_path, resume=True)
@@ -139,14 +142,6 @@ def test_an_sqlite_file_of_something_else_is_not_turned_into_a_campaign(tmp_path
     conn.close()
 
 
-def test_a_campaign_that_never_got_a_task_starts_again_without_resume(db_path):
-    """Its first import failed (or the queue it watched stayed empty): nothing to protect."""
-    Store.open(db_path).close()
-    again = Store.open(db_path)
-    assert again.incarnation == 2
-    again.close()
-
-
 def test_an_empty_file_holds_no_campaign_yet(tmp_path):
     """What `status` meets while a new master is still creating the schema: not advice to run
     `db upgrade` (which would race the master)."""
@@ -159,3 +154,17 @@ def test_an_empty_file_holds_no_campaign_yet(tmp_path):
             check_revision(conn, path)
     finally:
         engine.dispose()
+
+
+def test_a_second_master_on_the_same_campaign_is_refused(db_path):
+    """Nothing else stops two masters (each would fence the other's dispatches out); the lock
+    goes with the first one's close (or its process)."""
+    first = Store.open(db_path)
+    try:
+        with pytest.raises(CampaignLockedError, match=r"in use by another master \(pid \d+"):
+            Store.open(db_path, resume=True)
+    finally:
+        first.close()
+    again = Store.open(db_path, resume=True)
+    assert again.incarnation == 2
+    again.close()

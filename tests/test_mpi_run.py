@@ -23,6 +23,7 @@ from mpi_jobs import (
     kill_ranks,
     master_pid,
     query,
+    ranks_of,
     run,
     start,
     status_json,
@@ -258,18 +259,63 @@ def test_a_worker_that_cannot_load_its_executor_leaves_and_nothing_is_lost(tmp_p
     assert status_json(db)["tasks"]["done"] == 20
 
 
+def self_launch(db, *args: str) -> subprocess.Popen:
+    """`coordinator run` outside mpiexec, as a user types it, in a session of its own (the
+    test plays the terminal)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMI", "PMIX", "HYDRA", "MPI_LOCAL"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--no-progress",
+         "--np", "3", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True)
+
+
+def test_ctrl_c_during_a_long_import_is_a_graceful_stop_not_an_internal_error(tmp_path):
+    db = tmp_path / "c.db"
+    proc = self_launch(db, "--demo", "300000")
+    try:
+        deadline = time.monotonic() + 120
+        while not db.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the import of 300,000 tasks takes seconds: stop inside it
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kill_ranks(db)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGINT: no new dispatches" in err and "internal error" not in err
+    assert "continue it with --resume" in out
+    assert query(db, "SELECT count(*) FROM tasks WHERE state = 'active'") == [(0,)]
+
+
+def test_a_killed_launcher_takes_its_job_with_it(tmp_path):
+    """The job runs in a session of its own (so that a terminal's Ctrl-C reaches only the
+    launcher): when the launcher is killed outright, the job must not run on unattended."""
+    db = tmp_path / "c.db"
+    proc = self_launch(db, "--demo", "100000", "--demo-work-ms", "5")
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n and n >= 20), timeout=120)
+        proc.kill()
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 60
+        while ranks_of(db) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ranks_of(db) == [], "ranks still running after their launcher died"
+    finally:
+        kill_ranks(db)
+    assert query(db, "SELECT count(*) FROM results")[0][0] < 100000
+
+
 def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):
     """`coordinator run` outside mpiexec (the README's demo command) launches the job itself.
     A terminal's Ctrl-C (SIGINT to the launcher's process group) must stop it as a signal to
     the master does: in-flight work requeued, workers stopped, the summary printed, exit 0."""
     db = tmp_path / "c.db"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMI", "PMIX", "HYDRA", "MPI_LOCAL"))}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--demo", "3000",
-         "--demo-work-ms", "5", "--no-progress", "--np", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True)
+    proc = self_launch(db, "--demo", "3000", "--demo-work-ms", "5")
     try:
         wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n and n >= 20), timeout=120)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
