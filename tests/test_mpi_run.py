@@ -271,6 +271,21 @@ def self_launch(db, *args: str) -> subprocess.Popen:
         start_new_session=True)
 
 
+def ctrl_c(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """What the terminal does on Ctrl-C: SIGINT to the launcher's process group; then the
+    launch's output once it has ended."""
+    os.killpg(proc.pid, signal.SIGINT)
+    return proc.communicate(timeout=timeout)
+
+
+def end_launch(proc: subprocess.Popen, db) -> None:
+    """Whatever the test's outcome: no launcher and no rank of its job left running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    kill_ranks(db)
+
+
 def test_ctrl_c_during_a_long_import_is_a_graceful_stop_not_an_internal_error(tmp_path):
     db = tmp_path / "c.db"
     proc = self_launch(db, "--demo", "300000")
@@ -279,13 +294,9 @@ def test_ctrl_c_during_a_long_import_is_a_graceful_stop_not_an_internal_error(tm
         while not db.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # the import of 300,000 tasks takes seconds: stop inside it
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=180)
+        out, err = ctrl_c(proc, timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        kill_ranks(db)
+        end_launch(proc, db)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGINT: no new dispatches" in err and "internal error" not in err
     assert "continue it with --resume" in out
@@ -306,7 +317,7 @@ def test_a_killed_launcher_takes_its_job_with_it(tmp_path):
             time.sleep(0.2)
         assert ranks_of(db) == [], "ranks still running after their launcher died"
     finally:
-        kill_ranks(db)
+        end_launch(proc, db)
     assert query(db, "SELECT count(*) FROM results")[0][0] < 100000
 
 
@@ -318,13 +329,9 @@ def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):
     proc = self_launch(db, "--demo", "3000", "--demo-work-ms", "5")
     try:
         wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n and n >= 20), timeout=120)
-        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        out, err = proc.communicate(timeout=120)
+        out, err = ctrl_c(proc, timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        kill_ranks(db)
+        end_launch(proc, db)
     assert proc.returncode == 0, err[-3000:]
     assert "SIGINT: no new dispatches" in err
     assert "this run committed" in out and "continue it with --resume" in out
