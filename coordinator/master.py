@@ -54,6 +54,9 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 
+#: `Summary.stopped_by_signal` when every worker died (ULFM): not a stop anyone asked for.
+NO_WORKERS_LEFT = "no workers left"
+
 
 @dataclass
 class MasterConfig:
@@ -218,7 +221,7 @@ class Master:
         if len(self._failed_ranks) >= self.transport.size - 1 and self._stop_signal is None:
             print("coordinator: no workers left; stopping (the campaign is saved: continue "
                   "with --resume)", file=sys.stderr, flush=True)
-            self._stop_signal = "no workers left"
+            self._stop_signal = NO_WORKERS_LEFT
             self._stop_at = time.monotonic()
         return recovered
 

@@ -20,6 +20,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_STORE = 3  # the database failed under us: stopped, restart with --resume
 EXIT_INTERNAL = 5  # a bug: the job is aborted, the database is consistent
+EXIT_NO_WORKERS = 6  # every worker died with work left: saved, continue with --resume
 EXIT_UNACKED = 4  # finished, but some rank never acknowledged STOP (hung): the job was ended
 
 
@@ -96,6 +97,7 @@ def _master(cfg: RunConfig, transport) -> int:
 
     from .cli import describe
     from .executors import make_executor
+    from .master import NO_WORKERS_LEFT
     from .sources import TaskFileError, demo_tasks, load_tasks_jsonl
     from .transport import host_and_pid
 
@@ -175,7 +177,6 @@ def _master(cfg: RunConfig, transport) -> int:
         print(f"coordinator: {cfg.afl_out / cfg.fuzzer / 'queue'} does not exist yet; waiting "
               f"for it (is AFL running with -o {cfg.afl_out} and -M/-S {cfg.fuzzer}?)",
               file=sys.stderr, flush=True)
-    status = EXIT_OK
     try:
         summary = master.run()
     except StoreWriteError as e:
@@ -206,6 +207,11 @@ def _master(cfg: RunConfig, transport) -> int:
     print(stats_text(s), end="", file=sys.stderr)
     not_ok = ", ".join(f"{n} {st}" for st, n in sorted(by_status.items()) if st != "ok")
     left = t["queued"] + t["active"] + t["deferred"]
+    # A script must not take "every worker died" for "done": exit 0 means nothing is waiting
+    # for a worker (an AFL watch never finishes, so losing its workers is never clean).
+    stranded = summary.stopped_by_signal == NO_WORKERS_LEFT and bool(
+        t["queued"] + t["active"] or cfg.afl_out is not None)
+    status = EXIT_NO_WORKERS if stranded else EXIT_OK
     print(f"coordinator: this run committed {summary.committed} results in {elapsed:.1f} s "
           f"({summary.committed / max(summary.elapsed_s, 1e-9):,.0f} tasks/s in the loop; "
           f"{summary.rounds} rounds, {summary.transactions} transactions; master peak RSS "
@@ -227,7 +233,7 @@ def _master(cfg: RunConfig, transport) -> int:
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
               f"ending the job (the campaign is saved)", file=sys.stderr, flush=True)
-        return end_job(transport, master, EXIT_OK if summary.stopped_by_signal else
+        return end_job(transport, master, status if summary.stopped_by_signal else
                        EXIT_UNACKED, stop_first=False)
     if transport.fault_tolerant or transport.any_failed:
         # Under ULFM, MPI_Finalize can hang every survivor after a failure (ompi#11404);
