@@ -51,6 +51,10 @@ def _worker(cfg: RunConfig, transport) -> int:
     try:
         verdict = transport.bcast(None)
         if verdict:
+            if transport.fault_tolerant:
+                # The master refused to start and leaves without MPI_Finalize, which can hang
+                # under ULFM after any rank's death (ompi#11404); the workers do the same.
+                _exit_now(int(verdict))
             return int(verdict)
         executor = make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
                                  timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
@@ -156,8 +160,11 @@ def _master(cfg: RunConfig, transport) -> int:
         status = (EXIT_STORE if isinstance(e, StoreWriteError) else
                   EXIT_USAGE if refused else EXIT_INTERNAL)
         transport.bcast(status)
-        if transport.fault_tolerant and transport.any_failed:
-            _exit_now(status)  # MPI_Finalize can hang after a rank's death (ompi#11404)
+        if transport.fault_tolerant:
+            # MPI_Finalize can hang after a rank's death (ompi#11404), which a worker may
+            # have seen in the broadcast without the master knowing: under ULFM every rank
+            # leaves without it, as at the end of a run.
+            _exit_now(status)
         return status
     transport.bcast(0)
     print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} workers, "
