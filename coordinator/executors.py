@@ -18,6 +18,7 @@ import math
 import os
 import pathlib
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,27 @@ def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
         delay = min(delay * 2, 0.05)
 
 
+def resolve_program(program: str) -> str:
+    """The command's program as an absolute path, checked once, when the executor is built.
+
+    Every dispatch runs in a fresh directory of its own, so `./target_symcc` must be taken from
+    the directory the run was started in, not from there; a bare name is looked up on PATH. A
+    program that is missing or not executable is refused now (the run does not start) rather
+    than failing every task with "cannot start"."""
+    if os.sep in program or (os.altsep and os.altsep in program):
+        path = os.path.abspath(program)
+        if not os.path.isfile(path):
+            raise ValueError(f"command {program!r}: no such file ({path})")
+        if not os.access(path, os.X_OK):
+            raise ValueError(f"command {program!r} is not executable (chmod +x {path})")
+        return path
+    found = shutil.which(program)
+    if found is None:
+        raise ValueError(f"command {program!r} is not on PATH (give its path, e.g. "
+                         f"./{program})")
+    return os.path.abspath(found)
+
+
 class CommandExecutor:
     """Runs an external program once per task (the SymCC way).
 
@@ -187,7 +209,7 @@ class CommandExecutor:
         ):
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
                 raise ValueError(f"{name} must be a positive integer, got {limit!r}")
-        self.argv = list(argv)
+        self.argv = [resolve_program(argv[0]), *argv[1:]]
         self.timeout_s = float(timeout_s)
         self.max_files = max_files
         self.max_file_bytes = max_file_bytes

@@ -133,6 +133,7 @@ def _master(cfg: RunConfig, transport) -> int:
                       timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
         initial = (demo_tasks(cfg.demo) if cfg.demo is not None else
                    load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
+        outputs = _outputs(cfg)  # checked before the database is touched
         host, pid = host_and_pid()
         store = Store.open(cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
                            policy=RetryPolicy(cfg.retries, cfg.max_attempts),
@@ -142,7 +143,7 @@ def _master(cfg: RunConfig, transport) -> int:
             with store.transaction("import of the initial tasks") as tx:
                 enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
                                    for i in initial])
-        master = _make_master(cfg, store, transport)
+        master = _make_master(cfg, store, transport, outputs)
         if early_stops:
             master.request_stop(early_stops[0])
     except BaseException as e:
@@ -249,19 +250,22 @@ def _master(cfg: RunConfig, transport) -> int:
     return status
 
 
-def _make_master(cfg: RunConfig, store, transport):
-    """The master and what it writes to; raises before any work moves if the output
-    directory or the AFL layout cannot be used."""
-    from .master import Master, MasterConfig
+def _outputs(cfg: RunConfig) -> tuple[list, object]:
+    """The AFL source and the test-case writer; raises (a refusal) if the output directory or
+    the AFL layout cannot be used. Neither creates anything, so a refusal changes nothing."""
     from .output import TestcaseWriter
     from .sources import AflQueueSource
-    sources = []
     if cfg.afl_out is not None:
-        sources.append(AflQueueSource(cfg.afl_out, cfg.fuzzer).poll)
-        writer = TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True)
-    else:
-        writer = TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
-                                afl_style=False)
+        return ([AflQueueSource(cfg.afl_out, cfg.fuzzer).poll],
+                TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True))
+    return [], TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
+                              afl_style=False)
+
+
+def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object]):
+    """The master, built before any work moves."""
+    from .master import Master, MasterConfig
+    sources, writer = outputs
     return Master(store, transport, MasterConfig(
         max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,
         grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import sys
 import textwrap
 import time
@@ -144,11 +145,35 @@ def test_command_missing_input_is_an_outcome_not_an_exception(tmp_path, workdir)
     assert ex.run({}, None, workdir).status == "error"
 
 
-def test_command_missing_program(tmp_path, workdir):
-    ex = CommandExecutor([str(tmp_path / "no-such-target"), "@@"], timeout_s=30)
+def test_command_program_gone_after_the_start(tmp_path, workdir):
+    target = tmp_path / "target"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    ex = CommandExecutor([str(target), "@@"], timeout_s=30)
+    target.unlink()
     out = ex.run({}, b"x", workdir)
     assert out.status == "error"
     assert "cannot start" in out.detail
+
+
+def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, monkeypatch):
+    """Each dispatch runs in a directory of its own: `./target` means the start directory's."""
+    (tmp_path / "target").write_text("#!/bin/sh\necho ran > \"$SYMCC_OUTPUT_DIR/out\"\n")
+    (tmp_path / "target").chmod(0o755)
+    (tmp_path / "plain").write_text("#!/bin/sh\n")
+    monkeypatch.chdir(tmp_path)
+    ex = CommandExecutor(["./target"], timeout_s=30)
+    assert ex.argv == [str(tmp_path / "target")]
+    out = ex.run({}, b"x", workdir)
+    assert out.status == "ok", out.detail
+    assert out.testcases == [("out", b"ran\n")]
+    assert CommandExecutor(["sh", "-c", "true"], timeout_s=1).argv[0] == shutil.which("sh")
+    with pytest.raises(ValueError, match="no such file"):
+        CommandExecutor(["./no-such-target", "@@"], timeout_s=1)
+    with pytest.raises(ValueError, match="not executable"):
+        CommandExecutor(["./plain"], timeout_s=1)
+    with pytest.raises(ValueError, match="not on PATH"):
+        CommandExecutor(["no-such-program-here"], timeout_s=1)
 
 
 def _gone(pid: int) -> bool:
@@ -205,14 +230,15 @@ def test_command_file_size_limits(tmp_path, workdir):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"argv": [], "timeout_s": 1},
-        {"argv": "./target @@", "timeout_s": 1},
-        {"argv": ["./t"], "timeout_s": 0},
-        {"argv": ["./t"], "timeout_s": 1, "max_files": 0},
+        ({"argv": [], "timeout_s": 1}, "non-empty argv"),
+        ({"argv": "./target @@", "timeout_s": 1}, "non-empty argv"),
+        ({"argv": ["sh"], "timeout_s": 0}, "timeout must be > 0"),
+        ({"argv": ["sh"], "timeout_s": 1, "max_files": 0}, "max_files"),
     ],
 )
 def test_command_rejects_bad_configuration(kwargs):
-    with pytest.raises(ValueError):
+    kwargs, why = kwargs
+    with pytest.raises(ValueError, match=why):
         CommandExecutor(**kwargs)
 
 
@@ -366,7 +392,7 @@ def test_demo_bad_task_is_an_error_outcome(workdir, task):
 
 
 def test_make_executor_kinds(task_file):
-    assert isinstance(make_executor("command", argv=["./t", "@@"], timeout_s=5), CommandExecutor)
+    assert isinstance(make_executor("command", argv=["sh", "@@"], timeout_s=5), CommandExecutor)
     assert isinstance(make_executor("python", callable_spec=f"{task_file}:square"), PythonExecutor)
     demo = make_executor("demo", demo_work_ms=1)
     assert isinstance(demo, DemoExecutor)

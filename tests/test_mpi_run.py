@@ -84,13 +84,14 @@ def test_refused_starts_end_every_rank_with_a_clear_message(tmp_path):
     assert bad.returncode == 2
     assert f"{tasks}:2: focus_bytes must be a list of integers" in bad.stderr
     assert not db.exists()
-    # refusals found while building the master (after the import) end the job too
+    # an output that cannot be used is refused before the database is touched
     afile = tmp_path / "afile"
     afile.write_text("x")
     bad = run(["run", "--db", str(tmp_path / "o.db"), "--demo", "3", "--out", str(afile),
                "--no-progress"], timeout=120)
     assert bad.returncode == 2
     assert "is not a directory" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "o.db").exists()
     # --resume with nothing to resume says that it starts a new campaign
     fresh = run(["run", "--db", str(db), "--demo", "3", "--resume", "--no-progress"])
     assert fresh.returncode == 0, fresh.stderr
