@@ -41,8 +41,8 @@ environment (a flag wins over its variable):
   {ENV_TIMEOUT}=S                       same as --timeout (default 30)
   {ENV_WATCHDOG}=S         same as --watchdog (default max(120, 4 x timeout))
 
-Started outside mpiexec, `run` launches itself with the bundled mpiexec and --np ranks
-(rank 0 is the master, the others are workers). Under mpiexec it uses the ranks it was given.
+Started outside mpiexec, `run` launches itself with the mpiexec beside this Python (else
+PATH's) and --np ranks (rank 0 is the master, the others are workers). Under mpiexec it uses the ranks it was given.
 
 examples:
   coordinator run --db demo.db                      # {DEFAULT_DEMO_TASKS} built-in demo tasks, 4 ranks

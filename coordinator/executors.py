@@ -181,8 +181,9 @@ class CommandExecutor:
     ``@@`` in ``argv`` becomes the input file path; without ``@@`` the input goes to stdin.
     The program runs in its own session, so on timeout the whole process group is killed.
     Regular files the program leaves directly in ``$SYMCC_OUTPUT_DIR`` become test cases,
-    whatever the exit status (SymCC targets often exit nonzero after writing useful inputs;
-    on a timeout the files written so far are kept too).
+    whatever the exit status (SymCC targets often exit nonzero after writing useful inputs).
+    On a timeout the files written so far travel with the outcome, but a timed-out run is
+    retried, never committed, so they do not become test cases.
     """
 
     #: The target writes its test cases into SYMCC_OUTPUT_DIR: a fresh directory per dispatch.

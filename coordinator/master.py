@@ -75,7 +75,6 @@ class MasterConfig:
 
 @dataclass
 class Summary:
-    exit_status: int = 0
     rounds: int = 0
     transactions: int = 0
     committed: int = 0

@@ -21,7 +21,7 @@ EXIT_USAGE = 2
 EXIT_STORE = 3  # the database failed under us: stopped, restart with --resume
 EXIT_INTERNAL = 5  # a bug: the job is aborted, the database is consistent
 EXIT_NO_WORKERS = 6  # every worker died with work left: saved, continue with --resume
-EXIT_UNACKED = 4  # finished, but some rank never acknowledged STOP (hung): the job was ended
+EXIT_UNACKED = 4  # finished on its own, but a rank never acknowledged STOP (hung): ended
 
 
 def run(cfg: RunConfig) -> int:

@@ -100,7 +100,7 @@ class Transport:
         self._status = MPI.Status()
         #: Started with Open MPI's ULFM (`--with-ft ulfm`): a rank's death or MPI_Abort does
         #: not end the job there, and MPI_Finalize can hang after a failure (ompi#11404), so
-        #: the ranks end the job themselves (see runtime.finish and worker.serve).
+        #: the ranks end the job themselves (see runtime.end_job and worker.serve).
         self.fault_tolerant = os.environ.get("OMPI_MCA_mpi_ft_enable") == "1"
         self._failed: set[int] = set()      # every rank the runtime reported dead
         tighten_timer_slack()

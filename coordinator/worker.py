@@ -27,7 +27,8 @@ from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encod
 
 log = logging.getLogger(__name__)
 
-#: An idle worker re-sends READY (empty token) this often while no WORK arrives.
+#: An idle worker re-sends its last READY (the last completed token, or empty) this often
+#: while no WORK arrives.
 HEARTBEAT_S = 5.0
 
 

@@ -25,8 +25,9 @@ from .errors import DatabaseOpenError, StoreWriteError, UnsafeDatabaseError
 SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 DEFAULT_SYNCHRONOUS = "FULL"
 
-#: Wait this long for a lock held by a reader (e.g. a `sqlite3` shell or `coordinator status`)
-#: instead of failing the master's write at once.
+#: Wait this long for the write lock held by another writer (`coordinator requeue`, a `sqlite3`
+#: shell in a write transaction) or a checkpoint, instead of failing the master's write at once.
+#: WAL readers (`coordinator status`) never block it.
 BUSY_TIMEOUT_MS = 10_000
 
 #: WAL relies on shared memory and POSIX locks that these filesystems do not provide reliably.
@@ -149,7 +150,7 @@ def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
 
 
 def read_pragmas(conn: Connection) -> dict[str, object]:
-    """The pragmas actually in force on `conn` (tests read them back; `status` reports them)."""
+    """The pragmas actually in force on `conn` (tests read them back)."""
     names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
     return {n: conn.exec_driver_sql(f"PRAGMA {n}").scalar() for n in names}
 

@@ -1,7 +1,8 @@
 """One root exception for everything the store refuses, with a few leaves that carry data.
 
-Driver errors are translated once, at the store boundary (`engine.write_tx`), so callers never
-see `sqlite3` or SQLAlchemy exception types.
+Driver errors are translated once, at the store boundary (`engine.write_tx`), so callers see
+`sqlite3` or SQLAlchemy exception types only for a broken schema invariant (an IntegrityError
+is a bug, passed on unchanged).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ class StoreError(Exception):
 
 
 class UnsafeDatabaseError(StoreError):
-    """The file cannot be run safely: WAL did not take effect, or a pragma did not stick."""
+    """The file cannot be run safely: a network filesystem, an SQLite too old, or WAL refused."""
 
 
 class DatabaseOpenError(StoreError):

@@ -97,10 +97,11 @@ class EventKind(str, enum.Enum):
     ENQUEUED = "enqueued"
     DISPATCHED = "dispatched"        # dispatch row recorded (before the send)
     SEND_FAILED = "send_failed"      # pre-send compensation: rewound exactly
-    # Not written since revision 0002 (the results row holds both facts; each event cost the
-    # master ~20 µs per task on its critical path); kept so that older files stay valid.
+    # READY and COMMITTED are not written since revision 0002 (the results row holds both
+    # facts; each event cost the master ~20 µs per task on its critical path); kept so that
+    # older files stay valid. (The order is the CHECK constraint's: do not reorder.)
     READY = "ready"                  # current READY: ready mark set (now results.ready_at)
-    INVALID = "invalid"              # invalid-result mark set
+    INVALID = "invalid"              # invalid-result mark set (still written)
     COMMITTED = "committed"          # (now the results row itself)
     RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
     REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)
@@ -114,7 +115,7 @@ class EventKind(str, enum.Enum):
     STOP_REQUEUED = "stop_requeued"  # in-flight work returned to the queue by a graceful stop
     RECLAIMED = "reclaimed"          # deferred task put back at the head by --resume
     NOT_ADMITTED = "not_admitted"    # deferred task whose input is gone: stays deferred
-    WATCHDOG = "watchdog"            # dispatch past its deadline: recovered, rank parked
+    WATCHDOG = "watchdog"            # dispatch past its deadline: recovered, rank parked (idle if its READY was seen)
     WORKER_RECOVERED = "worker_recovered"  # a parked rank echoed its retired token
     WORKER_FAILED = "worker_failed"  # the runtime reported the rank dead; its work recovered
     MANUAL_REQUEUE = "manual_requeue"
@@ -236,7 +237,7 @@ results = Table(
     Column("rank", Integer, nullable=False),
     Column("incarnation", Integer, nullable=False),
     Column("committed_at", Float, nullable=False),
-    Column("status", Text, nullable=False),  # executor outcome: ok / error / timeout
+    Column("status", Text, nullable=False),  # executor outcome: ok / error (a timeout is retried)
     Column("value", Text, nullable=True),  # JSON
     Column("testcases", Integer, nullable=False, server_default=text("0")),
     Column("new_tasks", Integer, nullable=False, server_default=text("0")),

@@ -80,7 +80,7 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
                   skip_known_content: bool = False) -> list[int]:
     """Enqueue at the tail; returns the ids of tasks that were not already known.
 
-    The same semantic payload twice is one task (UNIQUE semantic_id, INSERT OR IGNORE).
+    The same semantic payload twice is one task (UNIQUE semantic_id, ON CONFLICT DO NOTHING).
     Input bytes are stored content-addressed, so the task no longer needs the file. With
     `skip_known_content`, an input whose bytes some task already holds is not enqueued (AFL
     re-imports what we give it under new names; the same bytes need no second run).

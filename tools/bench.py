@@ -87,16 +87,17 @@ def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tasks", type=int, default=10_000)
-    p.add_argument("--workers", type=int, default=3)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", type=int, default=10_000, help="tasks per run (default 10,000)")
+    p.add_argument("--workers", type=int, default=3, help="worker ranks (default 3)")
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
     p.add_argument("--workload", choices=("noop", "demo"), default="noop",
                    help="the coordinator's task: the same no-op as futures through the python "
                         "executor (default), or the built-in demo executor")
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds each MPI job may take before it counts as hung (default 900)")
     p.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
                    help="launch both with Open MPI's --with-ft ulfm, as `coordinator run` "
                         "does when it launches itself (default on; ignored for other MPIs)")

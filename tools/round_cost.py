@@ -110,9 +110,9 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool) -> dict[str, f
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tasks", type=int, default=10_000)
-    p.add_argument("--workers", type=int, default=3)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", type=int, default=10_000, help="tasks per run (default 10,000)")
+    p.add_argument("--workers", type=int, default=3, help="worker ranks (default 3)")
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each; the best is kept")
