@@ -85,8 +85,16 @@ def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
     return Done(proc.returncode, out, err)
 
 
+#: Open MPI's launcher (prterun) sometimes fails to start its PMIx server when several jobs
+#: start at once on the machine (exit 213, before any rank runs): not the coordinator's doing.
+LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
+
+
 def run(args: list[str], np: int = 4, timeout: float = JOB_TIMEOUT_S, **kw) -> Done:
-    return finish(start(args, np, **kw), timeout)
+    done = finish(start(args, np, **kw), timeout)
+    if LAUNCHER_FAILED in done.stderr:  # nothing ran: one more launch
+        done = finish(start(args, np, **kw), timeout)
+    return done
 
 
 def kill_job(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -48,6 +48,18 @@ if __name__ == "__main__":
 """
 
 
+#: Open MPI's launcher sometimes fails to start its PMIx server when several jobs start at
+#: once on the machine (exit 213, before any rank runs): worth one more launch.
+LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
+
+
+def launch(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if LAUNCHER_FAILED in out.stderr:
+        out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    return out
+
+
 def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float,
                 ulfm: bool) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
@@ -55,7 +67,7 @@ def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float,
         script.write_text(FUTURES_CHILD)
         cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1, ulfm), sys.executable, "-m",
                "mpi4py.futures", str(script), str(tasks)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = launch(cmd, timeout=timeout)
     for line in out.stdout.splitlines():
         if line.startswith("FUTURES "):
             _, rate, rss = line.split()
@@ -80,7 +92,7 @@ def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (d, env.get("PYTHONPATH")) if p)
             cmd += ["--callable", "bench_noop:noop"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out = launch(cmd, timeout=timeout, env=env)
         if out.returncode != 0 or not summary.exists():
             raise SystemExit(f"coordinator run failed ({out.returncode}):\n{out.stderr[-3000:]}")
         return json.loads(summary.read_text())
