@@ -272,9 +272,10 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_end_with_parent)
     presses = 0
+    before_start = False
 
     def forward(signum: int, _frame: object) -> None:
-        nonlocal presses
+        nonlocal presses, before_start
         presses += 1
         try:
             master = int(pid_file.read_text().strip() or 0)
@@ -294,12 +295,19 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
         if master:
             print("coordinator: ending the job now (the campaign is saved: continue with "
                   "--resume)", file=sys.stderr, flush=True)
+        elif not before_start:
+            # The master records its pid before it opens the database: nothing was changed.
+            before_start = True
+            print("coordinator: stopped before the master started; nothing was changed",
+                  file=sys.stderr, flush=True)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     rc = proc.wait()
+    if before_start:
+        return 128 + signal.SIGINT  # interrupted, as a shell reports it
     return rc if rc >= 0 else 128 - rc
 
 
@@ -410,5 +418,6 @@ def _db_upgrade(db: Path) -> int:
 def describe(cfg: RunConfig) -> str:
     src = (f"{cfg.demo} demo tasks" if cfg.demo is not None else
            f"tasks from {cfg.tasks_file}" if cfg.tasks_file else
-           f"AFL queue {cfg.afl_out}/{cfg.fuzzer}/queue")
+           f"AFL queue {cfg.afl_out}/{cfg.fuzzer}/queue" if cfg.afl_out is not None else
+           "the campaign's stored tasks")
     return f"{src}, {cfg.executor} executor"

@@ -132,8 +132,11 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     if len(sources) > 1:
         raise ConfigError("choose one task source: --demo N, --tasks FILE or --afl-out DIR")
     demo = ns.demo
-    if not sources:
-        demo = DEFAULT_DEMO_TASKS  # the embedded default: a built-in demo workload
+    if not sources and not resume:
+        # The embedded default: a built-in demo workload. Not on --resume, which continues the
+        # stored tasks (a new campaign under --resume gets it from runtime, once it is known
+        # to be new): a forgotten source must not add 300 demo tasks to a real campaign.
+        demo = DEFAULT_DEMO_TASKS
     if ns.afl_out is not None and not ns.fuzzer:
         raise ConfigError("--afl-out needs --fuzzer NAME (the AFL instance whose queue to read)")
     if ns.fuzzer and ns.afl_out is None:
@@ -147,6 +150,14 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     if ns.fuzzer and ns.fuzzer == ns.name:
         raise ConfigError(f"--name {ns.name!r} is the fuzzer's own instance; the coordinator "
                           f"must write to its own directory (choose another --name)")
+    if ns.tasks is not None and ns.tasks.exists() and not ns.tasks.is_file():
+        # stdin, a pipe or a FIFO: the ranks of the job cannot read the launcher's stdin (the
+        # master would wait on it for ever), and /dev/fd/N does not exist in them.
+        raise ConfigError(f"--tasks {ns.tasks} is not a regular file; write the tasks to a "
+                          f"file first (e.g. `gen > tasks.jsonl`)")
+    if ns.out is not None and ns.afl_out is not None:
+        raise ConfigError(f"--out is not used with --afl-out: new test cases go to "
+                          f"{ns.afl_out}/{ns.name}/queue (choose the directory with --name)")
     if ns.afl_out is not None and ns.afl_out.exists() and not ns.afl_out.is_dir():
         raise ConfigError(f"--afl-out {ns.afl_out} is not a directory (AFL's -o directory)")
 
@@ -182,3 +193,42 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
         summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )
+
+
+def campaign_settings(cfg: RunConfig) -> dict[str, object]:
+    """What a campaign keeps of its first run (campaign.settings), for `check_resume`."""
+    source = ("afl" if cfg.afl_out is not None else "tasks" if cfg.tasks_file is not None
+              else "demo")
+    return {"executor": cfg.executor, "callable": cfg.callable_spec, "command": cfg.argv or None,
+            "source": source,
+            "afl_out": str(cfg.afl_out.absolute()) if cfg.afl_out is not None else None,
+            "fuzzer": cfg.fuzzer, "name": cfg.name if cfg.afl_out is not None else None}
+
+
+def _how(s: dict) -> str:
+    if s.get("executor") == "python":
+        return f"--callable {s.get('callable')}"
+    if s.get("executor") == "command":
+        return "-- " + " ".join(s.get("command") or [])
+    return "no --callable and no command"
+
+
+def check_resume(cfg: RunConfig, stored: dict | None) -> None:
+    """Refuse a --resume that would run the campaign differently from its first run in a way
+    that commits wrong results for good: another executor (a forgotten `--callable` runs every
+    stored task through the demo executor, which fails them all), or an AFL campaign resumed
+    without its `--afl-out` (its results would no longer reach AFL). Another callable or
+    command of the same kind, or more tasks from another source, are the user's call."""
+    if stored is None:  # a campaign from before revision 0004: nothing was kept
+        return
+    given = campaign_settings(cfg)
+    if stored.get("executor") != given["executor"]:
+        raise ConfigError(
+            f"{cfg.db} runs its tasks with the {stored.get('executor')} executor "
+            f"({_how(stored)}); this --resume would use the {given['executor']} executor "
+            f"({_how(given)}): give the campaign's executor again (or choose a new --db)")
+    if stored.get("source") == "afl" and given["source"] != "afl":
+        raise ConfigError(
+            f"{cfg.db} watches an AFL queue (--afl-out {stored.get('afl_out')} --fuzzer "
+            f"{stored.get('fuzzer')} --name {stored.get('name')}); give them again on --resume, "
+            f"or its results would not reach AFL")

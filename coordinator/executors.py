@@ -154,6 +154,15 @@ def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
         delay = min(delay * 2, 0.05)
 
 
+#: What the command executor keeps of a run's output files (the rest is dropped, and noted).
+DEFAULT_MAX_FILES = 1000
+DEFAULT_MAX_FILE_BYTES = 1 << 20
+DEFAULT_MAX_TOTAL_BYTES = 64 << 20
+#: A RESULT's bytes besides the test cases' contents: its detail (≤ 2,000 characters), the
+#: other fields, and a name (≤ 255 bytes) and header per file, for DEFAULT_MAX_FILES files.
+RESULT_HEADROOM_BYTES = 512 << 10
+
+
 def resolve_program(program: str) -> str:
     """The command's program as an absolute path, checked once, when the executor is built.
 
@@ -193,9 +202,9 @@ class CommandExecutor:
         self,
         argv: Sequence[str],
         timeout_s: float,
-        max_files: int = 1000,
-        max_file_bytes: int = 1 << 20,
-        max_total_bytes: int = 64 << 20,
+        max_files: int = DEFAULT_MAX_FILES,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     ) -> None:
         if isinstance(argv, (str, bytes)) or not argv:
             raise ValueError("command executor needs a non-empty argv list, e.g. ['./target', '@@']")
@@ -347,7 +356,7 @@ class CommandExecutor:
             total += len(content)
         note = ""
         if dropped["count"]:
-            note = (
+            note = (  # gate.DROPPED_NOTE: the master keeps this line even for an ok result
                 f"dropped {dropped['count']} of {len(entries)} output files "
                 f"({dropped['too_big']} over {self.max_file_bytes} bytes; limits: "
                 f"{self.max_files} files, {self.max_total_bytes} bytes in total)"
@@ -608,8 +617,13 @@ def make_executor(
     callable_spec: str | None = None,
     timeout_s: float = 30.0,
     demo_work_ms: float = 0.0,
+    max_message_bytes: int | None = None,
 ) -> Executor:
-    """Builds the executor a worker uses; ValueError explains a bad combination of options."""
+    """Builds the executor a worker uses; ValueError explains a bad combination of options.
+
+    `max_message_bytes` is the master's bound on a RESULT: the command executor keeps the
+    test cases it sends under it (dropping the rest, and saying so), instead of sending a
+    message the master must quarantine whole."""
     if kind == "command":
         if callable_spec is not None:
             raise ValueError("a command executor takes a command line, not a callable spec")
@@ -617,7 +631,14 @@ def make_executor(
             raise ValueError("demo work time only applies to the demo executor")
         if not argv:
             raise ValueError("the command executor needs a command line, e.g. -- ./target_symcc @@")
-        return CommandExecutor(list(argv), timeout_s)
+        if max_message_bytes is None:
+            return CommandExecutor(list(argv), timeout_s)
+        total = min(DEFAULT_MAX_TOTAL_BYTES, max_message_bytes - RESULT_HEADROOM_BYTES)
+        if total < 1:
+            raise ValueError(f"--max-message-bytes {max_message_bytes} leaves no room for test "
+                             f"cases (a RESULT needs ~{RESULT_HEADROOM_BYTES} bytes besides)")
+        return CommandExecutor(list(argv), timeout_s, max_total_bytes=total,
+                               max_file_bytes=min(DEFAULT_MAX_FILE_BYTES, total))
     if kind == "python":
         if argv:
             raise ValueError("a python executor takes a callable spec, not a command line")

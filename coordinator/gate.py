@@ -92,16 +92,23 @@ MAX_DETAIL_CHARS = 2000
 
 
 def failure_detail(parsed: Any) -> str | None:
-    """For a result whose status is not ok: the worker's explanation (how the command
-    ended and its stderr tail, or the exception), as stored in `results.detail`; None for an
-    ok result."""
-    if _status_of(parsed) == "ok":
-        return None
+    """What `results.detail` keeps: for a result whose status is not ok, the worker's
+    explanation (how the command ended and its stderr tail, or the exception); for an ok
+    result only the command executor's note of output files it dropped (over its limits),
+    else None (the happy path writes nothing)."""
     get = parsed.get if isinstance(parsed, Mapping) else lambda k: getattr(parsed, k, None)
+    if _status_of(parsed) == "ok":
+        notes = [line for line in str(get("detail") or "").splitlines()
+                 if line.startswith(DROPPED_NOTE)]
+        return notes[-1][:MAX_DETAIL_CHARS] if notes else None
     text = str(get("detail") or "").strip()
     if not text and get("returncode") is not None:
         text = f"exit status {get('returncode')}"
     return text[-MAX_DETAIL_CHARS:] or None
+
+
+#: How the command executor's note of dropped output files starts (executors._collect).
+DROPPED_NOTE = "dropped "
 
 
 def _status_of(parsed: Any) -> object:

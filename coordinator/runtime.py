@@ -43,7 +43,6 @@ def peak_rss_mib() -> float:
 
 
 def _worker(cfg: RunConfig, transport) -> int:
-    from .executors import make_executor
     from .worker import serve
     # The master decides when the job stops (a terminal's Ctrl-C reaches every rank).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -56,8 +55,7 @@ def _worker(cfg: RunConfig, transport) -> int:
                 # under ULFM after any rank's death (ompi#11404); the workers do the same.
                 _exit_now(int(verdict))
             return int(verdict)
-        executor = make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
-                                 timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
+        executor = _executor(cfg)
         sender = None
         if cfg.inject:
             from .faults import FaultPlan, FaultySender
@@ -67,6 +65,13 @@ def _worker(cfg: RunConfig, transport) -> int:
     except BaseException:
         _leave_job(transport)
         raise  # not reached
+
+
+def _executor(cfg: RunConfig):
+    from .executors import make_executor
+    return make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
+                         timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms,
+                         max_message_bytes=cfg.max_message_bytes)
 
 
 def _leave_job(transport) -> None:
@@ -100,7 +105,7 @@ def _master(cfg: RunConfig, transport) -> int:
     from store.tasks import NewTask, enqueue_tasks
 
     from .cli import describe
-    from .executors import make_executor
+    from .config import DEFAULT_DEMO_TASKS, campaign_settings, check_resume
     from .master import NO_WORKERS_LEFT
     from .sources import TaskFileError, demo_tasks, load_tasks_jsonl
     from .transport import host_and_pid
@@ -129,15 +134,19 @@ def _master(cfg: RunConfig, transport) -> int:
             print(f"coordinator: cannot record the master's pid ({e}); stop the run with "
                   f"`kill -TERM {os.getpid()}`", file=sys.stderr, flush=True)
     try:
-        make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
-                      timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms)
+        _executor(cfg)  # refuse a bad one here, before the workers build theirs
         initial = (demo_tasks(cfg.demo) if cfg.demo is not None else
                    load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
         outputs = _outputs(cfg)  # checked before the database is touched
         host, pid = host_and_pid()
         store = Store.open(cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
                            policy=RetryPolicy(cfg.retries, cfg.max_attempts),
-                           note=f"master pid={pid} host={host} ranks={transport.size}")
+                           note=f"master pid={pid} host={host} ranks={transport.size}",
+                           settings=campaign_settings(cfg),
+                           check_settings=lambda stored: check_resume(cfg, stored))
+        if (cfg.resume and store.incarnation == 1 and cfg.demo is None
+                and cfg.tasks_file is None and cfg.afl_out is None):
+            initial = demo_tasks(DEFAULT_DEMO_TASKS)  # a new campaign: the embedded default
         if initial:
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:

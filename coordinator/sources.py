@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ class AflQueueSource:
         # name -> (size, mtime_ns) seen by the previous poll, for files not settled yet
         self._unsettled: dict[str, tuple[int, int]] = {}
         self._seen_hashes: set[str] = set()
+        self._unreadable = ""  # the last reason the queue could not be read, said once
 
     def poll(self) -> list[NewInput]:
         names = self._new_names()
@@ -91,7 +93,7 @@ class AflQueueSource:
                 for entry in it:
                     if entry.name in self._handled:
                         continue
-                    if not entry.name.startswith("id:") or entry.is_dir():
+                    if not entry.name.startswith("id:") or _is_dir(entry):
                         # Dot files, AFL's .state/ and anything else are never queue entries.
                         self._handled.add(entry.name)
                         continue
@@ -99,6 +101,15 @@ class AflQueueSource:
                 return names
         except (FileNotFoundError, NotADirectoryError):
             return None  # AFL has not created the queue yet
+        except OSError as e:
+            # Unreadable (AFL running as another user, an I/O error): say so once, keep
+            # looking. Not the master's own output failing, which stops the run.
+            why = f"{e.strerror or e}"
+            if why != self._unreadable:
+                self._unreadable = why
+                print(f"coordinator: cannot read the AFL queue {self.queue_dir}: {why}; "
+                      f"retrying", file=sys.stderr, flush=True)
+            return None
 
     def _take(
         self, name: str, now: float, still_unsettled: dict[str, tuple[int, int]]
@@ -135,6 +146,13 @@ class AflQueueSource:
             return None
         self._seen_hashes.add(digest)
         return NewInput(payload={"path": str(path)}, input_bytes=content, origin=f"afl:{self.fuzzer}/{name}")
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a symlink loop, a dangling mount: not a queue file either way
+        return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,6 +248,10 @@ def load_tasks_jsonl(path: os.PathLike[str] | str) -> list[NewInput]:
         task = _parse_line(path, lineno, raw)
         if task is not None:
             tasks.append(task)
+    if not tasks:
+        # A campaign of nothing would still be a campaign: the corrected file would then be
+        # refused without --resume.
+        raise ValueError(f"tasks file {os.fspath(path)!r} holds no tasks (only blank lines)")
     return tasks
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import secrets
 import socket
@@ -55,8 +56,15 @@ class Store:
     def open(cls, path: str | os.PathLike[str], *, resume: bool = False,
              policy: RetryPolicy | None = None, synchronous: str = DEFAULT_SYNCHRONOUS,
              available: Callable[[Mapping[str, Any]], bool] = task_ops.input_available,
-             clock: Callable[[], float] = time.time, note: str | None = None) -> Store:
+             clock: Callable[[], float] = time.time, note: str | None = None,
+             settings: Mapping[str, Any] | None = None,
+             check_settings: Callable[[Mapping[str, Any] | None], None] | None = None,
+             ) -> Store:
         """Open (creating if new) and start a new incarnation.
+
+        `settings` (JSON-able) are stored with a new campaign; on resume the stored ones (None
+        for a campaign from before revision 0004) go to `check_settings`, whose exception
+        refuses the start before anything is written.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
         existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used,
@@ -78,7 +86,8 @@ class Store:
             now = clock()
             report = ResumeReport()
             with engine.connect() as conn, write_tx(conn, "start of a new incarnation"):
-                incarnation, epoch = _new_incarnation(conn, path, resume, now)
+                incarnation, epoch = _new_incarnation(conn, path, resume, now, settings,
+                                                      check_settings)
                 tx = Tx(conn, incarnation, now, policy)
                 detail = "resume" if resume else "new"
                 tx.event(EventKind.CAMPAIGN, detail=f"{detail} {note}" if note else detail)
@@ -179,18 +188,25 @@ def _lock_campaign(path: Path) -> int:
     return fd
 
 
-def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float) -> tuple[int, str]:
+def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
+                     settings: Mapping[str, Any] | None,
+                     check_settings: Callable[[Mapping[str, Any] | None], None] | None,
+                     ) -> tuple[int, str]:
     epoch = secrets.token_hex(16)
-    row = conn.execute(select(campaign.c.incarnation)).first()
+    row = conn.execute(select(campaign.c.incarnation, campaign.c.settings)).first()
     if row is None:
         n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
         if n_tasks and not resume:
             raise CampaignExistsError(str(path), n_tasks)
-        conn.execute(insert(campaign).values(id=1, created_at=now, incarnation=1, epoch=epoch))
+        conn.execute(insert(campaign).values(
+            id=1, created_at=now, incarnation=1, epoch=epoch,
+            settings=None if settings is None else json.dumps(settings, sort_keys=True)))
         return 1, epoch
     if not resume:
         n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
         raise CampaignExistsError(str(path), n_tasks)
+    if check_settings is not None:
+        check_settings(None if row.settings is None else json.loads(row.settings))
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch

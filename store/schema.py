@@ -146,6 +146,9 @@ campaign = Table(
     # Random per incarnation, hashed into every token: tokens never repeat across restarts.
     Column("epoch", Text, nullable=False),
     Column("bitmap_version", Integer, nullable=False, server_default=text("0")),
+    # JSON: the executor and task source of the first run (revision 0004; NULL before), so
+    # that a --resume which would run the campaign differently is refused.
+    Column("settings", Text, nullable=True),
     CheckConstraint("id = 1", name="single_row"),
 )
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from coordinator.cli import _parser
@@ -62,3 +64,39 @@ def test_afl_out_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):
         resolve(tmp_path, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main",
                 "--", "./target", "@@")
+
+
+def test_resume_without_a_source_adds_no_demo_tasks(tmp_path):
+    """The embedded demo default is for a new campaign; `--resume` continues stored tasks."""
+    assert resolve(tmp_path).demo == 300
+    assert resolve(tmp_path, "--resume").demo is None
+    assert resolve(tmp_path, "--resume", "--demo", "25").demo == 25
+
+
+def test_resume_with_another_executor_or_without_the_afl_queue_is_refused(tmp_path):
+    from coordinator.config import campaign_settings, check_resume
+    first = campaign_settings(resolve(tmp_path, "--tasks", "t.jsonl", "--callable", "m:f"))
+    assert (first["executor"], first["callable"], first["source"]) == ("python", "m:f", "tasks")
+    with pytest.raises(ConfigError, match=r"python executor \(--callable m:f\); this --resume "
+                                          r"would use the demo executor"):
+        check_resume(resolve(tmp_path, "--resume"), first)
+    check_resume(resolve(tmp_path, "--resume", "--callable", "m:f"), first)
+    check_resume(resolve(tmp_path, "--resume", "--callable", "m:g"), first)  # the user's call
+    check_resume(resolve(tmp_path, "--resume"), None)  # a campaign from before 0004
+    afl = campaign_settings(resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main",
+                                    "--callable", "m:f"))
+    with pytest.raises(ConfigError, match="watches an AFL queue .* --fuzzer main --name symcc"):
+        check_resume(resolve(tmp_path, "--resume", "--callable", "m:f"), afl)
+    check_resume(resolve(tmp_path, "--resume", "--afl-out", str(tmp_path), "--fuzzer", "main",
+                         "--callable", "m:f"), afl)
+
+
+def test_tasks_from_a_pipe_and_out_with_afl_out_are_refused(tmp_path):
+    """The ranks cannot read the launcher's stdin: the master used to wait on it for ever."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        resolve(tmp_path, "--tasks", str(fifo), "--callable", "m:f")
+    with pytest.raises(ConfigError, match="--out is not used with --afl-out"):
+        resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main", "--out",
+                str(tmp_path / "o"))

@@ -168,3 +168,23 @@ def test_a_second_master_on_the_same_campaign_is_refused(db_path):
     again = Store.open(db_path, resume=True)
     assert again.incarnation == 2
     again.close()
+
+
+def test_settings_are_kept_and_a_refused_resume_writes_nothing(db_path):
+    """campaign.settings is written once, with the new campaign; on resume the stored ones go
+    to the check, and a check that refuses leaves the file as it was (same incarnation)."""
+    Store.open(db_path, settings={"executor": "python", "callable": "m:f"}).close()
+    seen = []
+
+    def refuse(stored):
+        seen.append(stored)
+        raise ValueError("another executor")
+
+    with pytest.raises(ValueError, match="another executor"):
+        Store.open(db_path, resume=True, settings={"executor": "demo"}, check_settings=refuse)
+    assert seen == [{"callable": "m:f", "executor": "python"}]
+    again = Store.open(db_path, resume=True, settings={"executor": "demo"},
+                       check_settings=seen.append)
+    assert again.incarnation == 2  # the refused start did not count as one
+    again.close()
+    assert seen[-1] == {"callable": "m:f", "executor": "python"}  # never overwritten

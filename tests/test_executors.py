@@ -434,3 +434,22 @@ def test_command_limits_do_not_read_huge_files_into_memory(tmp_path, workdir):
     assert out.testcases == []
     assert "dropped 1 of 1" in out.detail
     assert os.path.getsize(workdir / "out" / "huge") == 1 << 30
+
+
+def test_command_output_is_kept_under_the_masters_message_bound(tmp_path, workdir):
+    """The output caps used to equal the message bound: a run that filled them sent a RESULT
+    the master had to quarantine whole (every test case lost, the task retried for ever)."""
+    from coordinator.wire import encode
+    from coordinator.worker import Sender
+    target = tmp_path / "many.sh"
+    target.write_text("#!/bin/sh\nfor i in 1 2 3 4 5 6; do head -c 400000 /dev/zero "
+                      "> \"$SYMCC_OUTPUT_DIR/f$i\"; done\n")
+    target.chmod(0o755)
+    bound = 2 << 20
+    ex = make_executor("command", argv=[str(target)], timeout_s=30, max_message_bytes=bound)
+    out = ex.run({}, b"x", workdir)
+    assert out.status == "ok", out.detail
+    assert 0 < len(out.testcases) < 6 and "dropped" in out.detail
+    assert len(encode(Sender(None).result_message("0" * 64, out))) <= bound
+    with pytest.raises(ValueError, match="leaves no room for test cases"):
+        make_executor("command", argv=[str(target)], timeout_s=30, max_message_bytes=4096)

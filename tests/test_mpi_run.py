@@ -341,6 +341,28 @@ def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):
     check_conservation(db, expected_tasks=3000)
 
 
+def test_ctrl_c_before_the_master_starts_says_so(tmp_path):
+    """A launch stopped before any master ran (here an `mpiexec` that never starts one) used
+    to end with exit 1 and no word; nothing was changed, and the launcher says so."""
+    slow = tmp_path / "slow-mpiexec"
+    started = tmp_path / "started"
+    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\ntouch {started}\n'
+                    f'exec sleep 60\n')
+    slow.chmod(0o755)
+    db = tmp_path / "c.db"
+    proc = self_launch(db, "--mpiexec", str(slow))
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out, err = ctrl_c(proc, timeout=30)
+    finally:
+        end_launch(proc, db)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped before the master started; nothing was changed" in err
+    assert not db.exists()
+
+
 def test_undecodable_results_are_quarantined_and_the_master_keeps_going(tmp_path):
     db = tmp_path / "c.db"
     done = run(["run", "--db", str(db), "--demo", "60", "--inject", "result_garbage=0.3",
@@ -361,3 +383,23 @@ def test_bad_inject_spec_is_a_usage_error(tmp_path):
     done = run(["run", "--db", str(tmp_path / "c.db"), "--inject", "hang=1.5"], np=2)
     assert done.returncode == 2 and "outside 0..1" in done.stderr
     assert not (tmp_path / "c.db").exists()
+
+
+def test_resume_that_would_run_the_campaign_otherwise_is_refused(tmp_path):
+    """A bare `--resume` on a campaign of a callable used to add 300 demo tasks to it and run
+    its own tasks through the demo executor, committing every one as an error for good."""
+    mod = tmp_path / "square.py"
+    mod.write_text("def square(task):\n    return task['data']['n'] ** 2\n")
+    db = tmp_path / "c.db"
+    first = run(["run", "--db", str(db), "--demo", "4", "--callable", f"{mod}:square",
+                 "--no-progress"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    bare = run(["run", "--db", str(db), "--resume", "--no-progress"])
+    assert bare.returncode == 2, bare.stderr[-2000:]
+    assert f"python executor (--callable {mod}:square)" in bare.stderr
+    assert query(db, "SELECT count(*), max(incarnation) FROM campaign, tasks") == [(4, 1)]
+    again = run(["run", "--db", str(db), "--resume", "--callable", f"{mod}:square",
+                 "--no-progress"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert query(db, "SELECT count(*) FROM tasks") == [(4,)]  # no demo tasks added
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 4)]

@@ -61,6 +61,26 @@ def test_afl_ignores_dot_files_directories_and_other_names(tmp_path, queue):
     assert names(found) == ["id:000000"]
 
 
+def test_afl_symlink_loop_and_unreadable_queue_do_not_stop_the_run(tmp_path, queue,
+                                                                   monkeypatch, capsys):
+    """Both used to raise out of the master's round, reported as its output failing (exit 3),
+    and again on every --resume."""
+    (queue / "id:000001,loop").symlink_to(queue / "id:000001,loop")
+    put(queue, "id:000000", b"real")
+    source = AflQueueSource(tmp_path / "afl_out", "main")
+    assert names(source.poll()) == ["id:000000"]
+    real_scandir = os.scandir
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(os, "scandir", denied)  # root reads anything: simulate AFL's own user
+    assert source.poll() == [] and source.poll() == []
+    assert capsys.readouterr().err.count("cannot read the AFL queue") == 1  # said once
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    put(queue, "id:000002", b"later")
+    assert names(source.poll()) == ["id:000002"]
+
+
 def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
     source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=30)
     fresh = put(queue, "id:000000", b"partial", age_s=0)
@@ -140,7 +160,10 @@ def test_jsonl_good_file(tmp_path):
     ]
     assert [t.input_bytes for t in found] == [None, None, b"\x00seed"]
     assert found[1].origin == f"{tasks}:4"
-    assert load_tasks_jsonl(write_lines(tmp_path / "empty.jsonl", [""])) == []
+    # a file of nothing would start a campaign of nothing, which then blocks the corrected file
+    for lines in ([], [""], ["", "   ", "\t"]):
+        with pytest.raises(ValueError, match="holds no tasks"):
+            load_tasks_jsonl(write_lines(tmp_path / "empty.jsonl", lines))
 
 
 @pytest.mark.parametrize(
