@@ -148,9 +148,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--db", type=Path, required=True)
     s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
 
-    q = sub.add_parser("requeue", help="put failed or deferred tasks back in the queue")
+    q = sub.add_parser("requeue", help="put failed or deferred tasks back in the queue, or "
+                                       "done tasks whose run failed (--state error)")
     q.add_argument("--db", type=Path, required=True)
-    q.add_argument("--state", choices=("failed", "deferred", "all"), default="all")
+    q.add_argument("--state", choices=("failed", "deferred", "all", "error"), default="all",
+                   help="all (default): failed and deferred tasks; error: done tasks whose "
+                        "result status is not ok (their result is discarded), e.g. after "
+                        "fixing the target or restoring missing inputs")
     q.add_argument("--id", type=int, action="append", dest="ids", metavar="TASK_ID",
                    help="only this task (repeatable)")
 
@@ -385,9 +389,9 @@ def _requeue(ns: argparse.Namespace) -> int:
     from store.campaign import Store
     from store.errors import StoreError
     from store.schema import TaskState
-    from store.tasks import requeue_tasks
+    from store.tasks import requeue_error_results, requeue_tasks
     states = {"failed": (TaskState.FAILED,), "deferred": (TaskState.DEFERRED,),
-              "all": (TaskState.FAILED, TaskState.DEFERRED)}[ns.state]
+              "all": (TaskState.FAILED, TaskState.DEFERRED), "error": ()}[ns.state]
     try:
         store = Store.attach(ns.db)
     except StoreError as e:
@@ -395,7 +399,8 @@ def _requeue(ns: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         with store.transaction("manual requeue") as tx:
-            done = requeue_tasks(tx, states=states, ids=ns.ids)
+            done = (requeue_error_results(tx, ids=ns.ids) if ns.state == "error" else
+                    requeue_tasks(tx, states=states, ids=ns.ids))
     finally:
         store.close()
     print(f"requeued {len(done)} task(s)" + (f": {', '.join(map(str, done))}" if done else ""))

@@ -223,6 +223,9 @@ def _master(cfg: RunConfig, transport) -> int:
     t = s.tasks
     print(stats_text(s), end="", file=sys.stderr)
     not_ok = ", ".join(f"{n} {st}" for st, n in sorted(by_status.items()) if st != "ok")
+    if not_ok:
+        not_ok += (": see `coordinator status`; once fixed, `coordinator requeue --state error` "
+                   "runs them again")
     left = t["queued"] + t["active"] + t["deferred"]
     # A script must not take "every worker died" for "done": exit 0 means nothing is waiting
     # for a worker (an AFL watch never finishes, so losing its workers is never clean).
@@ -234,7 +237,7 @@ def _master(cfg: RunConfig, transport) -> int:
           f"{summary.rounds} rounds, {summary.transactions} transactions; master peak RSS "
           f"{peak_rss_mib():.0f} MiB); campaign: {t['done']} done, {t['queued']} queued, "
           f"{t['deferred']} deferred, {t['failed']} failed, {s.results} results"
-          f"{f' ({not_ok}: see `coordinator status`)' if not_ok else ''}"
+          f"{f' ({not_ok})' if not_ok else ''}"
           f"{'; continue it with --resume' if left else ''}; stats in {cfg.stats_file}",
           flush=True)
     if cfg.summary_json is not None:

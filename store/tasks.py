@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import and_, func, select, update
 
 from .journal import RetryPolicy, Tx
-from .schema import EventKind, LeaseKind, TaskState, tasks
+from .schema import EventKind, LeaseKind, TaskState, results, tasks
 from .semantic import canonical_form, canonical_json, content_hash, is_self_contained
 
 
@@ -247,6 +247,34 @@ def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
                                                  tasks.c.state == row.state)).values(**values))
         tx.event(EventKind.MANUAL_REQUEUE, task_id=row.id, detail=f"from {row.state}")
         done.append(row.id)
+        pos += 1
+    return done
+
+
+def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None) -> list[int]:
+    """Operator requeue of done tasks whose run failed (result status not `ok`: a command's
+    non-zero exit, a missing input, a callable that raised), after the cause was fixed: the
+    result row is discarded (an event keeps its token, status and detail) and the task goes
+    back to the tail with a fresh attempt budget. Only `done` tasks are touched, never a
+    dispatched one, so it is safe while a master runs."""
+    q = (select(results.c.task_id, results.c.token, results.c.status, results.c.detail)
+         .join(tasks, tasks.c.id == results.c.task_id)
+         .where(results.c.status != "ok", tasks.c.state == TaskState.DONE.value))
+    if ids is not None:
+        q = q.where(results.c.task_id.in_(list(ids)))
+    pos = tail_position(tx)
+    done: list[int] = []
+    for row in tx.conn.execute(q.order_by(results.c.task_id)).all():
+        tx.conn.execute(results.delete().where(results.c.task_id == row.task_id))
+        tx.conn.execute(update(tasks).where(and_(
+            tasks.c.id == row.task_id, tasks.c.state == TaskState.DONE.value)).values(
+            state=TaskState.QUEUED.value, queue_pos=pos, attempts=0, reason=None,
+            updated_at=tx.now))
+        why = (row.detail or "").strip().splitlines()
+        tx.event(EventKind.MANUAL_REQUEUE, task_id=row.task_id, token=row.token,
+                 detail=f"from done: its {row.status} result discarded"
+                        + (f" ({why[-1][:200]})" if why else ""))
+        done.append(row.task_id)
         pos += 1
     return done
 

@@ -161,6 +161,14 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     kinds = dict(query(db, "SELECT kind, count(*) FROM events GROUP BY kind"))
     assert kinds["task_failed"] == 2 and kinds["retried"] == 1 and kinds["task_deferred"] == 1
     assert "requeued" not in kinds  # a timeout is not a protocol failure
+    # once the cause is fixed, the operator runs exactly the failed run again
+    again = subprocess.run([sys.executable, "-m", "coordinator", "requeue", "--db", str(db),
+                            "--state", "error"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+    [(fail_id,)] = query(db, "SELECT id FROM tasks WHERE payload LIKE '%fail%'")
+    assert again.stdout.strip() == f"requeued 1 task(s): {fail_id}"
+    assert status_json(db)["tasks"]["queued"] == 1
+    assert status_json(db)["results_by_status"] == {"ok": 6}
 
 
 def test_afl_queue_filled_while_running(tmp_path):

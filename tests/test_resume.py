@@ -6,8 +6,15 @@ from sqlalchemy import select
 
 from store.dispatches import requeue_in_flight
 from store.journal import RetryPolicy
-from store.schema import dispatches, events, leases, tasks, workers
-from store.tasks import NewTask, enqueue_tasks, get_task, requeue_tasks, take_queued
+from store.schema import dispatches, events, leases, results, tasks, workers
+from store.tasks import (
+    NewTask,
+    enqueue_tasks,
+    get_task,
+    requeue_error_results,
+    requeue_tasks,
+    take_queued,
+)
 
 from conftest import Farm
 from test_gate import fail_once, rows
@@ -158,3 +165,28 @@ def test_graceful_stop_charges_the_attempt_of_a_worker_known_to_be_gone(farm):
     kinds = [(e.rank, e.token, e.detail) for e in rows(farm, events)
              if e.kind == "stop_requeued"]
     assert sorted(kinds) == [(1, sent[1], None), (2, sent[2], "worker gone")]
+
+
+def test_done_tasks_whose_run_failed_can_be_requeued(farm):
+    """A run that failed for a reason outside the task (a target missing on a node, inputs
+    gone) is committed as an `error` result and its task is done; after the fix the operator
+    requeues exactly those: the result is discarded (its event keeps the token and why), the
+    task goes to the tail, the ok result stays."""
+    ok_id, bad_id, other_id = farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.ready(3, "")
+    sent = farm.dispatch(1, 2, 3)
+    farm.result(1, sent[1], status="ok")
+    farm.result(2, sent[2], status="error")
+    with farm.store.transaction() as tx:  # ids narrow it: task 3 is still active anyway
+        assert requeue_error_results(tx, ids=[ok_id, other_id]) == []
+        assert requeue_error_results(tx) == [bad_id]
+        assert requeue_error_results(tx) == []  # once
+    assert [(t.id, t.state, t.attempts) for t in rows(farm, tasks)] == [
+        (ok_id, "done", 0), (bad_id, "queued", 0), (other_id, "active", 0)]
+    assert [r.task_id for r in rows(farm, results)] == [ok_id]
+    [ev] = rows(farm, events, events.c.kind == "manual_requeue")
+    assert (ev.task_id, ev.token) == (bad_id, sent[2])
+    assert ev.detail.startswith("from done: its error result discarded")
+    assert queue_order(farm) == [bad_id]
