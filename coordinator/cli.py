@@ -42,7 +42,8 @@ environment (a flag wins over its variable):
   {ENV_WATCHDOG}=S         same as --watchdog (default max(120, 4 x timeout))
 
 Started outside mpiexec, `run` launches itself with the mpiexec beside this Python (else
-PATH's) and --np ranks (rank 0 is the master, the others are workers). Under mpiexec it uses the ranks it was given.
+PATH's) and --np ranks (rank 0 is the master, the others are workers). Under mpiexec it uses
+the ranks it was given.
 
 examples:
   coordinator run --db demo.db                      # {DEFAULT_DEMO_TASKS} built-in demo tasks, 4 ranks
@@ -50,6 +51,18 @@ examples:
       --name symcc -- ./target_symcc @@
   coordinator run --db farm.db --tasks tasks.jsonl --callable mypkg.work:solve
 """
+
+
+class Once(argparse.Action):
+    """A flag that takes one value: given twice it is an error, not the last one silently
+    winning (`--tasks a.jsonl --tasks b.jsonl` would have imported b alone)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} given twice")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run (or resume) a campaign under MPI",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RUN_EPILOG)
-    r.add_argument("--db", type=Path, required=True, help="campaign database (node-local disk)")
+    r.add_argument("--db", action=Once, type=Path, required=True,
+                   help="campaign database (node-local disk)")
     r.add_argument("--resume", action="store_true",
                    help="continue the campaign stored in --db: interrupted and deferred work "
                         "is dispatched first")
@@ -76,21 +90,22 @@ def _parser() -> argparse.ArgumentParser:
                         "NORMAL: faster, a power loss may re-run the last few tasks")
     src = r.add_argument_group("task sources (choose one; default: --demo "
                                f"{DEFAULT_DEMO_TASKS})")
-    src.add_argument("--demo", type=int_range(0), default=None, metavar="N",
+    src.add_argument("--demo", action=Once, type=int_range(0), default=None, metavar="N",
                      help="N built-in demo tasks")
-    src.add_argument("--tasks", type=Path, default=None, metavar="FILE",
+    src.add_argument("--tasks", action=Once, type=Path, default=None, metavar="FILE",
                      help="a JSONL file of task payloads (one object per line)")
-    src.add_argument("--afl-out", type=Path, default=None, metavar="DIR",
+    src.add_argument("--afl-out", action=Once, type=Path, default=None, metavar="DIR",
                      help="AFL output directory; watches DIR/FUZZER/queue for new inputs and "
                           "writes results to DIR/NAME/queue (runs until SIGINT/SIGTERM)")
-    src.add_argument("--fuzzer", default=None, help="the AFL instance whose queue is read")
-    src.add_argument("--name", default="symcc",
+    src.add_argument("--fuzzer", action=Once, default=None,
+                     help="the AFL instance whose queue is read")
+    src.add_argument("--name", action=Once, default="symcc",
                      help="this coordinator's AFL instance directory (default symcc)")
     ex = r.add_argument_group("executors")
     ex.add_argument("--executor", choices=EXECUTOR_KINDS, default=None,
                     help="default: command if a command follows --, python with --callable, "
                          "else demo")
-    ex.add_argument("--callable", default=None, metavar="MODULE:FUNCTION",
+    ex.add_argument("--callable", action=Once, default=None, metavar="MODULE:FUNCTION",
                     help="python executor: called with each task payload, returns JSON")
     ex.add_argument("--timeout", type=non_negative_float, default=None, metavar="S",
                     help="command executor: kill the command's process group after S seconds "
@@ -102,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
                         "parked (default max(120, 4 x timeout); 0 disables)")
     r.add_argument("--max-depth", type=int_range(0), default=0,
                    help="feedback depth limit for test cases found by results (0 = unlimited)")
-    r.add_argument("--out", type=Path, default=None,
+    r.add_argument("--out", action=Once, type=Path, default=None,
                    help="where committed test cases go without --afl-out (default DB.out/)")
     r.add_argument("--stats-file", type=Path, default=None,
                    help="stats text, rewritten every --stats-interval and at exit "

@@ -54,7 +54,8 @@ def test_db_that_is_a_directory_is_refused_before_launch(tmp_path):
 ])
 def test_afl_instance_names_must_be_plain_directory_names(tmp_path, flag, value):
     """Another spelling of the fuzzer's own directory would feed results back for ever."""
-    args = ["--afl-out", str(tmp_path), "--fuzzer", "main", flag, value]
+    args = ["--afl-out", str(tmp_path), *(["--fuzzer", "main"] if flag != "--fuzzer" else []),
+            flag, value]
     with pytest.raises(ConfigError, match="single directory name"):
         resolve(tmp_path, *args, "--", "./target", "@@")
 
@@ -100,3 +101,12 @@ def test_tasks_from_a_pipe_and_out_with_afl_out_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--out is not used with --afl-out"):
         resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main", "--out",
                 str(tmp_path / "o"))
+
+
+@pytest.mark.parametrize("flag, value", [("--tasks", "t.jsonl"), ("--demo", "5"),
+                                         ("--callable", "m:f"), ("--out", "o")])
+def test_a_single_valued_flag_given_twice_is_an_error(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        resolve(tmp_path, flag, value, flag, value)
+    assert e.value.code == 2
+    assert f"{flag} given twice" in capsys.readouterr().err
