@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +100,7 @@ def failure_detail(parsed: Any) -> str | None:
     get = parsed.get if isinstance(parsed, Mapping) else lambda k: getattr(parsed, k, None)
     if _status_of(parsed) == "ok":
         notes = [line for line in str(get("detail") or "").splitlines()
-                 if line.startswith(DROPPED_NOTE)]
+                 if DROPPED_NOTE.match(line)]
         return notes[-1][:MAX_DETAIL_CHARS] if notes else None
     text = str(get("detail") or "").strip()
     if not text and get("returncode") is not None:
@@ -107,8 +108,9 @@ def failure_detail(parsed: Any) -> str | None:
     return text[-MAX_DETAIL_CHARS:] or None
 
 
-#: How the command executor's note of dropped output files starts (executors._collect).
-DROPPED_NOTE = "dropped "
+#: The command executor's note of dropped output files (executors._collect), told apart
+#: from the command's own stderr lines that share the result's detail.
+DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output files \(")
 
 
 def _status_of(parsed: Any) -> object:

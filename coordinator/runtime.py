@@ -145,7 +145,8 @@ def _master(cfg: RunConfig, transport) -> int:
                            settings=campaign_settings(cfg),
                            check_settings=lambda stored: check_resume(cfg, stored))
         if (cfg.resume and store.incarnation == 1 and cfg.demo is None
-                and cfg.tasks_file is None and cfg.afl_out is None):
+                and cfg.tasks_file is None and cfg.afl_out is None
+                and cfg.executor != "command"):  # (demo tasks have no input to run it on)
             initial = demo_tasks(DEFAULT_DEMO_TASKS)  # a new campaign: the embedded default
         if initial:
             # All or nothing: a tasks file is imported in one transaction.

@@ -362,6 +362,7 @@ def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
     # an ok result keeps only the note of output files dropped over the executor's limits
     ({"status": "ok", "detail": "warn\ndropped 500 of 1500 output files (limits: ...)"},
      "dropped 500 of 1500 output files (limits: ...)"),
+    ({"status": "ok", "detail": "dropped 3 packets (the target's own stderr)"}, None),
 ])
 def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
     assert failure_detail(parsed) == detail
