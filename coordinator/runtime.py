@@ -151,8 +151,14 @@ def _master(cfg: RunConfig, transport) -> int:
         if initial:
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:
-                enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
-                                   for i in initial])
+                added = enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
+                                           for i in initial])
+            if len(added) < len(initial):
+                # A task is its semantic payload: the same payload again (another input_file
+                # with the same path included) is the same task, and is not run twice.
+                print(f"coordinator: {len(initial) - len(added)} of {len(initial)} tasks were "
+                      f"already in the campaign (the same payload) and were not added again",
+                      file=sys.stderr, flush=True)
         master = _make_master(cfg, store, transport, outputs)
         if early_stops:
             master.request_stop(early_stops[0])

@@ -92,6 +92,8 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
         canon, sid = canonical_form(item.payload)
         ihash = None
         if item.input_bytes is not None:
+            if db.execute("SELECT 1 FROM tasks WHERE semantic_id = ?", (sid,)).fetchone():
+                continue  # a known task: its bytes would only be an orphan blob
             ihash = content_hash(item.input_bytes)
             known = db.execute("SELECT 1 FROM blobs WHERE hash = ?", (ihash,)).fetchone()
             if known and skip_known_content:

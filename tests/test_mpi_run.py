@@ -411,3 +411,8 @@ def test_resume_that_would_run_the_campaign_otherwise_is_refused(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert query(db, "SELECT count(*) FROM tasks") == [(4,)]  # no demo tasks added
     assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 4)]
+    more = run(["run", "--db", str(db), "--resume", "--demo", "6", "--callable",
+                f"{mod}:square", "--no-progress"])
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "4 of 6 tasks were already in the campaign" in more.stderr
+    assert query(db, "SELECT count(*) FROM results") == [(6,)]

@@ -190,3 +190,13 @@ def test_done_tasks_whose_run_failed_can_be_requeued(farm):
     assert (ev.task_id, ev.token) == (bad_id, sent[2])
     assert ev.detail.startswith("from done: its error result discarded")
     assert queue_order(farm) == [bad_id]
+
+
+def test_a_known_payload_with_other_bytes_is_not_added_and_leaves_no_blob(farm):
+    """A task is its semantic payload: the same path with another input file is the same task
+    (not run twice), and its bytes must not be stored as a blob nothing refers to."""
+    first = farm.enqueue({"path": "seed/a"}, input_bytes=b"one")
+    assert farm.enqueue({"path": "seed/a"}, input_bytes=b"two") == []
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM blobs").scalar() == 1
+    assert [t.id for t in rows(farm, tasks)] == first
