@@ -39,7 +39,10 @@ class TestcaseWriter:
 
     __test__ = False  # the name starts with "Test"; keep pytest from collecting it
 
-    def __init__(self, out_dir: pathlib.Path, afl_style: bool) -> None:
+    def __init__(self, out_dir: pathlib.Path, afl_style: bool, *, scan: bool = True) -> None:
+        """`scan=False` only checks the directory; `scan()` then reads it (and removes the
+        temp files a killed master left) once this process holds the campaign: before that,
+        those temp files may be a live master's writes in progress."""
         self.out_dir = pathlib.Path(out_dir)
         self.afl_style = afl_style
         self._paths: dict[str, pathlib.Path] = {}  # content sha256 -> where it is
@@ -47,14 +50,16 @@ class TestcaseWriter:
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} is not a directory (new test cases are written "
                              f"there)")
-        if self.out_dir.exists():  # created on the first write: no empty dirs left behind
-            self._scan_existing()
+        if scan:
+            self.scan()
 
     def __len__(self) -> int:
         """Number of distinct contents in the directory (existing and written)."""
         return len(self._paths)
 
-    def _scan_existing(self) -> None:
+    def scan(self) -> None:
+        if not self.out_dir.exists():  # created on the first write: no empty dirs left behind
+            return
         with os.scandir(self.out_dir) as it:
             entries = list(it)
         for entry in entries:

@@ -271,20 +271,22 @@ def _master(cfg: RunConfig, transport) -> int:
 
 def _outputs(cfg: RunConfig) -> tuple[list, object]:
     """The AFL source and the test-case writer; raises (a refusal) if the output directory or
-    the AFL layout cannot be used. Neither creates anything, so a refusal changes nothing."""
+    the AFL layout cannot be used. Neither creates nor removes anything, so a refusal changes
+    nothing (the writer reads its directory in `_make_master`, under the campaign's lock)."""
     from .output import TestcaseWriter
     from .sources import AflQueueSource
     if cfg.afl_out is not None:
         return ([AflQueueSource(cfg.afl_out, cfg.fuzzer).poll],
-                TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True))
+                TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True, scan=False))
     return [], TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
-                              afl_style=False)
+                              afl_style=False, scan=False)
 
 
 def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object]):
-    """The master, built before any work moves."""
+    """The master, built before any work moves (the store holds the campaign's lock)."""
     from .master import Master, MasterConfig
     sources, writer = outputs
+    writer.scan()
     return Master(store, transport, MasterConfig(
         max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,
         grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,

@@ -58,6 +58,28 @@ def test_demo_300_completes_and_status_agrees(tmp_path):
     assert json.loads(values[0][1])["collatz_steps"] == 111  # 27 takes 111 steps
 
 
+def test_a_second_start_on_a_running_campaign_changes_nothing(tmp_path):
+    """Refused by the campaign's lock (exit 2) and touching nothing of the running master's:
+    its output directory's temp files are writes in progress, not leftovers to clean up."""
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "2000", "--demo-work-ms", "5", "--no-progress"]
+    first = start(args)
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n))
+        out_dir = tmp_path / "c.db.out"
+        out_dir.mkdir(exist_ok=True)
+        live = out_dir / ".tcw-tmp-in-progress"
+        live.write_bytes(b"half a test case")
+        second = run(args[:1] + ["--resume"] + args[1:], timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert "in use by another master" in second.stderr
+        assert live.read_bytes() == b"half a test case"
+        assert first.poll() is None  # the first master runs on
+    finally:
+        kill_job(first)
+        first.communicate()
+
+
 def test_existing_campaign_without_resume_exits_2_naming_resume(tmp_path):
     db = tmp_path / "c.db"
     assert run(["run", "--db", str(db), "--demo", "5", "--no-progress"]).returncode == 0
