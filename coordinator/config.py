@@ -219,10 +219,10 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> None:
     stored task through the demo executor, which fails them all), or an AFL campaign resumed
     without its `--afl-out` (its results would no longer reach AFL). Another callable or
     command of the same kind, or more tasks from another source, are the user's call."""
-    if stored is None:  # a campaign from before revision 0004: nothing was kept
+    if stored is None:  # from before revision 0004: this start's settings become the record
         return
     given = campaign_settings(cfg)
-    if stored.get("executor") != given["executor"]:
+    if stored.get("executor") not in (None, given["executor"]):
         raise ConfigError(
             f"{cfg.db} runs its tasks with the {stored.get('executor')} executor "
             f"({_how(stored)}); this --resume would use the {given['executor']} executor "

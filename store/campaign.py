@@ -62,9 +62,10 @@ class Store:
              ) -> Store:
         """Open (creating if new) and start a new incarnation.
 
-        `settings` (JSON-able) are stored with a new campaign; on resume the stored ones (None
-        for a campaign from before revision 0004) go to `check_settings`, whose exception
-        refuses the start before anything is written.
+        `settings` (JSON-able) are stored with a new campaign; on resume the stored ones go to
+        `check_settings`, whose exception refuses the start before anything is written. A
+        campaign without them (from before revision 0004, or unreadable: None to the check)
+        takes this start's.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
         existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used,
@@ -188,6 +189,14 @@ def _lock_campaign(path: Path) -> int:
     return fd
 
 
+def _parse_settings(text: str | None) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
                      settings: Mapping[str, Any] | None,
                      check_settings: Callable[[Mapping[str, Any] | None], None] | None,
@@ -205,8 +214,13 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
     if not resume:
         n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
         raise CampaignExistsError(str(path), n_tasks)
+    stored = _parse_settings(row.settings)
     if check_settings is not None:
-        check_settings(None if row.settings is None else json.loads(row.settings))
+        check_settings(stored)
+    if stored is None and settings is not None:
+        # A campaign from before revision 0004 (or one whose settings are unreadable): this
+        # run's become the reference the next resume is checked against.
+        conn.execute(update(campaign).values(settings=json.dumps(settings, sort_keys=True)))
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch

@@ -84,6 +84,7 @@ def test_resume_with_another_executor_or_without_the_afl_queue_is_refused(tmp_pa
     check_resume(resolve(tmp_path, "--resume", "--callable", "m:f"), first)
     check_resume(resolve(tmp_path, "--resume", "--callable", "m:g"), first)  # the user's call
     check_resume(resolve(tmp_path, "--resume"), None)  # a campaign from before 0004
+    check_resume(resolve(tmp_path, "--resume"), {})  # keys it lacks are not compared
     afl = campaign_settings(resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main",
                                     "--callable", "m:f"))
     with pytest.raises(ConfigError, match="watches an AFL queue .* --fuzzer main --name symcc"):

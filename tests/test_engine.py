@@ -188,3 +188,19 @@ def test_settings_are_kept_and_a_refused_resume_writes_nothing(db_path):
     assert again.incarnation == 2  # the refused start did not count as one
     again.close()
     assert seen[-1] == {"callable": "m:f", "executor": "python"}  # never overwritten
+
+
+def test_a_campaign_without_settings_takes_the_first_resumes(db_path):
+    """A campaign from before revision 0004 (NULL), or one whose settings are not a JSON
+    object, is not checked once: that start's settings become the record."""
+    Store.open(db_path).close()  # no settings given: NULL, as after `db upgrade`
+    for stored in (None, "not json", "[1, 2]"):
+        with sqlite3.connect(db_path) as c:
+            c.execute("UPDATE campaign SET settings = ?", (stored,))
+        seen = []
+        Store.open(db_path, resume=True, settings={"executor": "python"},
+                   check_settings=seen.append).close()
+        assert seen == [None]
+        with sqlite3.connect(db_path) as c:
+            assert c.execute("SELECT settings FROM campaign").fetchone() == (
+                '{"executor": "python"}',)
