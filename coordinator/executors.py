@@ -158,9 +158,25 @@ def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
 DEFAULT_MAX_FILES = 1000
 DEFAULT_MAX_FILE_BYTES = 1 << 20
 DEFAULT_MAX_TOTAL_BYTES = 64 << 20
-#: A RESULT's bytes besides the test cases' contents: its detail (≤ 2,000 characters), the
-#: other fields, and a name (≤ 255 bytes) and header per file, for DEFAULT_MAX_FILES files.
-RESULT_HEADROOM_BYTES = 512 << 10
+#: A RESULT's bytes besides the test cases' contents: its detail (≤ 2,000 characters) and
+#: other fields, then a name (≤ 255 bytes) and msgpack headers per file.
+RESULT_FIXED_BYTES = 16 << 10
+RESULT_PER_FILE_BYTES = 300
+
+
+def output_limits(max_message_bytes: int) -> tuple[int, int, int]:
+    """(max_files, max_file_bytes, max_total_bytes) for RESULTs that stay under the master's
+    bound: the defaults, cut down for a small bound (at most half of it goes to the files'
+    names and headers). ValueError if even one file cannot fit."""
+    files = min(DEFAULT_MAX_FILES,
+                (max_message_bytes // 2 - RESULT_FIXED_BYTES) // RESULT_PER_FILE_BYTES)
+    total = min(DEFAULT_MAX_TOTAL_BYTES, max_message_bytes - RESULT_FIXED_BYTES
+                - RESULT_PER_FILE_BYTES * max(files, 0))
+    if files < 1 or total < 1:
+        raise ValueError(f"--max-message-bytes {max_message_bytes} leaves no room for test "
+                         f"cases with the command executor (it needs at least "
+                         f"{2 * (RESULT_FIXED_BYTES + RESULT_PER_FILE_BYTES)} bytes)")
+    return files, min(DEFAULT_MAX_FILE_BYTES, total), total
 
 
 def resolve_program(program: str) -> str:
@@ -170,6 +186,9 @@ def resolve_program(program: str) -> str:
     the directory the run was started in, not from there; a bare name is looked up on PATH. A
     program that is missing or not executable is refused now (the run does not start) rather
     than failing every task with "cannot start"."""
+    if "@@" in program:
+        raise ValueError(f"command {program!r}: `@@` (the input file) cannot be the program; "
+                         f"put the program first, e.g. -- ./target @@")
     if os.sep in program or (os.altsep and os.altsep in program):
         path = os.path.abspath(program)
         if not os.path.isfile(path):
@@ -224,7 +243,8 @@ class CommandExecutor:
         self.max_files = max_files
         self.max_file_bytes = max_file_bytes
         self.max_total_bytes = max_total_bytes
-        self.uses_file_arg = any("@@" in a for a in self.argv)
+        # The program's own path is never substituted (the start directory may contain "@@").
+        self.uses_file_arg = any("@@" in a for a in self.argv[1:])
 
     def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome:
         started = time.perf_counter()
@@ -275,7 +295,7 @@ class CommandExecutor:
     def _execute(
         self, input_path: pathlib.Path, out_dir: pathlib.Path, workdir: pathlib.Path
     ) -> ExecOutcome:
-        argv = [a.replace("@@", str(input_path)) for a in self.argv]
+        argv = [self.argv[0], *(a.replace("@@", str(input_path)) for a in self.argv[1:])]
         try:
             stdin_file = None if self.uses_file_arg else open(input_path, "rb")
         except OSError as exc:
@@ -633,12 +653,9 @@ def make_executor(
             raise ValueError("the command executor needs a command line, e.g. -- ./target_symcc @@")
         if max_message_bytes is None:
             return CommandExecutor(list(argv), timeout_s)
-        total = min(DEFAULT_MAX_TOTAL_BYTES, max_message_bytes - RESULT_HEADROOM_BYTES)
-        if total < 1:
-            raise ValueError(f"--max-message-bytes {max_message_bytes} leaves no room for test "
-                             f"cases (a RESULT needs ~{RESULT_HEADROOM_BYTES} bytes besides)")
-        return CommandExecutor(list(argv), timeout_s, max_total_bytes=total,
-                               max_file_bytes=min(DEFAULT_MAX_FILE_BYTES, total))
+        files, per_file, total = output_limits(max_message_bytes)
+        return CommandExecutor(list(argv), timeout_s, max_files=files, max_file_bytes=per_file,
+                               max_total_bytes=total)
     if kind == "python":
         if argv:
             raise ValueError("a python executor takes a callable spec, not a command line")

@@ -19,6 +19,7 @@ from coordinator.executors import (
     PythonExecutor,
     collatz_steps,
     make_executor,
+    output_limits,
 )
 
 # Writes two outputs (named so that name order != creation order) plus things that must be
@@ -453,3 +454,28 @@ def test_command_output_is_kept_under_the_masters_message_bound(tmp_path, workdi
     assert len(encode(Sender(None).result_message("0" * 64, out))) <= bound
     with pytest.raises(ValueError, match="leaves no room for test cases"):
         make_executor("command", argv=[str(target)], timeout_s=30, max_message_bytes=4096)
+
+
+@pytest.mark.parametrize("bound", [64 << 10, 1 << 20, 64 << 20, 1 << 30])
+def test_output_limits_keep_a_full_result_under_the_bound(bound):
+    """Every file at its name's longest and the detail at its longest: still under."""
+    files, per_file, total = output_limits(bound)
+    assert files >= 1 and 1 <= per_file <= total
+    worst = total + files * (255 + 45) + 2000 * 4 + 1024
+    assert worst <= bound
+
+
+def test_command_program_is_never_substituted(tmp_path, workdir, monkeypatch):
+    """The start directory may contain `@@`; only the arguments name the input."""
+    odd = tmp_path / "x@@y"
+    odd.mkdir()
+    (odd / "t").write_text("#!/bin/sh\ncat \"$1\" > \"$SYMCC_OUTPUT_DIR/copy\"\n")
+    (odd / "t").chmod(0o755)
+    monkeypatch.chdir(odd)
+    ex = CommandExecutor(["./t", "@@"], timeout_s=30)
+    assert ex.argv[0] == str(odd / "t") and ex.uses_file_arg
+    out = ex.run({}, b"seed", workdir)
+    assert out.status == "ok", out.detail
+    assert out.testcases == [("copy", b"seed")]
+    with pytest.raises(ValueError, match="cannot be the program"):
+        CommandExecutor(["@@"], timeout_s=30)
