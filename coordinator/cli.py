@@ -291,15 +291,12 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_end_with_parent)
     presses = 0
-    before_start = False
+    ended_by: int | None = None  # the signal that ended a launch with no master (yet)
 
     def forward(signum: int, _frame: object) -> None:
-        nonlocal presses, before_start
+        nonlocal presses, ended_by
         presses += 1
-        try:
-            master = int(pid_file.read_text().strip() or 0)
-        except (OSError, ValueError):
-            master = 0  # not started yet: nothing to save, end the launch
+        master = _recorded_pid(pid_file)  # 0: not started yet, nothing to save: end the launch
         target_sig = signal.SIGTERM if signum == signal.SIGHUP else signum
         if master and presses < FORCE_AFTER:
             try:
@@ -314,20 +311,29 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
         if master:
             print("coordinator: ending the job now (the campaign is saved: continue with "
                   "--resume)", file=sys.stderr, flush=True)
-        elif not before_start:
-            # The master records its pid before it opens the database: nothing was changed.
-            before_start = True
-            print("coordinator: stopped before the master started; nothing was changed",
-                  file=sys.stderr, flush=True)
+        else:
+            ended_by = ended_by or signum
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     rc = proc.wait()
-    if before_start:
-        return 128 + signal.SIGINT  # interrupted, as a shell reports it
+    if ended_by is not None and not _recorded_pid(pid_file):
+        # The master records its pid (atomically) before it opens the database, and it never
+        # did: nothing was changed. (If it started meanwhile, the SIGTERM the job got reached
+        # it as a graceful stop, and its own status stands.)
+        print("coordinator: stopped before the master started; nothing was changed",
+              file=sys.stderr, flush=True)
+        return 128 + ended_by  # as a shell reports a process ended by that signal
     return rc if rc >= 0 else 128 - rc
+
+
+def _recorded_pid(pid_file: Path) -> int:
+    try:
+        return int(pid_file.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _strip_launch_options(args: list[str]) -> list[str]:

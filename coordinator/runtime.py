@@ -129,7 +129,11 @@ def _master(cfg: RunConfig, transport) -> int:
     if cfg.master_pid_file is not None:
         # The self-launching `coordinator run` forwards Ctrl-C and SIGTERM here.
         try:
-            cfg.master_pid_file.write_text(f"{os.getpid()}\n")
+            # Atomically: the launcher reads it at any moment, and an empty file means
+            # "no master yet" there.
+            tmp = cfg.master_pid_file.with_name(cfg.master_pid_file.name + ".tmp")
+            tmp.write_text(f"{os.getpid()}\n")
+            os.replace(tmp, cfg.master_pid_file)
         except OSError as e:
             print(f"coordinator: cannot record the master's pid ({e}); stop the run with "
                   f"`kill -TERM {os.getpid()}`", file=sys.stderr, flush=True)
