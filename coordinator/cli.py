@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                         "NORMAL: faster, a power loss may re-run the last few tasks")
     src = r.add_argument_group("task sources (choose one; default: --demo "
                                f"{DEFAULT_DEMO_TASKS})")
-    src.add_argument("--demo", action=Once, type=int_range(0), default=None, metavar="N",
+    src.add_argument("--demo", action=Once, type=int_range(1), default=None, metavar="N",
                      help="N built-in demo tasks")
     src.add_argument("--tasks", action=Once, type=Path, default=None, metavar="FILE",
                      help="a JSONL file of task payloads (one object per line)")

@@ -7,6 +7,7 @@ ends every rank with the same clear exit status instead of leaving workers waiti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -152,6 +153,7 @@ def _master(cfg: RunConfig, transport) -> int:
                 and cfg.tasks_file is None and cfg.afl_out is None
                 and cfg.executor != "command"):  # (demo tasks have no input to run it on)
             initial = demo_tasks(DEFAULT_DEMO_TASKS)  # a new campaign: the embedded default
+            cfg = dataclasses.replace(cfg, demo=DEFAULT_DEMO_TASKS)  # (as `describe` says)
         if initial:
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:
@@ -161,7 +163,8 @@ def _master(cfg: RunConfig, transport) -> int:
                 # A task is its semantic payload: the same payload again (another input_file
                 # with the same path included) is the same task, and is not run twice.
                 print(f"coordinator: {len(initial) - len(added)} of {len(initial)} tasks were "
-                      f"already in the campaign (the same payload) and were not added again",
+                      f"already in the campaign or repeated (the same payload) and were not "
+                      f"added again",
                       file=sys.stderr, flush=True)
         master = _make_master(cfg, store, transport, outputs)
         if early_stops:

@@ -98,7 +98,8 @@ class AflQueueSource:
                         self._handled.add(entry.name)
                         continue
                     names.append(entry.name)
-                return names
+            self._unreadable = ""  # readable again: a later outage is reported again
+            return names
         except (FileNotFoundError, NotADirectoryError):
             return None  # AFL has not created the queue yet
         except OSError as e:

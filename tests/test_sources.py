@@ -79,6 +79,9 @@ def test_afl_symlink_loop_and_unreadable_queue_do_not_stop_the_run(tmp_path, que
     monkeypatch.setattr(os, "scandir", real_scandir)
     put(queue, "id:000002", b"later")
     assert names(source.poll()) == ["id:000002"]
+    monkeypatch.setattr(os, "scandir", denied)  # a second outage is reported again
+    assert source.poll() == []
+    assert capsys.readouterr().err.count("cannot read the AFL queue") == 1
 
 
 def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
