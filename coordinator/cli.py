@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .executors import EXECUTOR_KINDS
-from .faults import KINDS, InjectSpecError, parse_inject
+from .fault_spec import KINDS, InjectSpecError, parse_inject
 from .runtime import EXIT_USAGE
 from .config import (
     DEFAULT_DEMO_TASKS,

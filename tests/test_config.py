@@ -111,3 +111,13 @@ def test_a_single_valued_flag_given_twice_is_an_error(tmp_path, capsys, flag, va
         resolve(tmp_path, flag, value, flag, value)
     assert e.value.code == 2
     assert f"{flag} given twice" in capsys.readouterr().err
+
+
+def test_the_command_line_does_not_start_mpi():
+    """`status`, `requeue`, `db upgrade`, `--help` and the self-launcher never need MPI: loading
+    it ran MPI_Init (~1 s here; an abort on a login node where MPI cannot start)."""
+    import subprocess
+    import sys
+    probe = ("import sys, coordinator.cli\n"
+             "sys.exit('mpi4py.MPI' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
