@@ -372,7 +372,10 @@ class CommandExecutor:
             if total + len(content) > self.max_total_bytes:
                 dropped["count"] += 1
                 continue
-            kept.append((entry.name, content))
+            # A name that is not UTF-8 (bytes the target chose) cannot travel as a string;
+            # it only ever names the file's source, so a readable stand-in will do.
+            kept.append((entry.name.encode("utf-8", "surrogateescape")
+                         .decode("utf-8", "backslashreplace"), content))
             total += len(content)
         note = ""
         if dropped["count"]:

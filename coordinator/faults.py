@@ -26,8 +26,8 @@ __all__ = ["KINDS", "FaultPlan", "FaultySender", "InjectSpecError", "parse_injec
 class FaultySender(Sender):
     """The worker's one sender, with faults: R1 still holds whenever no fault fires."""
 
-    def __init__(self, transport, plan: FaultPlan):
-        super().__init__(transport)
+    def __init__(self, transport, plan: FaultPlan, max_message_bytes: int | None = None):
+        super().__init__(transport, max_message_bytes)
         self.plan = plan
         self.rng = plan.rng_for(transport.rank)
         self.history: list[str] = []  # tokens of earlier dispatches, for stale replays
@@ -123,7 +123,7 @@ class FaultySender(Sender):
             else:
                 msg.token = stale
         if shape is None:
-            return encode(msg)
+            return self.result_bytes(token, outcome)
         self._record(shape, token)
         if shape == "result_garbage":
             return b"\xc1" + os.urandom(16)  # 0xc1 is never valid msgpack

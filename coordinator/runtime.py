@@ -44,7 +44,7 @@ def peak_rss_mib() -> float:
 
 
 def _worker(cfg: RunConfig, transport) -> int:
-    from .worker import serve
+    from .worker import Sender, serve
     # The master decides when the job stops (a terminal's Ctrl-C reaches every rank).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -57,11 +57,11 @@ def _worker(cfg: RunConfig, transport) -> int:
                 _exit_now(int(verdict))
             return int(verdict)
         executor = _executor(cfg)
-        sender = None
+        sender = Sender(transport, cfg.max_message_bytes)
         if cfg.inject:
             from .faults import FaultPlan, FaultySender
             sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
-                                                       cfg.inject_log))
+                                                       cfg.inject_log), cfg.max_message_bytes)
         return serve(transport, executor, sender=sender)
     except BaseException:
         _leave_job(transport)

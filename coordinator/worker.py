@@ -35,9 +35,11 @@ HEARTBEAT_S = 5.0
 class Sender:
     """The worker's only way to send RESULT and READY (R1)."""
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, max_message_bytes: int | None = None):
         self.transport = transport
         self.host, self.pid = host_and_pid()
+        #: The master's bound on a message: a larger RESULT would be quarantined whole.
+        self.max_message_bytes = max_message_bytes
 
     def result_message(self, token: str, outcome: ExecOutcome) -> Result:
         # The token is the authoritative one from WORK: nothing in the outcome can set it.
@@ -49,8 +51,26 @@ class Sender:
         return Ready(rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
                      completed_dispatch_token=completed, host=self.host, pid=self.pid)
 
+    def result_bytes(self, token: str, outcome: ExecOutcome) -> bytes:
+        """The RESULT as sent. One the master could never accept (a string that is not
+        Unicode, from a callable's value or the like; or more bytes than its bound) becomes an
+        `error` result saying why: the task's outcome, committed once, instead of a worker
+        that dies on every try or a message quarantined on every retry."""
+        try:
+            data = encode(self.result_message(token, outcome))
+        except (UnicodeError, msgspec.EncodeError, TypeError, ValueError, OverflowError) as e:
+            why = f"the result cannot be sent: {type(e).__name__}: {e}"
+        else:
+            if self.max_message_bytes is None or len(data) <= self.max_message_bytes:
+                return data
+            why = (f"the result is {len(data)} bytes, over --max-message-bytes "
+                   f"{self.max_message_bytes}: nothing of it was kept")
+        return encode(Result(token=token, status="error", value=None, testcases=[],
+                             returncode=outcome.returncode, duration_s=outcome.duration_s,
+                             detail=why[:2000]))
+
     def send_result(self, token: str, outcome: ExecOutcome) -> str:
-        self.transport.send_result(encode(self.result_message(token, outcome)))
+        self.transport.send_result(self.result_bytes(token, outcome))
         return token
 
     def send_ready(self, completed: str) -> None:

@@ -479,3 +479,26 @@ def test_command_program_is_never_substituted(tmp_path, workdir, monkeypatch):
     assert out.testcases == [("copy", b"seed")]
     with pytest.raises(ValueError, match="cannot be the program"):
         CommandExecutor(["@@"], timeout_s=30)
+
+
+def test_a_result_the_master_could_not_accept_is_sent_as_an_error(tmp_path, workdir):
+    """A file name that is not UTF-8 used to kill the worker in the encoder (every retry, and
+    the whole job under MPICH); a callable's value with a lone surrogate did too."""
+    from coordinator.executors import ExecOutcome
+    from coordinator.wire import decode_inbound
+    from coordinator.worker import Sender
+    target = tmp_path / "odd.sh"
+    target.write_text('#!/bin/sh\nprintf abc > "$SYMCC_OUTPUT_DIR/$(printf "bad\\377")"\n')
+    target.chmod(0o755)
+    out = CommandExecutor([str(target)], timeout_s=30).run({}, b"x", workdir)
+    assert out.status == "ok" and out.testcases == [("bad\\xff", b"abc")]
+    sender = Sender(None, max_message_bytes=4096)
+    sent = decode_inbound(sender.result_bytes("a" * 64, out), 4096)
+    assert sent["status"] == "ok" and sent["testcases"] == [["bad\\xff", b"abc"]]
+    odd_value = ExecOutcome("ok", value={"k": "\udcff"})
+    bad = decode_inbound(sender.result_bytes("a" * 64, odd_value), 4096)
+    assert (bad["status"], bad["token"]) == ("error", "a" * 64)
+    assert "cannot be sent" in bad["detail"]
+    too_big = ExecOutcome("ok", value="x" * 5000)
+    big = decode_inbound(sender.result_bytes("a" * 64, too_big), 4096)
+    assert big["status"] == "error" and "over --max-message-bytes 4096" in big["detail"]
