@@ -186,11 +186,15 @@ def resolve_program(program: str) -> str:
     the directory the run was started in, not from there; a bare name is looked up on PATH. A
     program that is missing or not executable is refused now (the run does not start) rather
     than failing every task with "cannot start"."""
+    if not program:
+        raise ValueError("the command after -- is empty (give the program, e.g. -- ./target @@)")
     if "@@" in program:
         raise ValueError(f"command {program!r}: `@@` (the input file) cannot be the program; "
                          f"put the program first, e.g. -- ./target @@")
     if os.sep in program or (os.altsep and os.altsep in program):
         path = os.path.abspath(program)
+        if os.path.isdir(path):
+            raise ValueError(f"command {program!r} is a directory ({path}), not a program")
         if not os.path.isfile(path):
             raise ValueError(f"command {program!r}: no such file ({path})")
         if not os.access(path, os.X_OK):

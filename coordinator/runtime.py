@@ -244,7 +244,7 @@ def _master(cfg: RunConfig, transport) -> int:
     # A script must not take "every worker died" for "done": exit 0 means nothing is waiting
     # for a worker (an AFL watch never finishes, so losing its workers is never clean).
     stranded = summary.stopped_by_signal == NO_WORKERS_LEFT and bool(
-        t["queued"] + t["active"] or cfg.afl_out is not None)
+        left or cfg.afl_out is not None)
     status = EXIT_NO_WORKERS if stranded else EXIT_OK
     print(f"coordinator: this run committed {summary.committed} results in {elapsed:.1f} s "
           f"({summary.committed / max(summary.elapsed_s, 1e-9):,.0f} tasks/s in the loop; "

@@ -228,6 +228,9 @@ def _read_input_file(path: pathlib.Path, lineno: int, obj: dict) -> bytes | None
     if not isinstance(input_file, str) or not input_file:
         raise TaskFileError(path, lineno, "'input_file' must be a non-empty string")
     try:
+        if not stat.S_ISREG(os.stat(input_file).st_mode):
+            # A FIFO would block the start for ever, /dev/zero would fill the memory.
+            raise TaskFileError(path, lineno, f"input_file {input_file!r} is not a regular file")
         return pathlib.Path(input_file).read_bytes()
     except OSError as exc:
         raise TaskFileError(path, lineno, f"cannot read input_file {input_file!r}: {exc.strerror or exc}") from None

@@ -175,6 +175,10 @@ def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, m
         CommandExecutor(["./plain"], timeout_s=1)
     with pytest.raises(ValueError, match="not on PATH"):
         CommandExecutor(["no-such-program-here"], timeout_s=1)
+    with pytest.raises(ValueError, match="is a directory"):
+        CommandExecutor([str(tmp_path)], timeout_s=1)
+    with pytest.raises(ValueError, match="is empty"):
+        CommandExecutor([""], timeout_s=1)
 
 
 def _gone(pid: int) -> bool:

@@ -249,3 +249,12 @@ def test_demo_tasks():
     assert demo_tasks(0) == []
     with pytest.raises(ValueError):
         demo_tasks(-1)
+
+
+def test_an_input_file_that_is_not_a_regular_file_is_refused(tmp_path):
+    """A FIFO would block the start for ever (and /dev/zero fill the memory)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    tasks = write_lines(tmp_path / "t.jsonl", [json.dumps({"path": "x", "input_file": str(fifo)})])
+    with pytest.raises(TaskFileError, match=r"t.jsonl:1: input_file .* is not a regular file"):
+        load_tasks_jsonl(tasks)

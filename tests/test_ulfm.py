@@ -107,6 +107,28 @@ def test_with_every_worker_dead_the_master_stops_with_everything_saved(tmp_path)
     assert query(db, "SELECT count(*) FROM results") == [(60,)]
 
 
+@pytest.mark.skipif(mpi_kind() != "openmpi", reason="ULFM is an Open MPI feature")
+def test_with_every_worker_dead_and_their_tasks_deferred_the_exit_is_still_6(tmp_path):
+    """No retries: the dead workers' tasks are deferred, nothing is queued, and the run has
+    still not done its work (it used to exit 0)."""
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--demo", "2", "--demo-work-ms", "20000",
+                  "--retries", "0", "--no-progress"], np=3, ulfm=True)
+    try:
+        master = master_pid(db)
+        wait_for(db, "SELECT count(*) FROM dispatches WHERE sent_at IS NOT NULL",
+                 lambda n: n == 2)
+        for pid in ranks_of(db):
+            if pid != master:
+                os.kill(pid, signal.SIGKILL)
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    assert "no workers left" in done.stderr, done.stderr[-2000:]
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY state") == [("deferred", 2)]
+    assert done.returncode == 6, done.stderr[-2000:]
+
+
 def test_a_task_that_kills_its_worker_meets_the_ceiling_without_ulfm(tmp_path):
     """Without ULFM the launcher tears the job down after a worker's death and may signal
     the master first, like an operator's graceful stop. The task that killed the worker must
