@@ -79,13 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true",
                    help="continue the campaign stored in --db: interrupted and deferred work "
                         "is dispatched first")
-    r.add_argument("--retries", type=int_range(0, 16), default=None,
+    r.add_argument("--retries", action=Once, type=int_range(0, 16), default=None,
                    help="immediate requeues of a task whose dispatch broke, before it is "
                         "deferred to the next --resume (0..16, default 1)")
-    r.add_argument("--max-attempts", type=int_range(1), default=None,
+    r.add_argument("--max-attempts", action=Once, type=int_range(1), default=None,
                    help="failed dispatches after which a task is held as failed until "
                         "`coordinator requeue` (default 5; counted across restarts)")
-    r.add_argument("--synchronous", choices=("FULL", "NORMAL"), default="FULL",
+    r.add_argument("--synchronous", action=Once, choices=("FULL", "NORMAL"), default="FULL",
                    help="FULL (default): every dispatch and commit survives a power loss; "
                         "NORMAL: faster, a power loss may re-run the last few tasks")
     src = r.add_argument_group("task sources (choose one; default: --demo "
@@ -102,58 +102,61 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--name", action=Once, default="symcc",
                      help="this coordinator's AFL instance directory (default symcc)")
     ex = r.add_argument_group("executors")
-    ex.add_argument("--executor", choices=EXECUTOR_KINDS, default=None,
+    ex.add_argument("--executor", action=Once, choices=EXECUTOR_KINDS, default=None,
                     help="default: command if a command follows --, python with --callable, "
                          "else demo")
     ex.add_argument("--callable", action=Once, default=None, metavar="MODULE:FUNCTION",
                     help="python executor: called with each task payload, returns JSON")
-    ex.add_argument("--timeout", type=non_negative_float, default=None, metavar="S",
+    ex.add_argument("--timeout", action=Once, type=non_negative_float, default=None, metavar="S",
                     help="command executor: kill the command's process group after S seconds "
                          "(default 30)")
-    ex.add_argument("--demo-work-ms", type=non_negative_float, default=0.0, metavar="MS",
+    ex.add_argument("--demo-work-ms", action=Once, type=non_negative_float, default=0.0,
+                    metavar="MS",
                     help="demo executor: CPU time burnt per task (default 0)")
-    r.add_argument("--watchdog", type=non_negative_float, default=None, metavar="S",
+    r.add_argument("--watchdog", action=Once, type=non_negative_float, default=None, metavar="S",
                    help="per-dispatch deadline; past it the dispatch is recovered and the rank "
                         "parked (default max(120, 4 x timeout); 0 disables)")
-    r.add_argument("--max-depth", type=int_range(0), default=0,
+    r.add_argument("--max-depth", action=Once, type=int_range(0), default=0,
                    help="feedback depth limit for test cases found by results (0 = unlimited)")
     r.add_argument("--out", action=Once, type=Path, default=None,
                    help="where committed test cases go without --afl-out (default DB.out/)")
-    r.add_argument("--stats-file", type=Path, default=None,
+    r.add_argument("--stats-file", action=Once, type=Path, default=None,
                    help="stats text, rewritten every --stats-interval and at exit "
                         "(default DB.stats)")
-    r.add_argument("--stats-interval", type=non_negative_float, default=60.0, metavar="S",
+    r.add_argument("--stats-interval", action=Once, type=non_negative_float, default=60.0,
+                   metavar="S",
                    help="seconds between rewrites of the stats file (default 60)")
-    r.add_argument("--grace", type=non_negative_float, default=10.0, metavar="S",
+    r.add_argument("--grace", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
-    r.add_argument("--stop-wait", type=non_negative_float, default=10.0, metavar="S",
+    r.add_argument("--stop-wait", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="bounded wait for each worker's STOP_ACK (default 10)")
-    r.add_argument("--max-message-bytes", type=int_range(1024), default=64 << 20,
+    r.add_argument("--max-message-bytes", action=Once, type=int_range(1024), default=64 << 20,
                    help="larger worker messages are quarantined as malformed (default 64 MiB)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="live progress display (default: on when `coordinator run` launches "
                         "itself from a terminal)")
-    r.add_argument("--summary-json", type=Path, default=None, metavar="PATH",
+    r.add_argument("--summary-json", action=Once, type=Path, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
                         "peak memory) as JSON at exit, for scripts")
     # Set by the self-launch for rank 0 (see _self_launch), not by users.
     r.add_argument("--master-pid-file", type=Path, default=None, help=argparse.SUPPRESS)
-    r.add_argument("--np", type=int_range(2), default=4,
+    r.add_argument("--np", action=Once, type=int_range(2), default=4,
                    help="ranks to launch when started outside mpiexec (default 4)")
     r.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
                    help="self-launch with Open MPI's fault tolerance (--with-ft ulfm), so a "
                         "dead worker is noticed and its task recovered while the job goes on "
                         "(default on; ignored for other MPIs)")
-    r.add_argument("--mpiexec", default=None,
+    r.add_argument("--mpiexec", action=Once, default=None,
                    help="mpiexec to self-launch with (default: the one beside this Python)")
     fi = r.add_argument_group(
         "fault injection (testing only; acts in the workers' send path)",
         "kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()))
-    fi.add_argument("--inject", type=_inject_spec, default=None, metavar="KIND=RATE[,...]",
+    fi.add_argument("--inject", action=Once, type=_inject_spec, default=None,
+                    metavar="KIND=RATE[,...]",
                     help="inject faults, each kind independently per task at its rate (0..1)")
-    fi.add_argument("--inject-seed", type=int, default=0, metavar="N",
+    fi.add_argument("--inject-seed", action=Once, type=int, default=0, metavar="N",
                     help="the same seed reproduces the same faults (default 0)")
-    fi.add_argument("--inject-log", type=Path, default=None, metavar="DIR",
+    fi.add_argument("--inject-log", action=Once, type=Path, default=None, metavar="DIR",
                     help="append every injected fault to DIR/faults-rank<R>.jsonl")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- COMMAND ARGS...: the command executor's command; @@ is replaced "
@@ -200,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
             from .runtime import run
             return run(cfg)
         if ns.cmd == "status":
-            return _status(ns.db, ns.json)
+            try:
+                return _status(ns.db, ns.json)
+            except BrokenPipeError:  # `status | head`: the reader had enough
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 0
         if ns.cmd == "requeue":
             return _requeue(ns)
         if ns.cmd == "db":
@@ -429,10 +436,15 @@ def _requeue(ns: argparse.Namespace) -> int:
 
 
 def _db_upgrade(db: Path) -> int:
+    from store.campaign import campaign_locked
     from store.errors import StoreError
     from store.versioning import upgrade
     try:
-        before, after = upgrade(db)
+        if db.parent.is_dir():
+            with campaign_locked(db):  # never under a running master
+                before, after = upgrade(db)
+        else:
+            before, after = upgrade(db)  # (which explains the missing directory)
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return EXIT_USAGE

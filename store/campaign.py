@@ -168,6 +168,17 @@ class Store:
         self.close()
 
 
+@contextlib.contextmanager
+def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the campaign's lock (as a master does) for a maintenance step that must not run
+    under a master, like a schema upgrade; CampaignLockedError while one runs."""
+    fd = _lock_campaign(Path(path))
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def _lock_campaign(path: Path) -> int:
     """Hold `PATH.lock` exclusively for the master's life (released when the process ends,
     however it ends). Only one master may run a campaign; readers and `requeue` need no lock."""

@@ -121,3 +121,19 @@ def test_the_command_line_does_not_start_mpi():
     probe = ("import sys, coordinator.cli\n"
              "sys.exit('mpi4py.MPI' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path):
+    """`coordinator status | head -1`: the reader leaving early is not an error."""
+    import subprocess
+    import sys
+
+    from store.campaign import Store
+    Store.open(tmp_path / "c.db").close()
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--db",
+                             str(tmp_path / "c.db")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the status is printed (the interpreter starts first)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err

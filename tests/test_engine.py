@@ -204,3 +204,18 @@ def test_a_campaign_without_settings_takes_the_first_resumes(db_path):
         with sqlite3.connect(db_path) as c:
             assert c.execute("SELECT settings FROM campaign").fetchone() == (
                 '{"executor": "python"}',)
+
+
+def test_db_upgrade_waits_for_no_master(db_path):
+    """A schema change under a running master (batch migrations copy tables) is refused."""
+    import sys
+    master = Store.open(db_path)
+    try:
+        up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                             str(db_path)], capture_output=True, text=True, timeout=60)
+    finally:
+        master.close()
+    assert up.returncode == 2 and "in use by another master" in up.stderr
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(db_path)], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0 and "already at" in up.stdout, up.stderr
