@@ -65,7 +65,9 @@ class Sender:
                 return data
             why = (f"the result is {len(data)} bytes, over --max-message-bytes "
                    f"{self.max_message_bytes}: nothing of it was kept")
-        return encode(Result(token=token, status="error", value=None, testcases=[],
+        # (A timeout stays one, without its outputs: the master retries it as before.)
+        status = "timeout" if outcome.status == "timeout" else "error"
+        return encode(Result(token=token, status=status, value=None, testcases=[],
                              returncode=outcome.returncode, duration_s=outcome.duration_s,
                              detail=why[:2000]))
 
