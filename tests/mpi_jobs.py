@@ -122,12 +122,20 @@ def ranks_of(db: Path) -> list[int]:
     return pids
 
 
-def kill_ranks(db: Path) -> None:
+def kill_ranks(db: Path, timeout: float = 30) -> None:
+    """SIGKILL every rank of the job for `db`, and wait until none runs: a kill is delivered
+    when the process next runs, so a master on the other core could still commit a round
+    after `os.kill` returned (a test that counts rows at once then sees them change)."""
     for pid in ranks_of(db):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + timeout
+    while ranks_of(db):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"ranks of {db} still running {timeout} s after SIGKILL")
+        time.sleep(0.02)
 
 
 def master_pid(db: Path, timeout: float = 60) -> int:
