@@ -1,7 +1,8 @@
 """Opening a campaign: schema check, incarnations, the token epoch, and restart recovery.
 
-`Store.open` is the master's way in (`Store.attach` serves `coordinator requeue`). It refuses a file with a foreign schema revision, refuses an
-existing campaign unless asked to resume, and on resume performs restart recovery (R9) as one
+`Store.open` is the master's way in (`Store.attach` serves `coordinator requeue`). It refuses
+a file with a foreign schema revision, refuses an existing campaign unless asked to resume (or
+a resume its settings check refuses), and on resume performs restart recovery (R9) as one
 transaction: dispatches left by the dead incarnation go back to the queue head, then the
 deferred tasks that can still run are reclaimed in front of them, before any new input.
 """
