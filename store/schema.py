@@ -115,7 +115,7 @@ class EventKind(str, enum.Enum):
     STOP_REQUEUED = "stop_requeued"  # in-flight work returned to the queue by a graceful stop
     RECLAIMED = "reclaimed"          # deferred task put back at the head by --resume
     NOT_ADMITTED = "not_admitted"    # deferred task whose input is gone: stays deferred
-    WATCHDOG = "watchdog"            # dispatch past its deadline: recovered, rank parked (idle if its READY was seen)
+    WATCHDOG = "watchdog"            # past its deadline: recovered; rank parked (or idle)
     WORKER_RECOVERED = "worker_recovered"  # a parked rank echoed its retired token
     WORKER_FAILED = "worker_failed"  # the runtime reported the rank dead; its work recovered
     MANUAL_REQUEUE = "manual_requeue"

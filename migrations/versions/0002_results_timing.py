@@ -7,7 +7,8 @@ Create Date: 2026-11-29
 The happy path of a task used to write three events (dispatched, ready, committed) on the
 master's critical path. `ready` and `committed` only repeated what the dispatch row and the
 results row already hold, so the committed result now carries its dispatch's send and READY
-times instead. Older rows get `ready_at` from their `ready` events (`sent_at` stays NULL: no event held it); the events stay.
+times instead. Older rows get `ready_at` from their `ready` events (`sent_at` stays NULL:
+no event held it); the events stay.
 """
 
 from __future__ import annotations
