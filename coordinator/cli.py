@@ -235,6 +235,12 @@ def find_mpiexec(explicit: str | None = None) -> str | None:
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
+#: Open MPI's launcher (prterun) sometimes fails to start its PMIx server when several jobs
+#: start at once on the machine (exit 213, before any rank runs): the tests and the benchmark
+#: launch once more when they see it.
+LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
+
+
 def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
     """The flags a newcomer would otherwise have to know: Open MPI refuses root without
     --allow-run-as-root and more ranks than cores without --oversubscribe; `ulfm` asks Open

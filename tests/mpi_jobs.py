@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.cli import find_mpiexec, mpiexec_flags
+from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
 from store.schema import ROLLBACK_EVENTS
 
 MPIEXEC = find_mpiexec()
@@ -83,11 +83,6 @@ def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
         raise AssertionError(f"job did not finish in {timeout} s (killed)\n--- stdout\n{out}"
                              f"\n--- stderr\n{err[-4000:]}") from None
     return Done(proc.returncode, out, err)
-
-
-#: Open MPI's launcher (prterun) sometimes fails to start its PMIx server when several jobs
-#: start at once on the machine (exit 213, before any rank runs): not the coordinator's doing.
-LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
 
 
 def run(args: list[str], np: int = 4, timeout: float = JOB_TIMEOUT_S, **kw) -> Done:

@@ -79,22 +79,28 @@ def test_a_killed_worker_is_recovered_at_once_and_the_run_completes(tmp_path):
     assert query(db, "SELECT count(*) FROM results") == [(120,)]
 
 
+def kill_every_worker(db, proc, ready: tuple[str, object]):
+    """Once `ready` (a query and a predicate) holds, SIGKILL every rank but the master; the
+    job's outcome, whatever it is."""
+    try:
+        master = master_pid(db)
+        wait_for(db, ready[0], ready[1])
+        for pid in ranks_of(db):
+            if pid != master:
+                os.kill(pid, signal.SIGKILL)
+        return finish(proc)
+    finally:
+        kill_job(proc)
+
+
 @pytest.mark.skipif(mpi_kind() != "openmpi", reason="ULFM is an Open MPI feature; the MPICH "
                     "case of a dead worker is the resume path of the test above")
 def test_with_every_worker_dead_the_master_stops_with_everything_saved(tmp_path):
     db = tmp_path / "c.db"
     args = ["run", "--db", str(db), "--demo", "60", "--demo-work-ms", "100",
             "--no-progress"]
-    proc = start(args, np=3, ulfm=True)
-    try:
-        master = master_pid(db)
-        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 2)
-        for pid in ranks_of(db):
-            if pid != master:
-                os.kill(pid, signal.SIGKILL)
-        done = finish(proc)
-    finally:
-        kill_job(proc)
+    done = kill_every_worker(db, start(args, np=3, ulfm=True),
+                             ("SELECT count(*) FROM results", lambda n: n >= 2))
     assert "no workers left" in done.stderr, done.stderr[-2000:]
     # work was left with nobody to run it: not the clean exit a script would take for "done"
     assert done.returncode == 6, done.stderr[-2000:]
@@ -114,16 +120,8 @@ def test_with_every_worker_dead_and_their_tasks_deferred_the_exit_is_still_6(tmp
     db = tmp_path / "c.db"
     proc = start(["run", "--db", str(db), "--demo", "2", "--demo-work-ms", "20000",
                   "--retries", "0", "--no-progress"], np=3, ulfm=True)
-    try:
-        master = master_pid(db)
-        wait_for(db, "SELECT count(*) FROM dispatches WHERE sent_at IS NOT NULL",
-                 lambda n: n == 2)
-        for pid in ranks_of(db):
-            if pid != master:
-                os.kill(pid, signal.SIGKILL)
-        done = finish(proc)
-    finally:
-        kill_job(proc)
+    done = kill_every_worker(db, proc, ("SELECT count(*) FROM dispatches "
+                                        "WHERE sent_at IS NOT NULL", lambda n: n == 2))
     assert "no workers left" in done.stderr, done.stderr[-2000:]
     assert query(db, "SELECT state, count(*) FROM tasks GROUP BY state") == [("deferred", 2)]
     assert done.returncode == 6, done.stderr[-2000:]

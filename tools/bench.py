@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.cli import find_mpiexec, mpiexec_flags  # noqa: E402
+from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 
 FUTURES_CHILD = """
 import sys, time, resource
@@ -46,11 +46,6 @@ if __name__ == "__main__":
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"FUTURES {n / el:.1f} {rss:.1f}")
 """
-
-
-#: Open MPI's launcher sometimes fails to start its PMIx server when several jobs start at
-#: once on the machine (exit 213, before any rank runs): worth one more launch.
-LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
 
 
 def launch(cmd: list[str], **kw) -> subprocess.CompletedProcess:
