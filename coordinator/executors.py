@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 __all__ = [
     "CommandExecutor",
@@ -520,11 +520,24 @@ def _as_json(value: Any) -> Any:
     return json.loads(text)
 
 
+class CallableExited(BaseException):
+    """`os._exit` called by a task's callable in the worker's own process (a BaseException,
+    like SystemExit, so the callable's own `except Exception` does not swallow it)."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(f"the callable called os._exit({code!r}); the worker stayed")
+
+
 class PythonExecutor:
     """Calls ``fn(task)`` (or ``fn(task, input_bytes)`` if it takes two arguments) per task.
 
     There is no timeout: the call runs in the worker's own process. Use the command executor
     for work that may hang.
+
+    The callable's ``os._exit`` is the task's failure, as ``sys.exit`` is: under ULFM, Open
+    MPI reports a rank that leaves with status 0 or by a signal as failed, but one that leaves
+    with another status not at all, so the rank would vanish unseen until the watchdog. A
+    process the callable forks still exits for real.
     """
 
     #: Runs in-process and writes no files: the worker's own scratch directory will do.
@@ -541,16 +554,26 @@ class PythonExecutor:
         args: tuple[Any, ...] = (copy.deepcopy(task),)
         if self.pass_input_bytes:
             args += (input_bytes,)
+        real_exit, pid = os._exit, os.getpid()
+
+        def exit_in_call(code: int) -> NoReturn:
+            if os.getpid() != pid:
+                real_exit(code)  # a child the callable forked (multiprocessing ends them so)
+            raise CallableExited(code)
+
+        os._exit = exit_in_call
         try:
             result = self.fn(*args)
         # Workers ignore SIGINT, so a KeyboardInterrupt here was raised by the callable itself:
         # like SystemExit, it is the task's failure, not a reason for the worker to stop.
-        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        except (Exception, SystemExit, KeyboardInterrupt, CallableExited) as exc:
             return ExecOutcome(
                 status=STATUS_ERROR,
                 duration_s=time.perf_counter() - started,
                 detail=_exception_detail(exc),
             )
+        finally:
+            os._exit = real_exit
         duration = time.perf_counter() - started
         try:
             value, testcases = _split_testcases(result)

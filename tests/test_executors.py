@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import pathlib
 import shutil
 import sys
@@ -270,6 +271,20 @@ TASK_MODULE = textwrap.dedent(
     def interrupts(task):
         raise KeyboardInterrupt("from the callable")
 
+    def exits(task):
+        try:
+            import os
+            os._exit(7)
+        except Exception:  # the callable's own catch-all must not swallow it
+            return "swallowed"
+
+    def forks(task):
+        import os
+        pid = os.fork()
+        if pid == 0:
+            os._exit(task["code"])  # the child leaves for real
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
     def not_json(task):
         return {"x": object()}
 
@@ -325,6 +340,24 @@ def test_python_exception_becomes_an_error_outcome(task_file, workdir):
     out = PythonExecutor(f"{task_file}:interrupts").run({"data": 1}, None, workdir)
     assert out.status == "error"
     assert out.detail == "KeyboardInterrupt: from the callable"
+
+
+def test_python_os_exit_is_the_tasks_failure_and_the_worker_stays(task_file, workdir):
+    """Under ULFM a rank that leaves with a nonzero status is never reported failed: the
+    callable's os._exit(7) used to make its rank vanish unseen until the watchdog."""
+    # In a process of its own: without the guard, os._exit would end the test run.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import os, sys; from coordinator.executors import "
+         "PythonExecutor; real = os._exit; out = PythonExecutor(sys.argv[1]).run({}, None, "
+         "sys.argv[2]); print(out.status, out.detail, os._exit is real)",
+         f"{task_file}:exits", str(workdir)], capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout == ("error CallableExited: the callable called os._exit(7); the "
+                            "worker stayed True\n")
+    real_exit = os._exit
+    # A child the callable forks exits for real, with its own status.
+    assert PythonExecutor(f"{task_file}:forks").run({"code": 5}, None, workdir).value == 5
+    assert os._exit is real_exit
 
 
 @pytest.mark.parametrize("function", ["not_json", "nan", "bad_testcases"])

@@ -290,6 +290,26 @@ def test_a_worker_that_cannot_load_its_executor_leaves_and_nothing_is_lost(tmp_p
     assert status_json(db)["tasks"]["done"] == 20
 
 
+def test_a_callable_that_calls_os_exit_fails_its_task_and_the_run_goes_on(tmp_path):
+    """Under ULFM, Open MPI never reports a rank that leaves with a nonzero status: the job
+    hung until the watchdog, then was ended by the launcher. The call is now the task's
+    failure, like sys.exit, and every rank stays."""
+    spec = tmp_path / "leaves.py"
+    spec.write_text("import os\ndef work(task):\n    if task['data']['n'] == 3:\n"
+                    "        os._exit(7)\n    return task['data']['n']\n")
+    db = tmp_path / "c.db"
+    done = run(["run", "--db", str(db), "--demo", "12", "--callable", f"{spec}:work",
+                "--no-progress"], timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=12)
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [
+        ("error", 1), ("ok", 11)]
+    assert query(db, "SELECT detail FROM results WHERE status = 'error'") == [
+        ("CallableExited: the callable called os._exit(7); the worker stayed",)]
+    assert query(db, "SELECT count(*) FROM events WHERE kind IN ('watchdog', "
+                     "'worker_failed')") == [(0,)]
+
+
 def self_launch(db, *args: str) -> subprocess.Popen:
     """`coordinator run` outside mpiexec, as a user types it, in a session of its own (the
     test plays the terminal)."""
