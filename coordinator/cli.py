@@ -118,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
                         "parked (default max(120, 4 x timeout); 0 disables)")
     r.add_argument("--max-depth", action=Once, type=int_range(0), default=0,
                    help="feedback depth limit for test cases found by results (0 = unlimited)")
+    r.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=True,
+                   help="queue the test cases that results find as new tasks (default on; "
+                        "with --afl-out, --no-feedback leaves it to AFL to pick the ones worth "
+                        "a run, as SymCC's own helper does)")
     r.add_argument("--out", action=Once, type=Path, default=None,
                    help="where committed test cases go without --afl-out (default DB.out/)")
     r.add_argument("--stats-file", action=Once, type=Path, default=None,

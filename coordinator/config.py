@@ -98,6 +98,7 @@ class RunConfig:
     name: str
     out: Path | None
     max_depth: int
+    feedback: bool
     stats_file: Path
     stats_interval_s: float
     grace_s: float
@@ -147,6 +148,14 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         if value is not None and (not value or "/" in value or value in (".", "..")):
             raise ConfigError(f"{flag} {value!r} must be a single directory name, like "
                               f"{'main' if flag == '--fuzzer' else 'symcc'}")
+    if ns.afl_out is not None and ns.name.startswith("."):
+        raise ConfigError(f"--name {ns.name!r}: AFL's sync skips directories whose name starts "
+                          f"with '.', so it would import nothing (choose e.g. symcc)")
+    if ns.afl_out is not None and any((ns.afl_out / ns.name / f).exists()
+                                      for f in ("fuzzer_stats", "fuzzer_setup")):
+        raise ConfigError(f"--name {ns.name!r}: {ns.afl_out / ns.name} is an AFL instance's own "
+                          f"directory (it has fuzzer_stats); the coordinator needs one of its "
+                          f"own (choose another --name)")
     if ns.fuzzer and ns.fuzzer == ns.name:
         raise ConfigError(f"--name {ns.name!r} is the fuzzer's own instance; the coordinator "
                           f"must write to its own directory (choose another --name)")
@@ -187,7 +196,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         synchronous=ns.synchronous, executor=executor, argv=argv, callable_spec=ns.callable,
         timeout_s=timeout, watchdog_s=watchdog, demo=demo, tasks_file=ns.tasks,
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
-        max_depth=ns.max_depth, stats_file=stats_file, stats_interval_s=ns.stats_interval,
+        max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file, stats_interval_s=ns.stats_interval,
         grace_s=ns.grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, progress=bool(ns.progress),
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,

@@ -30,11 +30,12 @@ from store import tasks as task_ops
 from store.campaign import Store
 from store.journal import Tx
 from store.schema import EventKind, WorkerState, dispatches, tasks, workers
+from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, set_workers
 
 from .gate import Gate, Inbound, failure_detail
-from .output import TestcaseWriter
+from .output import TestcaseWriter, input_id
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
 from .sources import NewInput
@@ -67,6 +68,7 @@ class MasterConfig:
     stats_file: Path | None = None
     stats_interval_s: float = 60.0
     max_depth: int = 0               # feedback loop depth limit, 0 = unlimited
+    feedback: bool = True            # test cases found by results become new tasks
     exit_when_drained: bool = True   # --demo/--tasks: stop when nothing is queued or active
     source_interval_s: float = 1.0
     progress: bool = False
@@ -373,10 +375,17 @@ class Master:
             task = task_ops.get_task(tx, active.task_id)
             assert task is not None
             depth = task.depth + 1
+            feedback = self.config.feedback and (self.config.max_depth == 0
+                                                 or depth <= self.config.max_depth)
+            src = input_id(task.payload, task.id)
             for _name, content in res.testcases:  # the worker's name never becomes a path
-                path, fresh = self.writer.store(content, src=f"{task.id:06d}")
+                if self.writer.afl_style and task_ops.content_known(tx, content_hash(content)):
+                    # An input the campaign already has (often the task's own, unchanged):
+                    # AFL has it, and writing it back would only make AFL run it again.
+                    continue
+                path, fresh = self.writer.store(content, src=src)
                 written += fresh
-                if self.config.max_depth == 0 or depth <= self.config.max_depth:
+                if feedback:
                     new.append(task_ops.NewTask({"path": str(path)}, content, origin="result",
                                                 depth=depth, parent_id=task.id))
         # Content already known as some task's input is not run again.

@@ -12,14 +12,22 @@ import os
 import pathlib
 import re
 import secrets
+import sys
 
-__all__ = ["TestcaseWriter", "sanitize_src"]
+__all__ = ["TestcaseWriter", "input_id", "sanitize_src"]
 
 _AFL_ID = re.compile(r"^id:(\d+)")
 _UNSAFE_SRC = re.compile(r"[^A-Za-z0-9._-]")
 _SRC_MAX = 40
 # Our temp files are dot files: AFL and our own scan skip them.
 _TMP_PREFIX = ".tcw-tmp-"
+
+
+def input_id(payload: dict, task_id: int) -> str:
+    """The `src:` of a task's test cases: the AFL id of the input it ran on, as SymCC's own
+    helper writes it (`id:000123,...` gives 000123), else `task<id>`."""
+    match = _AFL_ID.match(os.path.basename(str(payload.get("path", ""))))
+    return match.group(1) if match else f"task{task_id}"
 
 
 def sanitize_src(src: str) -> str:
@@ -39,14 +47,20 @@ class TestcaseWriter:
 
     __test__ = False  # the name starts with "Test"; keep pytest from collecting it
 
-    def __init__(self, out_dir: pathlib.Path, afl_style: bool, *, scan: bool = True) -> None:
+    def __init__(self, out_dir: pathlib.Path, afl_style: bool, *, scan: bool = True,
+                 afl_sync: tuple[pathlib.Path, str] | None = None) -> None:
         """`scan=False` only checks the directory; `scan()` then reads it (and removes the
         temp files a killed master left) once this process holds the campaign: before that,
-        those temp files may be a live master's writes in progress."""
+        those temp files may be a live master's writes in progress. `afl_sync` is (AFL's -o
+        directory, our instance name): ids then also start past what AFL's instances already
+        imported from us."""
         self.out_dir = pathlib.Path(out_dir)
         self.afl_style = afl_style
+        self.afl_sync = afl_sync
         self._paths: dict[str, pathlib.Path] = {}  # content sha256 -> where it is
         self._next_id = 0
+        #: (AFL instance, its import counter) when that counter, not our files, set the next id
+        self.resumed_from_sync: tuple[str, int] | None = None
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} is not a directory (new test cases are written "
                              f"there)")
@@ -58,8 +72,17 @@ class TestcaseWriter:
         return len(self._paths)
 
     def scan(self) -> None:
-        if not self.out_dir.exists():  # created on the first write: no empty dirs left behind
-            return
+        if self.out_dir.exists():  # created on the first write: no empty dirs left behind
+            self._scan_files()
+        if self.afl_sync is not None:
+            # AFL's sync imports from us only from the exact id its counter names onwards: after
+            # our directory was emptied (a new campaign, AFL still running), ids from 0 again
+            # would never be imported, and nothing would say so.
+            synced = afl_sync_counter(*self.afl_sync)
+            if synced is not None and synced[1] > self._next_id:
+                self._next_id, self.resumed_from_sync = synced[1], synced
+
+    def _scan_files(self) -> None:
         with os.scandir(self.out_dir) as it:
             entries = list(it)
         for entry in entries:
@@ -119,6 +142,29 @@ class TestcaseWriter:
             _remove_quietly(tmp)
             raise
         _fsync_dir(self.out_dir)
+
+
+def afl_sync_counter(afl_out: pathlib.Path, name: str) -> tuple[str, int] | None:
+    """The highest `.synced/<name>` counter among AFL's instances in `afl_out`, with the
+    instance's name: the next id of ours each of them will look for (AFL++ `sync_fuzzers`
+    keeps it as a native u32). None if no instance has imported from `name` yet."""
+    best: tuple[str, int] | None = None
+    try:
+        with os.scandir(afl_out) as it:
+            instances = [e.name for e in it if e.name != name and not e.name.startswith(".")]
+    except OSError:
+        return None
+    for instance in instances:
+        try:
+            with open(os.path.join(afl_out, instance, ".synced", name), "rb") as f:
+                raw = f.read(4)
+        except OSError:
+            continue
+        if len(raw) == 4:
+            value = int.from_bytes(raw, sys.byteorder)
+            if best is None or value > best[1]:
+                best = (instance, value)
+    return best
 
 
 def _hash_file(path: str) -> str | None:

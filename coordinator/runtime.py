@@ -284,7 +284,8 @@ def _outputs(cfg: RunConfig) -> tuple[list, object]:
     from .sources import AflQueueSource
     if cfg.afl_out is not None:
         return ([AflQueueSource(cfg.afl_out, cfg.fuzzer).poll],
-                TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True, scan=False))
+                TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True, scan=False,
+                               afl_sync=(cfg.afl_out, cfg.name)))
     return [], TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
                               afl_style=False, scan=False)
 
@@ -294,10 +295,16 @@ def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object])
     from .master import Master, MasterConfig
     sources, writer = outputs
     writer.scan()
+    if writer.resumed_from_sync is not None:
+        instance, counter = writer.resumed_from_sync
+        print(f"coordinator: AFL instance {instance!r} has imported {counter} test cases from "
+              f"{cfg.name!r} already ({cfg.afl_out}/{instance}/.synced/{cfg.name}); new ones "
+              f"are numbered from id:{counter:06d}, which is where its sync goes on",
+              file=sys.stderr, flush=True)
     return Master(store, transport, MasterConfig(
         max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,
         grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
-        stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
+        stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth, feedback=cfg.feedback,
         exit_when_drained=cfg.afl_out is None, progress=cfg.progress,
     ), sources=sources, writer=writer)
 

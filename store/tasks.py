@@ -95,7 +95,7 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
             if db.execute("SELECT 1 FROM tasks WHERE semantic_id = ?", (sid,)).fetchone():
                 continue  # a known task: its bytes would only be an orphan blob
             ihash = content_hash(item.input_bytes)
-            known = db.execute("SELECT 1 FROM blobs WHERE hash = ?", (ihash,)).fetchone()
+            known = content_known(tx, ihash)
             if known and skip_known_content:
                 continue
             if not known:
@@ -158,6 +158,11 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
 def get_task(tx: Tx, task_id: int) -> TaskRecord | None:
     row = tx.conn.execute(select(*_TASK_COLUMNS).where(tasks.c.id == task_id)).first()
     return _record(row) if row else None
+
+
+def content_known(tx: Tx, input_hash: str) -> bool:
+    """Whether some task's input already has these bytes (by their content hash)."""
+    return tx.db.execute("SELECT 1 FROM blobs WHERE hash = ?", (input_hash,)).fetchone() is not None
 
 
 def input_bytes(tx: Tx, input_hash: str | None) -> bytes | None:

@@ -60,6 +60,23 @@ def test_afl_instance_names_must_be_plain_directory_names(tmp_path, flag, value)
         resolve(tmp_path, *args, "--", "./target", "@@")
 
 
+def test_afl_instance_names_that_afl_would_not_import_from_are_refused(tmp_path):
+    """AFL's sync skips dot directories; an instance's own directory is AFL's to write."""
+    with pytest.raises(ConfigError, match="skips directories whose name starts with"):
+        resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main", "--name", ".symcc",
+                "--", "./target", "@@")
+    (tmp_path / "fuzzer02").mkdir()
+    (tmp_path / "fuzzer02" / "fuzzer_stats").write_text("start_time : 1\n")
+    with pytest.raises(ConfigError, match="is an AFL instance's own directory"):
+        resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main", "--name", "fuzzer02",
+                "--", "./target", "@@")
+
+
+def test_feedback_is_on_unless_turned_off(tmp_path):
+    assert resolve(tmp_path).feedback is True
+    assert resolve(tmp_path, "--no-feedback").feedback is False
+
+
 def test_afl_out_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afl").write_text("not a directory")
     with pytest.raises(ConfigError, match="is not a directory"):

@@ -223,6 +223,56 @@ def test_afl_queue_filled_while_running(tmp_path):
     check_conservation(db)
 
 
+ECHO_TARGET = textwrap.dedent("""\
+    import os, sys
+    data = open(sys.argv[1], "rb").read()
+    out = os.environ["SYMCC_OUTPUT_DIR"]
+    # SymCC often writes its own input back unchanged, beside the new ones
+    for name, content in (("000000", data), ("000001", data + b"-x")):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(content)
+    """)
+
+
+def test_afl_sync_counter_no_feedback_and_inputs_not_written_back(tmp_path):
+    """AFL's main already imported 455 files from a coordinator directory that was emptied
+    since: ids from 0 again would never be imported (its sync waits for id:000455). With
+    --no-feedback only AFL's entries run; a test case equal to an input is not written back
+    (AFL has it); `src:` is the AFL id of the input, as SymCC's helper writes it."""
+    target = tmp_path / "echo.py"
+    target.write_text(ECHO_TARGET)
+    afl = tmp_path / "afl_out"
+    queue = afl / "main" / "queue"
+    queue.mkdir(parents=True)
+    (afl / "main" / ".synced").mkdir()
+    (afl / "main" / ".synced" / "symcc").write_bytes((455).to_bytes(4, sys.byteorder))
+    for i, content in enumerate([b"one", b"two", b"three"]):
+        (queue / f"id:{i:06d},time:0,execs:0,orig:seed{i}").write_bytes(content)
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--afl-out", str(afl), "--fuzzer", "main",
+                  "--no-feedback", "--no-progress", "--", sys.executable, str(target), "@@"])
+    try:
+        pid = master_pid(db)
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 3, timeout=60)
+        time.sleep(1)  # a feedback task, if one were queued, would run now
+        os.kill(pid, signal.SIGTERM)
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr
+    assert "new ones are numbered from id:000455" in done.stderr
+    ours = afl / "symcc" / "queue"
+    written = {p.name: p.read_bytes() for p in ours.iterdir()}
+    assert sorted(written.values()) == [b"one-x", b"three-x", b"two-x"]
+    # (the three commit in any order)
+    assert sorted(int(n[len("id:"):n.index(",")]) for n in written) == [455, 456, 457]
+    assert {n.split(",src:")[1]: content for n, content in written.items()} == {
+        "000000": b"one-x", "000001": b"two-x", "000002": b"three-x"}
+    assert query(db, "SELECT count(*) FROM tasks") == [(3,)]
+    assert query(db, "SELECT sum(testcases) FROM results") == [(3,)]
+    check_conservation(db)
+
+
 def test_sigkill_of_the_whole_job_then_resume_commits_each_task_once(tmp_path):
     db = tmp_path / "c.db"
     args = ["run", "--db", str(db), "--demo", "400", "--demo-work-ms", "5", "--no-progress"]

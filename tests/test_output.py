@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import sys
 
 import pytest
 
-from coordinator.output import TestcaseWriter, sanitize_src
+from coordinator.output import TestcaseWriter, afl_sync_counter, input_id, sanitize_src
 
 
 def listing(directory: pathlib.Path) -> list[str]:
@@ -85,3 +86,35 @@ def test_an_output_path_that_is_a_file_is_refused_at_once(tmp_path):
     out.write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         TestcaseWriter(out, afl_style=False)
+
+
+def _synced(afl_out: pathlib.Path, instance: str, name: str, value: int | bytes) -> None:
+    (afl_out / instance / ".synced").mkdir(parents=True, exist_ok=True)
+    raw = value if isinstance(value, bytes) else value.to_bytes(4, sys.byteorder)
+    (afl_out / instance / ".synced" / name).write_bytes(raw)
+
+
+def test_ids_start_where_afls_sync_goes_on_after_our_directory_was_emptied(tmp_path):
+    """AFL++'s sync_fuzzers looks for exactly `id:<its counter>` in our queue and imports
+    nothing until that file exists."""
+    _synced(tmp_path, "main", "symcc", 455)
+    _synced(tmp_path, "sec", "symcc", 12)
+    _synced(tmp_path, "main", "other", 9000)  # another directory's counter: not ours
+    _synced(tmp_path, "broken", "symcc", b"\x01")  # short: ignored
+    assert afl_sync_counter(tmp_path, "symcc") == ("main", 455)
+    queue = tmp_path / "symcc" / "queue"
+    writer = TestcaseWriter(queue, afl_style=True, afl_sync=(tmp_path, "symcc"))
+    assert writer.resumed_from_sync == ("main", 455)
+    assert writer.write(b"new", "000001") == queue / "id:000455,src:000001"
+    # our own files beyond the counter win, and then nothing is reported
+    again = TestcaseWriter(queue, afl_style=True, afl_sync=(tmp_path, "symcc"))
+    assert again.resumed_from_sync is None
+    assert again.write(b"newer", "000002") == queue / "id:000456,src:000002"
+    assert afl_sync_counter(tmp_path / "missing", "symcc") is None
+
+
+def test_src_is_the_afl_id_of_the_input_else_the_task():
+    assert input_id({"path": "/o/main/queue/id:000123,src:000001,op:havoc"}, 7) == "000123"
+    assert input_id({"path": "/o/symcc/queue/id:000042,src:000123"}, 8) == "000042"
+    assert input_id({"path": "/seeds/a"}, 9) == "task9"
+    assert input_id({"data": 1}, 10) == "task10"
