@@ -50,13 +50,13 @@ def _worker(cfg: RunConfig, transport) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         verdict = transport.bcast(None)
-        if verdict:
+        if not isinstance(verdict, dict):  # the master refused to start: its exit status
             if transport.fault_tolerant:
                 # The master refused to start and leaves without MPI_Finalize, which can hang
                 # under ULFM after any rank's death (ompi#11404); the workers do the same.
                 _exit_now(int(verdict))
             return int(verdict)
-        executor = _executor(cfg)
+        executor = _executor(cfg, verdict.get("argv"))
         sender = Sender(transport, cfg.max_message_bytes)
         if cfg.inject:
             from .faults import FaultPlan, FaultySender
@@ -68,9 +68,11 @@ def _worker(cfg: RunConfig, transport) -> int:
         raise  # not reached
 
 
-def _executor(cfg: RunConfig):
+def _executor(cfg: RunConfig, argv: list[str] | None = None):
+    """`argv`: the command as the master resolved it, so that every worker runs the program
+    the master checked (a bare name on another node's PATH could be another binary)."""
     from .executors import make_executor
-    return make_executor(cfg.executor, argv=cfg.argv, callable_spec=cfg.callable_spec,
+    return make_executor(cfg.executor, argv=argv or cfg.argv, callable_spec=cfg.callable_spec,
                          timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms,
                          max_message_bytes=cfg.max_message_bytes)
 
@@ -139,7 +141,8 @@ def _master(cfg: RunConfig, transport) -> int:
             print(f"coordinator: cannot record the master's pid ({e}); stop the run with "
                   f"`kill -TERM {os.getpid()}`", file=sys.stderr, flush=True)
     try:
-        _executor(cfg)  # refuse a bad one here, before the workers build theirs
+        # Refused here, before the workers build theirs from what it resolved.
+        resolved = getattr(_executor(cfg), "argv", None)
         initial = (demo_tasks(cfg.demo) if cfg.demo is not None else
                    load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
         outputs = _outputs(cfg)  # checked before the database is touched
@@ -190,7 +193,7 @@ def _master(cfg: RunConfig, transport) -> int:
             # leaves without it, as at the end of a run.
             _exit_now(status)
         return status
-    transport.bcast(0)
+    transport.bcast({"argv": resolved})
     print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} workers, "
           f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}` (or Ctrl-C)",
           file=sys.stderr, flush=True)

@@ -40,6 +40,17 @@ def job_command(args: list[str], np: int = 4, ulfm: bool | None = None) -> list[
     return [MPIEXEC, *flags, sys.executable, "-m", "coordinator", *args]
 
 
+def split_job_command(args: list[str], master_wrap: list[str], worker_wrap: list[str],
+                      workers: int = 3) -> list[str]:
+    """One job whose master and workers start under different wrappers (e.g. `env PATH=...`):
+    what ranks on other nodes of a cluster look like."""
+    flags = mpiexec_flags(MPIEXEC, 1, ulfm=mpi_kind() == "openmpi")
+    glob = [f for f in flags if f not in ("-n", "1")]
+    rank = [sys.executable, "-m", "coordinator", *args]
+    return [MPIEXEC, *glob, "-n", "1", *master_wrap, *rank, ":", "-n", str(workers),
+            *worker_wrap, *rank]
+
+
 @dataclass
 class Done:
     returncode: int
@@ -48,9 +59,11 @@ class Done:
 
 
 def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | None = None,
-          env: dict[str, str] | None = None) -> subprocess.Popen:
+          env: dict[str, str] | None = None, command: list[str] | None = None,
+          ) -> subprocess.Popen:
+    """`command`: a whole launch line of its own (`split_job_command`) instead of `args`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(job_command(args, np, ulfm), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command or job_command(args, np, ulfm), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                             start_new_session=True)
     _started.append(proc)

@@ -25,6 +25,7 @@ from mpi_jobs import (
     query,
     ranks_of,
     run,
+    split_job_command,
     start,
     status_json,
     wait_for,
@@ -358,6 +359,34 @@ def test_a_callable_that_calls_os_exit_fails_its_task_and_the_run_goes_on(tmp_pa
         ("CallableExited: the callable called os._exit(7); the worker stayed",)]
     assert query(db, "SELECT count(*) FROM events WHERE kind IN ('watchdog', "
                      "'worker_failed')") == [(0,)]
+
+
+def test_every_worker_runs_the_program_the_master_resolved(tmp_path):
+    """Workers on other nodes may have another PATH: a bare program name resolved there could
+    be another binary. The master resolves the command once and sends it to every worker."""
+    for which in ("master", "other"):
+        (tmp_path / which).mkdir()
+        prog = tmp_path / which / "mytarget"
+        prog.write_text(f"#!{sys.executable}\nimport os\nopen(os.path.join("
+                        f"os.environ['SYMCC_OUTPUT_DIR'], 'o'), 'w').write({which!r})\n")
+        prog.chmod(0o755)
+    seed = tmp_path / "seed"
+    seed.write_bytes(b"x")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"path": "{seed}", "input_file": "{seed}", "data": {i}}}\n'
+                             for i in range(6)))
+    db, out = tmp_path / "c.db", tmp_path / "out"
+    path = os.environ["PATH"]
+    command = split_job_command(
+        ["run", "--db", str(db), "--tasks", str(tasks), "--out", str(out), "--no-feedback",
+         "--no-progress", "--", "mytarget", "@@"],
+        master_wrap=["env", f"PATH={tmp_path / 'master'}:{path}"],
+        worker_wrap=["env", f"PATH={tmp_path / 'other'}:{path}"])
+    done = finish(start([], command=command), timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=6)
+    assert [p.read_text() for p in out.iterdir()] == ["master"]  # 6 results, one content
+    assert query(db, "SELECT status, sum(testcases) FROM results GROUP BY status") == [("ok", 1)]
 
 
 def self_launch(db, *args: str) -> subprocess.Popen:
