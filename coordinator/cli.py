@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .executors import EXECUTOR_KINDS
 from .fault_spec import KINDS, InjectSpecError, parse_inject
-from .runtime import EXIT_USAGE
+from .runtime import EXIT_STORE, EXIT_USAGE
 from .config import (
     DEFAULT_DEMO_TASKS,
     ENV_MAX_ATTEMPTS,
@@ -427,7 +427,7 @@ def _requeue(ns: argparse.Namespace) -> int:
     from store.campaign import Store
     from store.errors import StoreError
     from store.schema import TaskState
-    from store.tasks import requeue_error_results, requeue_tasks
+    from store.tasks import REQUEUE_CHUNK, requeue_error_results, requeue_tasks
     states = {"failed": (TaskState.FAILED,), "deferred": (TaskState.DEFERRED,),
               "all": (TaskState.FAILED, TaskState.DEFERRED), "error": ()}[ns.state]
     try:
@@ -435,10 +435,25 @@ def _requeue(ns: argparse.Namespace) -> int:
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return EXIT_USAGE
+    done: list[int] = []
     try:
-        with store.transaction("manual requeue") as tx:
-            done = (requeue_error_results(tx, ids=ns.ids) if ns.state == "error" else
-                    requeue_tasks(tx, states=states, ids=ns.ids))
+        # In chunks, each its own short transaction, in id order: a running master shares the
+        # write lock and waits for each (a single one of 100,000 tasks took 30 s and killed
+        # it). A task the master runs and fails again meanwhile is not taken twice.
+        while True:
+            after = done[-1] if done else 0
+            with store.transaction("manual requeue") as tx:
+                chunk = (requeue_error_results(tx, ids=ns.ids, after_id=after,
+                                               limit=REQUEUE_CHUNK) if ns.state == "error" else
+                         requeue_tasks(tx, states=states, ids=ns.ids, after_id=after,
+                                       limit=REQUEUE_CHUNK))
+            done += chunk
+            if len(chunk) < REQUEUE_CHUNK:
+                break
+    except StoreError as e:
+        print(f"coordinator: {e}" + (f" (after {len(done)} tasks were requeued; run it again "
+                                     f"for the rest)" if done else ""), file=sys.stderr)
+        return EXIT_STORE
     finally:
         store.close()
     print(f"requeued {len(done)} task(s)" + (f": {', '.join(map(str, done))}" if done else ""))

@@ -139,16 +139,26 @@ class Master:
                     backoff.wait()
                 self._periodic()
             self._shutdown()
-        finally:
-            s = None
+        except BaseException:
+            # The first failure is the one to report: a read for the last frame or the stats
+            # file can fail the same way (the database locked, the disk gone) and hide it.
+            with contextlib.suppress(Exception):
+                self._finish(start)
+            raise
+        self._finish(start)
+        return self.summary
+
+    def _finish(self, start: float) -> None:
+        s = None
+        try:
             if self._progress.enabled:
                 with self.store.reading() as conn:
                     s = read_stats(conn)
                 self._progress.update(s)  # the last frame shows the end
+        finally:
             self._progress.stop()
             self.summary.elapsed_s = time.monotonic() - start
-            self.write_stats(s)
-        return self.summary
+        self.write_stats(s)
 
     def _round(self) -> bool:
         """One round, one transaction, in the SPEC's order; WORK leaves only after COMMIT.
@@ -407,6 +417,7 @@ class Master:
         with self.store.reading() as conn:  # one read for both when they fall due together
             s = read_stats(conn)
         if progress_due:
+            self._progress.took(now, time.monotonic() - now)
             self._progress.update(s)
         if stats_due:
             self._next_stats = now + self.config.stats_interval_s

@@ -9,6 +9,9 @@ from store.stats import Stats
 
 class Progress:
     REFRESH_S = 0.5
+    #: A refresh reads counts over whole tables (a quarter second at a million tasks): at most
+    #: 1/LOAD_FACTOR of the master's time goes to it.
+    LOAD_FACTOR = 20
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -32,6 +35,10 @@ class Progress:
             return False
         self._next = now + self.REFRESH_S
         return True
+
+    def took(self, now: float, read_s: float) -> None:
+        """The refresh's read took `read_s`: the next one waits in proportion."""
+        self._next = max(self._next, now + self.LOAD_FACTOR * read_s)
 
     def update(self, s: Stats) -> None:
         if self._live is None:

@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
-from .engine import DEFAULT_SYNCHRONOUS, open_engine, write_tx
+from .engine import DEFAULT_SYNCHRONOUS, DEFERRED_BEGIN, open_engine, write_tx
 from .errors import CampaignExistsError, CampaignLockedError, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
@@ -149,9 +149,15 @@ class Store:
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Connection]:
+        """A read transaction: a plain BEGIN, so that it never waits for the write lock (held
+        by `coordinator requeue`, or a `sqlite3` shell) as a write would."""
         conn = self._connection()
-        with conn.begin():
-            yield conn
+        conn.info[DEFERRED_BEGIN] = True
+        try:
+            with conn.begin():
+                yield conn
+        finally:
+            conn.info[DEFERRED_BEGIN] = False
 
     def close(self) -> None:
         if self._conn is not None:

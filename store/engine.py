@@ -30,6 +30,13 @@ DEFAULT_SYNCHRONOUS = "FULL"
 #: WAL readers (`coordinator status`) never block it.
 BUSY_TIMEOUT_MS = 10_000
 
+#: Bytes of WAL file kept after a checkpoint resets it (SQLite's default keeps it all).
+JOURNAL_SIZE_LIMIT = 64 << 20
+
+#: Set in a connection's `info` for a read-only transaction on the write engine: a plain
+#: BEGIN, which takes no lock until it reads (and WAL readers never wait for the writer).
+DEFERRED_BEGIN = "coordinator.deferred_begin"
+
 #: WAL relies on shared memory and POSIX locks that these filesystems do not provide reliably.
 NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "9p", "fuse.sshfs", "beegfs", "ceph"}
@@ -111,6 +118,9 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
                     f"probably on a network or read-only filesystem. Use a node-local path."
                 )
             cur.execute(f"PRAGMA synchronous = {synchronous}")
+            # A large import grows the WAL to its size (348 MB for a million tasks), and
+            # SQLite keeps the file that large for ever unless told to truncate it.
+            cur.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
         finally:
             cur.close()
 
@@ -120,7 +130,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
     def _begin(conn: Connection) -> None:
         # Straight to the driver: through exec_driver_sql this statement cost ~60 µs, a
         # tenth of a master round at synchronous=NORMAL.
-        conn.connection.driver_connection.execute(begin_sql)
+        conn.connection.driver_connection.execute(
+            "BEGIN" if conn.info.get(DEFERRED_BEGIN) else begin_sql)
 
     # Connect now, so that a path that cannot be a database fails here with a message that
     # says why, not later inside the caller's first transaction as a driver traceback.
@@ -151,7 +162,7 @@ def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
 
 def read_pragmas(conn: Connection) -> dict[str, object]:
     """The pragmas actually in force on `conn` (tests read them back)."""
-    names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
+    names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout", "journal_size_limit")
     return {n: conn.exec_driver_sql(f"PRAGMA {n}").scalar() for n in names}
 
 

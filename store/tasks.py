@@ -111,10 +111,22 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
 
 
 # INDEXED BY: without ANALYZE statistics SQLite prefers ix_tasks_state and then sorts every
-# queued row on each call; the partial index yields them already in queue order.
+# queued row on each call; the partial index yields them already in queue order. Paged by key
+# ((queue_pos, id) past the last row seen), not OFFSET, which walked every earlier row again
+# for each window: quadratic when many queued tasks wait on a held lease.
 _QUEUED = ("SELECT id, semantic_id, payload, input_hash, state, attempts, dispatches, depth, "
-           "reason FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued' "
-           "ORDER BY queue_pos, id LIMIT ? OFFSET ?")
+           "reason, queue_pos FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued' "
+           "AND (queue_pos, id) > (?, ?) {} ORDER BY queue_pos, id LIMIT ?")
+_QUEUED_ALL = _QUEUED.format("")
+# While leases are held, rows whose content or target branch is held are skipped in SQL (a
+# cheap pre-filter: the lease check below still decides). 20,000 tasks on one input, which
+# run one at a time, cost 526 ms per call with every row decoded in Python.
+_QUEUED_FREE = _QUEUED.format(
+    "AND (input_hash IS NULL OR input_hash NOT IN "
+    "(SELECT key FROM leases WHERE kind = 'content')) "
+    "AND (json_extract(payload, '$.target_branch') IS NULL OR "
+    "CAST(json_extract(payload, '$.target_branch') AS TEXT) NOT IN "
+    "(SELECT key FROM leases WHERE kind = 'target'))")
 
 
 def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
@@ -128,16 +140,18 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
     db = tx.db
     held = {(LeaseKind(k), key) for k, key in db.execute(
         "SELECT kind, key FROM leases WHERE kind != 'work'")}
+    sql = _QUEUED_FREE if held else _QUEUED_ALL
     picked: list[TaskRecord] = []
     window = max(4 * n, 16)
-    offset = 0
+    after: tuple[int, int] = (-(1 << 63), -(1 << 63))
     while len(picked) < n:
         # Stepped row by row, not fetched: usually the first n rows are all it takes.
-        cur = db.execute(_QUEUED, (window, offset))
+        cur = db.execute(sql, (*after, window))
         seen = 0
         try:
             for row in cur:
                 seen += 1
+                after = (row[9], row[0])
                 rec = TaskRecord(row[0], row[1], json.loads(row[2]), row[3],
                                  TaskState(row[4]), row[5], row[6], row[7], row[8])
                 keys = [k for k in rec.lease_keys() if k[0] is not LeaseKind.WORK]
@@ -151,7 +165,7 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
             cur.close()
         if seen < window:
             break
-        offset += window
+        window = min(window * 4, 4096)
     return picked
 
 
@@ -234,56 +248,61 @@ def reclaim_deferred(tx: Tx, available: Callable[[Mapping[str, Any]], bool] = in
     return [r.id for r in admitted], refused
 
 
+#: Tasks per transaction of an operator requeue: it shares the write lock with a running
+#: master, which waits for it (BUSY_TIMEOUT_MS) and must never wait long.
+REQUEUE_CHUNK = 2_000
+
+
 def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
                                                              TaskState.DEFERRED),
-                  ids: Sequence[int] | None = None, reset_attempts: bool = True) -> list[int]:
-    """Operator requeue: failed/deferred tasks back to the tail (by state, or by id)."""
+                  ids: Sequence[int] | None = None, reset_attempts: bool = True,
+                  after_id: int = 0, limit: int | None = None) -> list[int]:
+    """Operator requeue: failed/deferred tasks back to the tail (by state, or by id), in id
+    order from `after_id` on, at most `limit` of them (the caller's next chunk starts after the
+    last id returned)."""
     allowed = [s.value for s in states if s in (TaskState.FAILED, TaskState.DEFERRED)]
-    q = select(tasks.c.id, tasks.c.state).where(tasks.c.state.in_(allowed))
+    q = select(tasks.c.id, tasks.c.state).where(tasks.c.state.in_(allowed),
+                                                 tasks.c.id > after_id)
     if ids is not None:
         q = q.where(tasks.c.id.in_(list(ids)))
-    rows = tx.conn.execute(q.order_by(tasks.c.id)).all()
+    rows = tx.conn.execute(q.order_by(tasks.c.id).limit(limit)).all()
     pos = tail_position(tx)
-    done: list[int] = []
-    for row in rows:
-        values: dict[str, Any] = {"state": TaskState.QUEUED.value, "queue_pos": pos,
-                                  "reason": None, "updated_at": tx.now}
-        if reset_attempts:
-            values["attempts"] = 0
-        tx.conn.execute(update(tasks).where(and_(tasks.c.id == row.id,
-                                                 tasks.c.state == row.state)).values(**values))
-        tx.event(EventKind.MANUAL_REQUEUE, task_id=row.id, detail=f"from {row.state}")
-        done.append(row.id)
-        pos += 1
-    return done
+    tx.db.executemany(
+        "UPDATE tasks SET state = 'queued', queue_pos = ?, reason = NULL, updated_at = ?"
+        + (", attempts = 0" if reset_attempts else "") + " WHERE id = ? AND state = ?",
+        [(pos + i, tx.now, r.id, r.state) for i, r in enumerate(rows)])
+    for r in rows:
+        tx.event(EventKind.MANUAL_REQUEUE, task_id=r.id, detail=f"from {r.state}")
+    return [r.id for r in rows]
 
 
-def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None) -> list[int]:
+def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id: int = 0,
+                          limit: int | None = None) -> list[int]:
     """Operator requeue of done tasks whose run failed (result status not `ok`: a command's
     non-zero exit, a missing input, a callable that raised), after the cause was fixed: the
     result row is discarded (an event keeps its token, status and detail) and the task goes
     back to the tail with a fresh attempt budget. Only `done` tasks are touched, never a
-    dispatched one, so it is safe while a master runs."""
+    dispatched one, so it is safe while a master runs. `after_id` and `limit` as in
+    `requeue_tasks`."""
     q = (select(results.c.task_id, results.c.token, results.c.status, results.c.detail)
          .join(tasks, tasks.c.id == results.c.task_id)
-         .where(results.c.status != "ok", tasks.c.state == TaskState.DONE.value))
+         .where(results.c.status != "ok", tasks.c.state == TaskState.DONE.value,
+                results.c.task_id > after_id))
     if ids is not None:
         q = q.where(results.c.task_id.in_(list(ids)))
+    rows = tx.conn.execute(q.order_by(results.c.task_id).limit(limit)).all()
     pos = tail_position(tx)
-    done: list[int] = []
-    for row in tx.conn.execute(q.order_by(results.c.task_id)).all():
-        tx.conn.execute(results.delete().where(results.c.task_id == row.task_id))
-        tx.conn.execute(update(tasks).where(and_(
-            tasks.c.id == row.task_id, tasks.c.state == TaskState.DONE.value)).values(
-            state=TaskState.QUEUED.value, queue_pos=pos, attempts=0, reason=None,
-            updated_at=tx.now))
-        why = (row.detail or "").strip().splitlines()
-        tx.event(EventKind.MANUAL_REQUEUE, task_id=row.task_id, token=row.token,
-                 detail=f"from done: its {row.status} result discarded"
+    tx.db.executemany("DELETE FROM results WHERE task_id = ?", [(r.task_id,) for r in rows])
+    tx.db.executemany(
+        "UPDATE tasks SET state = 'queued', queue_pos = ?, attempts = 0, reason = NULL, "
+        "updated_at = ? WHERE id = ? AND state = 'done'",
+        [(pos + i, tx.now, r.task_id) for i, r in enumerate(rows)])
+    for r in rows:
+        why = (r.detail or "").strip().splitlines()
+        tx.event(EventKind.MANUAL_REQUEUE, task_id=r.task_id, token=r.token,
+                 detail=f"from done: its {r.status} result discarded"
                         + (f" ({why[-1][:200]})" if why else ""))
-        done.append(row.task_id)
-        pos += 1
-    return done
+    return [r.task_id for r in rows]
 
 
 def count_by_state(tx_or_conn: Any) -> dict[str, int]:

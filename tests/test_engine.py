@@ -11,11 +11,14 @@ from sqlalchemy import text
 
 from store.campaign import Store
 from store.engine import (
-    BUSY_TIMEOUT_MS, check_sqlite_version, filesystem_type, open_engine, read_pragmas,
+    BUSY_TIMEOUT_MS, JOURNAL_SIZE_LIMIT, check_sqlite_version, filesystem_type, open_engine,
+    read_pragmas,
 )
 from store.errors import (
-    CampaignExistsError, CampaignLockedError, DatabaseOpenError, UnsafeDatabaseError,
+    CampaignExistsError, CampaignLockedError, DatabaseOpenError, StoreWriteError,
+    UnsafeDatabaseError,
 )
+from store.stats import read_stats
 from store.versioning import check_revision, upgrade
 
 
@@ -26,7 +29,7 @@ def test_every_pragma_reads_back(db_path, mode, level):
         got = read_pragmas(conn)
     engine.dispose()
     assert got == {"journal_mode": "wal", "synchronous": level, "foreign_keys": 1,
-                   "busy_timeout": BUSY_TIMEOUT_MS}
+                   "busy_timeout": BUSY_TIMEOUT_MS, "journal_size_limit": JOURNAL_SIZE_LIMIT}
 
 
 def test_default_is_full(db_path):
@@ -60,6 +63,28 @@ def test_writes_begin_immediate(db_path):
             other.execute("BEGIN IMMEDIATE")
         other.close()
     engine.dispose()
+
+
+def test_reads_do_not_wait_for_another_writer(db_path, monkeypatch):
+    """`reading()` used to BEGIN IMMEDIATE like a write: while `coordinator requeue` (or a
+    `sqlite3` shell) held the write lock, the master's progress and stats reads waited for it,
+    and failed as "database is locked" past the busy timeout. Writes still wait."""
+    import store.engine
+    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    store = Store.open(db_path)
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with store.reading() as conn:
+            assert read_stats(conn).incarnation == 1
+        with pytest.raises(StoreWriteError, match="locked"), store.transaction("a write"):
+            pass
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    with store.transaction("a write"):  # the flag did not stay behind
+        pass
+    store.close()
 
 
 def test_read_only_file_is_refused_with_a_clear_error(tmp_path):

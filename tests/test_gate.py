@@ -459,13 +459,18 @@ def test_set_workers_updates_known_ranks_and_creates_unknown_ones(farm):
     assert {r.rank: r.state for r in rows(farm, workers)}[new_rank] == "idle"
 
 
-def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm):
+@pytest.mark.parametrize("field, held_value, free_value", [
+    ("target_branch", 5, 6),          # skipped in SQL already
+    ("schedule_prefix", [1, 2], [3]),  # only by the lease check: read past several windows
+])
+def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm, field, held_value,
+                                                                     free_value):
     """take_queued reads the queue a window of rows at a time: more waiting tasks than one
     window holds must not hide the dispatchable ones behind them, nor lose their places."""
-    held, _ = started(farm, {"path": "/seed/held", "target_branch": 5})
-    waiting = farm.enqueue(*({"path": f"/seed/w{i}", "target_branch": 5} for i in range(40)))
-    free = farm.enqueue({"path": "/seed/free1"}, {"path": "/seed/free2", "target_branch": 6},
-                        {"path": "/seed/free3", "target_branch": 6})
+    held, _ = started(farm, {"path": "/seed/held", field: held_value})
+    waiting = farm.enqueue(*({"path": f"/seed/w{i}", field: held_value} for i in range(100)))
+    free = farm.enqueue({"path": "/seed/free1"}, {"path": "/seed/free2", field: free_value},
+                        {"path": "/seed/free3", field: free_value})
     farm.ready(2, "")
     farm.ready(3, "")
     farm.ready(4, "")

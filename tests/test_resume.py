@@ -200,3 +200,28 @@ def test_a_known_payload_with_other_bytes_is_not_added_and_leaves_no_blob(farm):
     with farm.store.reading() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM blobs").scalar() == 1
     assert [t.id for t in rows(farm, tasks)] == first
+
+
+def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, capsys):
+    """One transaction of 100,000 tasks held the write lock for 30 s, and a master running on
+    the campaign gave up waiting for it (database is locked) and died. Chunks of
+    REQUEUE_CHUNK tasks each commit on their own; the queue order is still the id order."""
+    import sqlite3
+
+    import store.tasks
+    from coordinator.cli import main
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(10)))
+    farm.close()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
+    monkeypatch.setattr(store.tasks, "REQUEUE_CHUNK", 3)
+    assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
+    assert capsys.readouterr().out == f"requeued 10 task(s): {', '.join(map(str, ids))}\n"
+    with sqlite3.connect(db_path) as c:
+        order = [r[0] for r in c.execute(
+            "SELECT id FROM tasks WHERE state = 'queued' ORDER BY queue_pos, id")]
+        commits = c.execute("SELECT count(DISTINCT at) FROM events "
+                            "WHERE kind = 'manual_requeue'").fetchone()[0]
+    assert order == ids
+    assert commits == 4  # 3 + 3 + 3 + 1
