@@ -231,20 +231,25 @@ def reclaim_deferred(tx: Tx, available: Callable[[Mapping[str, Any]], bool] = in
     ).all()
     admitted: list[TaskRecord] = []
     refused: list[int] = []
+    newly_refused: list[tuple[str, int]] = []
     for row in rows:
         rec = _record(row)
         if is_self_contained(rec.payload, rec.input_hash is not None) or available(rec.payload):
             admitted.append(rec)
             continue
-        reason = f"input unavailable: {rec.payload['path']}"
-        tx.conn.execute(update(tasks).where(tasks.c.id == rec.id).values(reason=reason))
-        tx.event(EventKind.NOT_ADMITTED, task_id=rec.id, detail=reason)
         refused.append(rec.id)
+        reason = f"input unavailable: {rec.payload['path']}"
+        if rec.reason != reason:  # said once, not again at every resume (100,000 rows each)
+            newly_refused.append((reason, rec.id))
+            tx.event(EventKind.NOT_ADMITTED, task_id=rec.id, detail=reason)
+    tx.db.executemany("UPDATE tasks SET reason = ? WHERE id = ?", newly_refused)
     pos = head_position(tx) - len(admitted) + 1
+    tx.db.executemany(
+        "UPDATE tasks SET state = 'queued', queue_pos = ?, reason = NULL, updated_at = ? "
+        "WHERE id = ? AND state = 'deferred'",
+        [(pos + i, tx.now, rec.id) for i, rec in enumerate(admitted)])
     for rec in admitted:
-        set_state(tx, rec.id, TaskState.DEFERRED, TaskState.QUEUED, queue_pos=pos)
         tx.event(EventKind.RECLAIMED, task_id=rec.id)
-        pos += 1
     return [r.id for r in admitted], refused
 
 

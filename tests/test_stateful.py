@@ -102,6 +102,7 @@ class MTask:
     attempts: int = 0
     dispatches: int = 0
     deferred_at: float = 0.0
+    refused_said: bool = False  # a resume said its input is gone, and nothing changed since
 
 
 @dataclass
@@ -199,6 +200,7 @@ class GateMachine(RuleBasedStateMachine):
         else:
             t.state = "deferred"
             t.deferred_at = self.now
+            t.refused_said = False
             self.events["deferred" if protocol else "task_deferred"] += 1
 
     def _recover(self, d: MDispatch, *, protocol: bool = True) -> None:
@@ -694,7 +696,9 @@ class GateMachine(RuleBasedStateMachine):
             t.state, t.pos = "queued", pos
             pos += 1
         self.events["reclaimed"] += len(admitted)
-        self.events["not_admitted"] += len(refused)
+        for t in refused:  # once per refusal, not again at each resume
+            self.events["not_admitted"] += not t.refused_said
+            t.refused_said = True
         report = self.store.resume_report
         assert report.interrupted == [d.task_id for d in reversed(interrupted)]
         assert report.reclaimed == [t.id for t in admitted]
