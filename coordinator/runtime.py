@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from .config import RunConfig
 
@@ -36,6 +37,17 @@ def run(cfg: RunConfig) -> int:
     if transport.rank == 0:
         return _master(cfg, transport)
     return _worker(cfg, transport)
+
+
+#: A tasks file this large (bytes) takes long enough to read that the start says so.
+BIG_TASKS_FILE = 10_000_000
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # the reader reports it
 
 
 def peak_rss_mib() -> float:
@@ -143,6 +155,10 @@ def _master(cfg: RunConfig, transport) -> int:
     try:
         # Refused here, before the workers build theirs from what it resolved.
         resolved = getattr(_executor(cfg), "argv", None)
+        if cfg.tasks_file is not None and _size(cfg.tasks_file) >= BIG_TASKS_FILE:
+            # Minutes for millions of lines, before the pid line: say what is going on.
+            print(f"coordinator: reading {_size(cfg.tasks_file) / 1e6:,.0f} MB of tasks from "
+                  f"{cfg.tasks_file}...", file=sys.stderr, flush=True)
         initial = (demo_tasks(cfg.demo) if cfg.demo is not None else
                    load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
         outputs = _outputs(cfg)  # checked before the database is touched
@@ -158,6 +174,9 @@ def _master(cfg: RunConfig, transport) -> int:
             initial = demo_tasks(DEFAULT_DEMO_TASKS)  # a new campaign: the embedded default
             cfg = dataclasses.replace(cfg, demo=DEFAULT_DEMO_TASKS)  # (as `describe` says)
         if initial:
+            if len(initial) >= 100_000:
+                print(f"coordinator: importing {len(initial):,} tasks in one transaction...",
+                      file=sys.stderr, flush=True)
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:
                 added = enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin)
@@ -169,6 +188,7 @@ def _master(cfg: RunConfig, transport) -> int:
                       f"already in the campaign or repeated (the same payload) and were not "
                       f"added again",
                       file=sys.stderr, flush=True)
+        initial = None  # they are in the database now: not held through the whole run
         master = _make_master(cfg, store, transport, outputs)
         if early_stops:
             master.request_stop(early_stops[0])
