@@ -288,7 +288,11 @@ class CommandExecutor:
     def _environment(self, input_path: pathlib.Path, out_dir: pathlib.Path) -> dict[str, str]:
         env = dict(os.environ)
         env["SYMCC_OUTPUT_DIR"] = str(out_dir)
-        if self.uses_file_arg:
+        if env.get("SYMCC_MEMORY_INPUT", "").strip().lower() in ("1", "on", "yes", "true"):
+            # The user's harness makes a buffer symbolic itself: SymCC refuses a file input
+            # beside it ("Can't enable file and memory input at the same time").
+            env.pop("SYMCC_INPUT_FILE", None)
+        elif self.uses_file_arg:
             env["SYMCC_INPUT_FILE"] = str(input_path)
         else:
             # SymCC treats stdin as symbolic only while SYMCC_INPUT_FILE is unset; an inherited

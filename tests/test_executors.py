@@ -128,6 +128,22 @@ def test_command_stdin_mode_and_no_inherited_input_file(tmp_path, workdir, monke
     assert "input-env=None" in out.detail
 
 
+def test_command_file_mode_leaves_a_memory_input_harness_alone(tmp_path, workdir, monkeypatch):
+    """SymCC refuses SYMCC_INPUT_FILE beside SYMCC_MEMORY_INPUT, which the user sets for a
+    harness that makes a buffer symbolic itself: every run failed."""
+    monkeypatch.setenv("SYMCC_MEMORY_INPUT", "1")
+    monkeypatch.setenv("SYMCC_INPUT_FILE", "/bogus/from/the/environment")
+    target = write_script(tmp_path, "target.py", TARGET)
+    out = CommandExecutor([sys.executable, target, "@@"], timeout_s=30).run({}, b"hi", workdir)
+    assert out.status == "ok", out.detail
+    assert "input-env=None" in out.detail
+    monkeypatch.setenv("SYMCC_MEMORY_INPUT", "0")
+    again = tmp_path / "again"
+    again.mkdir()
+    out = CommandExecutor([sys.executable, target, "@@"], timeout_s=30).run({}, b"hi", again)
+    assert f"input-env={again.resolve() / 'input'}" in out.detail
+
+
 def test_command_nonzero_exit_is_an_error_but_keeps_testcases(tmp_path, workdir):
     target = write_script(tmp_path, "target.py", TARGET)
     ex = CommandExecutor([sys.executable, target, "@@"], timeout_s=30)
