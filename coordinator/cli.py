@@ -30,6 +30,7 @@ from .config import (
     int_range,
     non_negative_float,
     resolve_run,
+    timeout_seconds,
 )
 
 
@@ -107,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
                          "else demo")
     ex.add_argument("--callable", action=Once, default=None, metavar="MODULE:FUNCTION",
                     help="python executor: called with each task payload, returns JSON")
-    ex.add_argument("--timeout", action=Once, type=non_negative_float, default=None, metavar="S",
+    ex.add_argument("--timeout", action=Once, type=timeout_seconds, default=None, metavar="S",
                     help="command executor: kill the command's process group after S seconds "
                          "(default 30)")
     ex.add_argument("--demo-work-ms", action=Once, type=non_negative_float, default=0.0,
@@ -234,7 +235,8 @@ def _under_mpi_launcher() -> bool:
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
     if explicit:
-        return explicit
+        found = shutil.which(explicit)  # a path must be an executable file; a name, on PATH
+        return os.path.abspath(found) if found else None
     beside = Path(sys.executable).parent / "mpiexec"
     return str(beside) if beside.exists() else shutil.which("mpiexec")
 
@@ -266,6 +268,10 @@ def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
 
 def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
     mpiexec = find_mpiexec(ns.mpiexec)
+    if mpiexec is None and ns.mpiexec:
+        print(f"coordinator: --mpiexec {ns.mpiexec}: no such executable (give its path, or a "
+              f"name on PATH)", file=sys.stderr)
+        return EXIT_USAGE
     if mpiexec is None:
         print("coordinator: no mpiexec found; install the project (it brings Open MPI) or "
               "start the job with your MPI's mpiexec", file=sys.stderr)
@@ -343,6 +349,11 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
         print("coordinator: stopped before the master started; nothing was changed",
               file=sys.stderr, flush=True)
         return 128 + ended_by  # as a shell reports a process ended by that signal
+    if rc != 0 and not _recorded_pid(pid_file):
+        # Not one of ours: the launcher or MPI_Init failed, and nothing ran of the campaign.
+        print(f"coordinator: {cmd[0]} exited with status {rc if rc >= 0 else 128 - rc} before "
+              f"the master started (see its output above); nothing was changed",
+              file=sys.stderr, flush=True)
     return rc if rc >= 0 else 128 - rc
 
 

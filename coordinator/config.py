@@ -44,6 +44,19 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+#: The longest command timeout: the wait counts milliseconds in a C int (24.8 days), and a
+#: larger value failed every task with "OverflowError: timeout is too large".
+MAX_TIMEOUT_S = 1_000_000.0
+
+
+def timeout_seconds(text: str) -> float:
+    value = non_negative_float(text)
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0 and at most {MAX_TIMEOUT_S:,.0f} "
+                                         f"seconds")
+    return value
+
+
 def _from_env(name: str, parse):
     """`name` from the environment through the flag's own parser (same checks, same words,
     prefixed with the variable); None if unset or empty."""
@@ -119,7 +132,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     retries = ns.retries if ns.retries is not None else _env_int(ENV_RETRIES, 0, 16)
     max_attempts = (ns.max_attempts if ns.max_attempts is not None
                     else _env_int(ENV_MAX_ATTEMPTS, 1, None))
-    timeout = ns.timeout if ns.timeout is not None else _env_float(ENV_TIMEOUT)
+    timeout = ns.timeout if ns.timeout is not None else _from_env(ENV_TIMEOUT, timeout_seconds)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     watchdog = ns.watchdog if ns.watchdog is not None else _env_float(ENV_WATCHDOG)
     if watchdog is None:
@@ -185,11 +198,20 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     if executor != "command" and argv:
         raise ConfigError(f"a command after -- is only used with --executor command "
                           f"(executor is {executor})")
+    if executor == "demo" and ns.afl_out is not None:
+        # It would commit made-up results for AFL's inputs, and tie the campaign to it.
+        raise ConfigError("--afl-out needs the command to run on AFL's inputs, e.g. "
+                          "-- ./target_symcc @@ (or a --callable)")
 
     if ns.db.is_dir() or ns.db.name in ("", ".", ".."):
         raise ConfigError(f"--db {ns.db} is a directory; it names the campaign's database "
                           f"file, e.g. --db {ns.db / 'campaign.db'}")
     stats_file = ns.stats_file or ns.db.with_name(ns.db.name + ".stats")
+    for flag, path in (("--stats-file", ns.stats_file), ("--summary-json", ns.summary_json)):
+        # Written at the end: found out then, after the whole run.
+        if path is not None and not path.absolute().parent.is_dir():
+            raise ConfigError(f"{flag} {path}: the directory {path.absolute().parent} does not "
+                              f"exist")
     return RunConfig(
         db=ns.db, resume=resume, retries=1 if retries is None else retries,
         max_attempts=5 if max_attempts is None else max_attempts,

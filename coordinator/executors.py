@@ -439,6 +439,10 @@ def _resolve(spec: str) -> Callable[..., Any]:
     where, _, attr_path = spec.rpartition(":")
     if not where or not attr_path:
         raise ValueError(f"must look like {_SPEC_FORMS}")
+    if not _looks_like_file(where) and not ({"", os.getcwd()} & set(sys.path)):
+        # `python -m coordinator` finds a module of the start directory, the `coordinator`
+        # script did not: `mpiexec -n 8 coordinator run --callable mypkg.work:solve` failed.
+        sys.path.insert(0, os.getcwd())
     try:
         module = _import_file(where) if _looks_like_file(where) else importlib.import_module(where)
     except ValueError:

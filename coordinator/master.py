@@ -29,7 +29,7 @@ from store import dispatches as dsp
 from store import tasks as task_ops
 from store.campaign import Store
 from store.journal import Tx
-from store.schema import EventKind, WorkerState, dispatches, tasks, workers
+from store.schema import EventKind, TaskState, WorkerState, dispatches, tasks, workers
 from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, set_workers
@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 
 #: `Summary.stopped_by_signal` when every worker died (ULFM): not a stop anyone asked for.
 NO_WORKERS_LEFT = "no workers left"
+
+
+_OUTCOME_WORDS = {TaskState.QUEUED: "goes back to the queue", TaskState.DEFERRED: "is deferred",
+                  TaskState.FAILED: "failed (attempts used up)"}
 
 
 @dataclass
@@ -180,6 +184,7 @@ class Master:
             return False
         new_inputs = self._poll_sources() if poll_sources else []
         plan: list[tuple[dsp.Planned, bytes | None]] = []
+        timed_out: list[dsp.Recovery] = []
         with self._tx("master round") as tx:
             self._settle_sends(tx)
             committed, retried, planned_early = self._apply_answers(
@@ -190,7 +195,8 @@ class Master:
             if watchdog_due:                                         # 5 watchdog sweep
                 # Deadlines are seconds apart: checking a few times a second is enough.
                 self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
-                recovered += self.gate.watchdog(tx)
+                timed_out = self.gate.watchdog(tx)
+                recovered += timed_out
             if new_inputs:
                 task_ops.enqueue_tasks(tx, [task_ops.NewTask(
                     i.payload, i.input_bytes, origin=i.origin) for i in new_inputs],
@@ -203,6 +209,11 @@ class Master:
                 self._refresh_idle(tx)
         for p, data in plan:  # committed: now the WORK may leave
             self._send_work(p, data)
+        for rec in timed_out:  # a hung rank is otherwise silent: all of them, a silent run
+            print(f"coordinator: rank {rec.rank} passed its --watchdog deadline "
+                  f"({self.config.watchdog_s:g} s); task {rec.task_id} "
+                  f"{_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}; the rank gets no work "
+                  f"until it answers", file=sys.stderr, flush=True)
         return bool(readies or plan or results)
 
     def _retire_dead(self, tx: Tx, ranks: list[int]) -> list[dsp.Recovery]:

@@ -64,6 +64,13 @@ class TestcaseWriter:
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise ValueError(f"{self.out_dir} is not a directory (new test cases are written "
                              f"there)")
+        # Found out at the first test case otherwise: after the campaign was created.
+        nearest = self.out_dir.absolute()
+        while not nearest.exists():
+            nearest = nearest.parent
+        if not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
+            raise ValueError(f"{self.out_dir} cannot be written ({nearest} is not a writable "
+                             f"directory; new test cases are written there)")
         if scan:
             self.scan()
 

@@ -154,3 +154,46 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "1e7", "inf", "nan", "-1"])
+def test_a_timeout_that_cannot_be_waited_for_is_refused(tmp_path, monkeypatch, value):
+    """1e7 s or inf used to start, then commit every task as `error` (OverflowError in the
+    wait); 0 was refused only by the executor, without naming the variable."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["run", "--db", str(tmp_path / "c.db"), "--timeout", value])
+    monkeypatch.setenv("SYMCC_TIMEOUT", value)
+    with pytest.raises(ConfigError, match="SYMCC_TIMEOUT"):
+        resolve(tmp_path, "--", "./target", "@@")
+
+
+def test_an_afl_campaign_needs_something_to_run_its_inputs(tmp_path):
+    with pytest.raises(ConfigError, match="--afl-out needs the command"):
+        resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main")
+
+
+def test_end_of_run_files_in_a_missing_directory_are_refused_at_start(tmp_path):
+    for flag in ("--stats-file", "--summary-json"):
+        with pytest.raises(ConfigError, match=f"{flag} .* does not exist"):
+            resolve(tmp_path, flag, str(tmp_path / "missing" / "f"))
+
+
+def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
+    """`--mpiexec /nonexistent` ended in a traceback, `--mpiexec /bin/false` in exit 1 and not
+    a word."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+
+    def launch(mpiexec: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                               str(tmp_path / "c.db"), "--no-progress", "--mpiexec", mpiexec],
+                              capture_output=True, text=True, timeout=120, env=env, check=False)
+    missing = launch(str(tmp_path / "nonexistent"))
+    assert missing.returncode == 2
+    assert "--mpiexec" in missing.stderr and "no such executable" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    false = launch("false")  # a name on PATH
+    assert false.returncode == 1
+    assert "exited with status 1 before the master started" in false.stderr
+    assert not (tmp_path / "c.db").exists()

@@ -333,6 +333,19 @@ def test_python_happy_path_from_file_spec(task_file, workdir):
     assert out.testcases == []
 
 
+def test_a_module_spec_is_found_in_the_start_directory_without_python_m(tmp_path):
+    """The `coordinator` console script (under a user's own mpiexec) has no start directory
+    on sys.path, unlike `python -m coordinator`: `--callable mypkg.work:solve` failed there."""
+    (tmp_path / "mymod_here.py").write_text("def solve(task):\n    return task['n'] * 2\n")
+    script = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]"
+              "; from coordinator.executors import PythonExecutor; "
+              "print(PythonExecutor('mymod_here:solve').run({'n': 21}, None, '.').value)")
+    probe = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout == "42\n"
+
+
 def test_python_module_spec_and_two_argument_form(tmp_path, workdir, monkeypatch):
     module_name = f"farm_{tmp_path.name}"
     (tmp_path / f"{module_name}.py").write_text(TASK_MODULE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 import sys
 
@@ -118,3 +119,17 @@ def test_src_is_the_afl_id_of_the_input_else_the_task():
     assert input_id({"path": "/o/symcc/queue/id:000042,src:000123"}, 8) == "000042"
     assert input_id({"path": "/seeds/a"}, 9) == "task9"
     assert input_id({"data": 1}, 10) == "task10"
+
+
+def test_an_output_directory_that_cannot_be_created_is_refused_at_once(tmp_path):
+    """Found out at the first test case before, after the campaign was created (exit 3
+    instead of a refusal that changes nothing)."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="cannot be written"):
+        TestcaseWriter(tmp_path / "afile" / "out", afl_style=False, scan=False)
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="cannot be written"):
+            TestcaseWriter(locked / "out", afl_style=False, scan=False)
+    TestcaseWriter(tmp_path / "new" / "deeper", afl_style=False, scan=False)  # created later
