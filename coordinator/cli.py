@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="only this task (repeatable)")
 
     d = sub.add_parser("db", help="schema maintenance")
-    dsub = d.add_subparsers(dest="db_cmd", required=True)
+    dsub = d.add_subparsers(dest="db_cmd", required=True, metavar="upgrade")
     u = dsub.add_parser("upgrade", help="create or bring a campaign database to the code's "
                                         "schema (same as `alembic -x db=PATH upgrade head`)")
     u.add_argument("--db", type=Path, required=True)
@@ -468,6 +468,11 @@ def _requeue(ns: argparse.Namespace) -> int:
     finally:
         store.close()
     print(f"requeued {len(done)} task(s)" + (f": {', '.join(map(str, done))}" if done else ""))
+    left = sorted(set(ns.ids or ()) - set(done))
+    if left:
+        wanted = {"all": "failed or deferred", "error": "done with a result that is not ok"}
+        print(f"coordinator: not requeued (no such task, or not "
+              f"{wanted.get(ns.state, ns.state)}): {', '.join(map(str, left))}", file=sys.stderr)
     return 0
 
 

@@ -214,7 +214,7 @@ def _master(cfg: RunConfig, transport) -> int:
             _exit_now(status)
         return status
     transport.bcast({"argv": resolved})
-    print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} workers, "
+    print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} worker{'s' if transport.size > 2 else ''}, "
           f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}` (or Ctrl-C)",
           file=sys.stderr, flush=True)
 

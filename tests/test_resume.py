@@ -232,3 +232,9 @@ def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, caps
                             "WHERE kind = 'manual_requeue'").fetchone()[0]
     assert order == ids
     assert commits == 4  # 3 + 3 + 3 + 1
+    # an id that is not there (or not in that state) is named, not passed over in silence
+    assert main(["requeue", "--db", str(db_path), "--id", str(ids[0]), "--id", "9999"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "requeued 0 task(s)\n"
+    assert out.err == (f"coordinator: not requeued (no such task, or not failed or deferred): "
+                       f"{ids[0]}, 9999\n")
