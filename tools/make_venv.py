@@ -30,8 +30,9 @@ def _pyproject(python: str) -> dict:
         return tomllib.loads((ROOT / "pyproject.toml").read_text())
     except ModuleNotFoundError:
         subprocess.run([python, "-m", "pip", "install", "-q", "tomli"], check=True)
-        out = subprocess.run([python, "-c", "import json, sys, tomli; json.dump(tomli.load("
-                              "open(sys.argv[1], 'rb')), sys.stdout)", ROOT / "pyproject.toml"],
+        dump = ("import json, sys, tomli; "
+                "json.dump(tomli.load(open(sys.argv[1], 'rb')), sys.stdout)")
+        out = subprocess.run([python, "-c", dump, ROOT / "pyproject.toml"],
                              check=True, capture_output=True, text=True).stdout
         return json.loads(out)
 
