@@ -215,7 +215,10 @@ def _master(cfg: RunConfig, transport) -> int:
         return status
     transport.bcast({"argv": resolved})
     print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} worker{'s' if transport.size > 2 else ''}, "
-          f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}` (or Ctrl-C)",
+          f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}`"
+          # Only the self-launcher turns Ctrl-C into that; under the user's own mpiexec a
+          # Ctrl-C reaches the launcher, which ends the job at once.
+          f"{' (or Ctrl-C)' if cfg.master_pid_file is not None else ''}",
           file=sys.stderr, flush=True)
 
     report = store.resume_report
