@@ -214,8 +214,8 @@ class CommandExecutor:
     The program runs in its own session, so on timeout the whole process group is killed.
     Regular files the program leaves directly in ``$SYMCC_OUTPUT_DIR`` become test cases,
     whatever the exit status (SymCC targets often exit nonzero after writing useful inputs).
-    On a timeout the files written so far travel with the outcome, but a timed-out run is
-    retried, never committed, so they do not become test cases.
+    On a timeout the files written so far travel with the outcome: the run is retried, never
+    committed, but the master keeps those test cases.
     """
 
     #: The target writes its test cases into SYMCC_OUTPUT_DIR: a fresh directory per dispatch.

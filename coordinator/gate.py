@@ -129,9 +129,12 @@ class Gate:
     def __init__(self, store: Store, *,
                  validate: Callable[[Mapping[str, Any]], tuple[Any, str | None]] = validate_result,
                  commit: Callable[[Tx, dsp.ActiveDispatch, Any, str | None],
-                                  dsp.CommitItem] = default_commit):
+                                  dsp.CommitItem] = default_commit,
+                 salvage: Callable[[Tx, dsp.ActiveDispatch, Any], int] | None = None):
+        """`salvage`: keeps what a current run that is retried already produced (the test
+        cases a timed-out SymCC run wrote), returning how many were kept."""
         self.store = store
-        self.validate, self.commit = validate, commit
+        self.validate, self.commit, self.salvage = validate, commit, salvage
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
@@ -233,8 +236,11 @@ class Gate:
                 if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
+                    kept = self.salvage(tx, a, parsed) if self.salvage is not None else 0
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
-                                         reason=str(_status_of(parsed)),
+                                         reason=str(_status_of(parsed)) + (
+                                             f" ({kept} test case{'s' * (kept != 1)} kept)"
+                                             if kept else ""),
                                          worker_state=WorkerState.BUSY)
                     out.retried.append(m.rank)
                     del active[m.rank]

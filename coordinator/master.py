@@ -105,7 +105,8 @@ class Master:
                  writer: TestcaseWriter | None = None):
         self.store, self.transport, self.config = store, transport, config
         self.sources, self.writer = list(sources), writer
-        self.gate = Gate(store, validate=check_result, commit=self._commit)
+        self.gate = Gate(store, validate=check_result, commit=self._commit,
+                         salvage=self._salvage)
         self.summary = Summary()
         self._stop_signal: str | None = None
         self._stop_at = 0.0
@@ -391,15 +392,29 @@ class Master:
 
     def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
                 value_json: str | None) -> dsp.CommitItem:
+        written, created = self._keep_testcases(tx, active.task_id, res.testcases)
+        return dsp.CommitItem(active.rank, active.token, status=res.status,
+                              value_json=value_json, testcases=written,
+                              new_tasks=created, detail=failure_detail(res))
+
+    def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result) -> int:
+        """A timed-out run is retried, but the test cases it wrote before it was killed are
+        real (SymCC writes each as it finds it, and its own helper keeps them): kept."""
+        return self._keep_testcases(tx, active.task_id, res.testcases)[0]
+
+    def _keep_testcases(self, tx: Tx, task_id: int,
+                        testcases: Sequence[tuple[str, bytes]]) -> tuple[int, int]:
+        """Writes a current run's test cases and queues the new ones (the feedback loop):
+        (files written, tasks created)."""
         written, new = 0, []
-        if res.testcases and self.writer is not None:
-            task = task_ops.get_task(tx, active.task_id)
+        if testcases and self.writer is not None:
+            task = task_ops.get_task(tx, task_id)
             assert task is not None
             depth = task.depth + 1
             feedback = self.config.feedback and (self.config.max_depth == 0
                                                  or depth <= self.config.max_depth)
             src = input_id(task.payload, task.id)
-            for _name, content in res.testcases:  # the worker's name never becomes a path
+            for _name, content in testcases:  # the worker's name never becomes a path
                 if self.writer.afl_style and task_ops.content_known(tx, content_hash(content)):
                     # An input the campaign already has (often the task's own, unchanged):
                     # AFL has it, and writing it back would only make AFL run it again.
@@ -411,9 +426,7 @@ class Master:
                                                 depth=depth, parent_id=task.id))
         # Content already known as some task's input is not run again.
         created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
-        return dsp.CommitItem(active.rank, active.token, status=res.status,
-                              value_json=value_json, testcases=written,
-                              new_tasks=len(created), detail=failure_detail(res))
+        return written, len(created)
 
     def _tx(self, operation: str):
         self.summary.transactions += 1

@@ -194,6 +194,40 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     assert status_json(db)["results_by_status"] == {"ok": 6}
 
 
+SLOW_TARGET = textwrap.dedent("""\
+    import os, sys, time
+    data = open(sys.argv[1], "rb").read()
+    with open(os.path.join(os.environ["SYMCC_OUTPUT_DIR"], "000000"), "wb") as f:
+        f.write(data + b"-found-before-the-timeout")
+    time.sleep(600)  # killed at the timeout
+    """)
+
+
+def test_a_timed_out_run_is_retried_and_its_test_cases_are_kept(tmp_path):
+    """SymCC writes each new input as it finds it; a run killed at the timeout used to lose
+    them (and every retry found them again, and lost them again)."""
+    target = tmp_path / "slow.py"
+    target.write_text(SLOW_TARGET)
+    seed = tmp_path / "seed"
+    seed.write_bytes(b"SLOW")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(f'{{"path": "{seed}", "input_file": "{seed}"}}\n')
+    db, out = tmp_path / "c.db", tmp_path / "out"
+    done = run(["run", "--db", str(db), "--tasks", str(tasks), "--out", str(out),
+                "--timeout", "1", "--retries", "1", "--max-attempts", "2", "--no-feedback",
+                "--no-progress", "--", sys.executable, str(target), "@@"], timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=1)
+    assert [p.read_bytes() for p in out.iterdir()] == [b"SLOW-found-before-the-timeout"]
+    assert query(db, "SELECT count(*) FROM results") == [(0,)]
+    assert query(db, "SELECT state, attempts FROM tasks") == [("failed", 2)]
+    details = [d for (d,) in query(db, "SELECT detail FROM events WHERE kind = 'task_failed' "
+                                        "ORDER BY id")]
+    assert len(details) == 2, details
+    assert details[0].startswith("timeout (1 test case kept)")
+    assert "kept" not in details[1]  # the retry found the same one: nothing new to keep
+
+
 def test_afl_queue_filled_while_running(tmp_path):
     target = write_target(tmp_path)
     afl = tmp_path / "afl_out"
