@@ -132,7 +132,11 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     retries = ns.retries if ns.retries is not None else _env_int(ENV_RETRIES, 0, 16)
     max_attempts = (ns.max_attempts if ns.max_attempts is not None
                     else _env_int(ENV_MAX_ATTEMPTS, 1, None))
-    timeout = ns.timeout if ns.timeout is not None else _from_env(ENV_TIMEOUT, timeout_seconds)
+    # The command's limit: an inherited value no command uses must not refuse a demo or python
+    # run (it still feeds the default watchdog).
+    commands = ns.executor == "command" or (ns.executor is None and bool(ns.command))
+    timeout = ns.timeout if ns.timeout is not None else _from_env(
+        ENV_TIMEOUT, timeout_seconds if commands else non_negative_float)
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     watchdog = ns.watchdog if ns.watchdog is not None else _env_float(ENV_WATCHDOG)
     if watchdog is None:

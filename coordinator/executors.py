@@ -442,7 +442,7 @@ def _resolve(spec: str) -> Callable[..., Any]:
     if not _looks_like_file(where) and not ({"", os.getcwd()} & set(sys.path)):
         # `python -m coordinator` finds a module of the start directory, the `coordinator`
         # script did not: `mpiexec -n 8 coordinator run --callable mypkg.work:solve` failed.
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())  # last: it must not shadow what is installed
     try:
         module = _import_file(where) if _looks_like_file(where) else importlib.import_module(where)
     except ValueError:
@@ -562,11 +562,15 @@ class PythonExecutor:
         args: tuple[Any, ...] = (copy.deepcopy(task),)
         if self.pass_input_bytes:
             args += (input_bytes,)
-        real_exit, pid = os._exit, os.getpid()
+        real_exit, pid, thread = os._exit, os.getpid(), threading.get_ident()
+        calling = [True]
 
         def exit_in_call(code: int) -> NoReturn:
-            if os.getpid() != pid:
-                real_exit(code)  # a child the callable forked (multiprocessing ends them so)
+            # Only the call itself: a child the callable forked (multiprocessing ends them
+            # so), another thread (a watchdog Timer) or a reference kept past the call exits
+            # for real, as it would without the worker.
+            if not calling[0] or os.getpid() != pid or threading.get_ident() != thread:
+                real_exit(code)
             raise CallableExited(code)
 
         os._exit = exit_in_call
@@ -581,6 +585,7 @@ class PythonExecutor:
                 detail=_exception_detail(exc),
             )
         finally:
+            calling[0] = False
             os._exit = real_exit
         duration = time.perf_counter() - started
         try:

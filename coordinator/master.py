@@ -213,8 +213,9 @@ class Master:
         for rec in timed_out:  # a hung rank is otherwise silent: all of them, a silent run
             print(f"coordinator: rank {rec.rank} passed its --watchdog deadline "
                   f"({self.config.watchdog_s:g} s); task {rec.task_id} "
-                  f"{_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}; the rank gets no work "
-                  f"until it answers", file=sys.stderr, flush=True)
+                  f"{_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}; "
+                  + ("the rank had answered READY and gets new work" if rec.ready_seen else
+                     "the rank gets no work until it answers"), file=sys.stderr, flush=True)
         return bool(readies or plan or results)
 
     def _retire_dead(self, tx: Tx, ranks: list[int]) -> list[dsp.Recovery]:

@@ -323,9 +323,9 @@ def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object])
     writer.scan()
     if writer.resumed_from_sync is not None:
         instance, counter = writer.resumed_from_sync
-        print(f"coordinator: AFL instance {instance!r} has imported {counter} test cases from "
-              f"{cfg.name!r} already ({cfg.afl_out}/{instance}/.synced/{cfg.name}); new ones "
-              f"are numbered from id:{counter:06d}, which is where its sync goes on",
+        print(f"coordinator: AFL instance {instance!r} expects id:{counter:06d} next from "
+              f"{cfg.name!r} ({cfg.afl_out}/{instance}/.synced/{cfg.name}), past our files; new "
+              f"test cases are numbered from there, or its sync would import none of them",
               file=sys.stderr, flush=True)
     return Master(store, transport, MasterConfig(
         max_message_bytes=cfg.max_message_bytes, watchdog_s=cfg.watchdog_s,

@@ -8,6 +8,7 @@ so removing the row is the whole rollback of rank-owned state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from collections.abc import Collection, Iterable, Sequence
@@ -77,6 +78,7 @@ class Recovery:
     outcome: TaskState  # queued (requeued at the head), deferred or failed
     attempts: int
     defer_failed: bool = False
+    ready_seen: bool = False  # the rank's READY for it was seen: the rank is idle, not parked
 
 
 _ACTIVE = """
@@ -285,6 +287,7 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     rec = _apply_retry(tx, rank, token, row[0], detail,
                        protocol=cause is not EventKind.TASK_FAILED)
     if row[2] is not None:
+        rec = dataclasses.replace(rec, ready_seen=True)
         set_workers(tx, [(rank, WorkerState.IDLE)])
     elif worker_state is not None:
         set_workers(tx, [(rank, worker_state)],

@@ -165,6 +165,8 @@ def test_a_timeout_that_cannot_be_waited_for_is_refused(tmp_path, monkeypatch, v
     monkeypatch.setenv("SYMCC_TIMEOUT", value)
     with pytest.raises(ConfigError, match="SYMCC_TIMEOUT"):
         resolve(tmp_path, "--", "./target", "@@")
+    if value not in ("-1", "nan"):  # (not a time at all: refused whatever runs)
+        assert resolve(tmp_path).executor == "demo"  # no command: an inherited value is moot
 
 
 def test_an_afl_campaign_needs_something_to_run_its_inputs(tmp_path):

@@ -294,6 +294,13 @@ TASK_MODULE = textwrap.dedent(
         except Exception:  # the callable's own catch-all must not swallow it
             return "swallowed"
 
+    def thread_exits(task):
+        import os, threading
+        t = threading.Thread(target=os._exit, args=(9,))  # a hard limit, as a Timer would
+        t.start()
+        t.join()
+        return "not reached"
+
     def forks(task):
         import os
         pid = os.fork()
@@ -383,6 +390,12 @@ def test_python_os_exit_is_the_tasks_failure_and_the_worker_stays(task_file, wor
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout == ("error CallableExited: the callable called os._exit(7); the "
                             "worker stayed True\n")
+    # Another thread's os._exit (a Timer putting a hard limit on the call) ends the process
+    # for real, as it would without the worker.
+    probe = subprocess.run([sys.executable, "-c", script, f"{task_file}:thread_exits",
+                            str(workdir)],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert probe.returncode == 9, (probe.stdout, probe.stderr)
     real_exit = os._exit
     # A child the callable forks exits for real, with its own status.
     assert PythonExecutor(f"{task_file}:forks").run({"code": 5}, None, workdir).value == 5

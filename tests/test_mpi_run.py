@@ -295,7 +295,7 @@ def test_afl_sync_counter_no_feedback_and_inputs_not_written_back(tmp_path):
     finally:
         kill_job(proc)
     assert done.returncode == 0, done.stderr
-    assert "new ones are numbered from id:000455" in done.stderr
+    assert "expects id:000455 next from 'symcc'" in done.stderr
     ours = afl / "symcc" / "queue"
     written = {p.name: p.read_bytes() for p in ours.iterdir()}
     assert sorted(written.values()) == [b"one-x", b"three-x", b"two-x"]
