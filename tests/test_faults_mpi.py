@@ -270,6 +270,7 @@ def test_a_stale_result_is_quarantined_and_its_dispatch_retired_by_the_watchdog(
     assert event_tokens(db, "requeued") == sorted(faulted)
     # said on the console too (a run whose ranks all hang was silent)
     assert done.stderr.count("passed its --watchdog deadline (1 s); task ") == len(faulted)
+    assert done.stderr.count("the rank had answered READY and gets new work") == len(faulted)
     ev = event_counts(db)
     for absent in ("invalid", "recovered", "worker_recovered", "deferred", "failed"):
         assert absent not in ev
