@@ -464,6 +464,8 @@ def test_a_hung_worker_is_retired_parked_and_the_others_finish(tmp_path):
     assert_each_task_committed_once(db, N)
     assert token not in {t for (t,) in query(db, "SELECT token FROM results")}
     assert "ranks [1] did not acknowledge STOP" in done.stderr, done.stderr[-3000:]
+    assert "rank 1 passed its --watchdog deadline" in done.stderr
+    assert "the rank gets no work until it answers" in done.stderr
     s = assert_status_agrees(db)
     assert (s["watchdog_timeouts"], s["watchdog_recoveries"]) == (1, 0)
 
