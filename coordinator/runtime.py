@@ -214,7 +214,8 @@ def _master(cfg: RunConfig, transport) -> int:
             _exit_now(status)
         return status
     transport.bcast({"argv": resolved})
-    print(f"coordinator: master pid {pid} on {host}, {transport.size - 1} worker{'s' if transport.size > 2 else ''}, "
+    workers = transport.size - 1
+    print(f"coordinator: master pid {pid} on {host}, {workers} worker{'s' * (workers != 1)}, "
           f"{describe(cfg)}; stop gracefully with `kill -TERM {pid}`"
           # Only the self-launcher turns Ctrl-C into that; under the user's own mpiexec a
           # Ctrl-C reaches the launcher, which ends the job at once.
