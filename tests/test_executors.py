@@ -340,6 +340,13 @@ def test_python_happy_path_from_file_spec(task_file, workdir):
     assert out.testcases == []
 
 
+def python_probe(script: str, *args: str, cwd: pathlib.Path | None = None,
+                 ) -> subprocess.CompletedProcess:
+    """`script` in a Python process of its own (what it tests could end or change this one)."""
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
 def test_a_module_spec_is_found_in_the_start_directory_without_python_m(tmp_path):
     """The `coordinator` console script (under a user's own mpiexec) has no start directory
     on sys.path, unlike `python -m coordinator`: `--callable mypkg.work:solve` failed there."""
@@ -347,8 +354,7 @@ def test_a_module_spec_is_found_in_the_start_directory_without_python_m(tmp_path
     script = ("import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', os.getcwd())]"
               "; from coordinator.executors import PythonExecutor; "
               "print(PythonExecutor('mymod_here:solve').run({'n': 21}, None, '.').value)")
-    probe = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=60, check=False)
+    probe = python_probe(script, cwd=tmp_path)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout == "42\n"
 
@@ -385,16 +391,13 @@ def test_python_os_exit_is_the_tasks_failure_and_the_worker_stays(task_file, wor
     script = ("import os, sys; from coordinator.executors import PythonExecutor; "
               "real = os._exit; out = PythonExecutor(sys.argv[1]).run({}, None, sys.argv[2]); "
               "print(out.status, out.detail, os._exit is real)")
-    probe = subprocess.run([sys.executable, "-c", script, f"{task_file}:exits", str(workdir)],
-                           capture_output=True, text=True, timeout=60, check=False)
+    probe = python_probe(script, f"{task_file}:exits", str(workdir))
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout == ("error CallableExited: the callable called os._exit(7); the "
                             "worker stayed True\n")
     # Another thread's os._exit (a Timer putting a hard limit on the call) ends the process
     # for real, as it would without the worker.
-    probe = subprocess.run([sys.executable, "-c", script, f"{task_file}:thread_exits",
-                            str(workdir)],
-                           capture_output=True, text=True, timeout=60, check=False)
+    probe = python_probe(script, f"{task_file}:thread_exits", str(workdir))
     assert probe.returncode == 9, (probe.stdout, probe.stderr)
     real_exit = os._exit
     # A child the callable forks exits for real, with its own status.
