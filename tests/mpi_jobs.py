@@ -197,7 +197,7 @@ def check_conservation(db: Path, expected_tasks: int | None = None) -> None:
     assert query(db, "SELECT count(*) FROM leases") == [(0,)]
     assert query(db, "SELECT count(*) FROM tasks WHERE state='active'") == [(0,)]
     done = query(db, "SELECT count(*) FROM tasks WHERE state='done'")[0][0]
-    assert query(db, "SELECT count(*) FROM results")[0][0] == done
+    assert query(db, "SELECT count(*), count(DISTINCT token) FROM results") == [(done, done)]
     assert query(db, "SELECT count(*) FROM results r JOIN tasks t ON t.id=r.task_id "
                      "WHERE t.state != 'done'") == [(0,)]
     # every committed token was dispatched for that task

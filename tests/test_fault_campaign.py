@@ -162,6 +162,16 @@ def test_checker_reports_an_unfinished_task_as_lost(campaign):
     assert r["stats_mismatches"] == 0  # status --json reads the same (planted) rows
 
 
+def test_checker_reports_one_token_committed_for_two_tasks(campaign):
+    """No index refuses it since revision 0005; the audit must."""
+    db, _, good = campaign
+    _write(db, "UPDATE results SET token = ? WHERE task_id = (SELECT max(task_id) FROM results "
+               "WHERE token != ?)", params=(good, good))
+    r = _check(db)
+    assert r["duplicate_commits"] == 1
+    assert any("distinct tokens" in p for p in r["problems"])
+
+
 def test_checker_reports_another_tasks_value_as_wrong(campaign):
     db, _, good = campaign
     _write(db, "UPDATE results SET value = json_set(value, '$.n', 999) WHERE token = ?",

@@ -291,7 +291,9 @@ def test_migrated_schema_enforces_the_invariants(tmp_path: Path):
             uniques = {t: {tuple(u["column_names"]) for u in insp.get_unique_constraints(t)}
                        for t in ("dispatches", "results", "leases", "tasks")}
             assert {("rank",), ("task_id",)} <= uniques["dispatches"]
-            assert ("token",) in uniques["results"]
+            # A result's token was unique as its dispatch's primary key; the result's own key
+            # is the task (revision 0005 dropped the token index from the hot path).
+            assert uniques["results"] == set()
             assert ("kind", "key") in uniques["leases"]
             assert ("semantic_id",) in uniques["tasks"]
             assert insp.get_pk_constraint("results")["constrained_columns"] == ["task_id"]
@@ -388,3 +390,83 @@ def test_0002_moves_the_ready_time_from_the_old_events_into_results(tmp_path: Pa
         conn.close()
     assert rows == [(1, 12.5, None), (2, None, None)]
     assert kinds == [("committed", 2), ("ready", 1)]  # history is kept, not rewritten
+
+
+def _plans(path: Path, *queries: str) -> list[str]:
+    conn = sqlite3.connect(path)
+    try:
+        return [" / ".join(r[3] for r in conn.execute(f"EXPLAIN QUERY PLAN {q}"))
+                for q in queries]
+    finally:
+        conn.close()
+
+
+def test_0005_keeps_every_result_and_event_and_goes_back(tmp_path: Path):
+    """0005 copies `results` without the token index and narrows the kind index: a file with
+    results at 0004 keeps every row byte for byte, and a downgrade brings the UNIQUE token
+    index and the full kind index back."""
+    db = tmp_path / "old.db"
+    versioning.upgrade(db, "0004")
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            for i in (1, 2, 3):
+                tok = f"{i:x}" * 64
+                conn.execute("INSERT INTO tasks (id, semantic_id, payload, state, queue_pos, "
+                             "created_at, updated_at) VALUES (?, ?, '{}', 'done', ?, 0, 0)",
+                             (i, f"{i:064x}", i))
+                conn.execute("INSERT INTO results (task_id, token, rank, incarnation, "
+                             "committed_at, status, value, detail) VALUES (?, ?, 1, 1, 20, ?, "
+                             "'{\"n\": 1}', ?)", (i, tok[:64], "ok" if i < 3 else "error",
+                                                  None if i < 3 else "exit 1"))
+                for kind in ("enqueued", "dispatched", "retried"):
+                    conn.execute("INSERT INTO events (at, incarnation, kind, task_id) "
+                                 "VALUES (1, 1, ?, ?)", (kind, i))
+    finally:
+        conn.close()
+    def rows() -> dict[str, object]:
+        got = dict(_dump(db)["rows"])  # type: ignore[call-overload]
+        del got["alembic_version"]
+        return got
+
+    before = rows()
+    assert before["results"] and before["events"]
+    assert versioning.upgrade(db) == ("0004", "0005")
+    assert rows() == before
+    with sqlite3.connect(db) as conn:
+        indexes = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = "
+                                              "'index' AND tbl_name IN ('results', 'events')")}
+    assert {"ix_results_status", "ix_events_counted_kind"} <= indexes
+    assert "ix_events_kind" not in indexes and not any("autoindex_results" in n for n in indexes)
+
+    _run_alembic(db, "downgrade", "0004")
+    assert rows() == before
+    with pytest.raises(sqlite3.IntegrityError, match="results.token"), \
+            sqlite3.connect(db) as conn:
+        conn.execute("UPDATE results SET token = (SELECT token FROM results WHERE "
+                     "task_id = 1) WHERE task_id = 2")
+    assert _plans(db, "SELECT count(*) FROM events WHERE kind = 'dispatched'") == [
+        "SEARCH events USING COVERING INDEX ix_events_kind (kind=?)"]
+
+
+def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):
+    """What keeps `status` and the live progress cheap on a million tasks: the counts read
+    `ix_results_status` and the partial `ix_events_counted_kind`, never the rows. A query
+    whose text drifts from the partial index's condition silently scans every event."""
+    from store import stats
+
+    db = tmp_path / "plans.db"
+    versioning.upgrade(db)
+    plans = _plans(db, str(stats._COUNT_EVENTS), "SELECT count(*) FROM results",
+                   "SELECT status, count(*) FROM results GROUP BY status")
+    assert plans == ["SCAN events USING COVERING INDEX ix_events_counted_kind",
+                     "SCAN results USING COVERING INDEX ix_results_status",
+                     "SCAN results USING COVERING INDEX ix_results_status"]
+    engine = open_engine(db)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("INSERT INTO events (at, incarnation, kind) VALUES "
+                              "(1, 1, 'dispatched'), (1, 1, 'enqueued'), (1, 1, 'requeued')"))
+            assert stats.read_stats(conn).events == {"requeued": 1}
+    finally:
+        engine.dispose()

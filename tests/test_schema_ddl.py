@@ -18,6 +18,7 @@ def clauses(sql: str) -> tuple[str, frozenset[str]]:
     sql = re.sub(r"\s+", " ", sql).strip()
     sql = re.sub(r"DEFAULT \(('[^']*')\)", r"DEFAULT \1", sql)  # ('') and '' are one default
     head, _, body = sql.partition("(")
+    head = head.replace('"', "")  # a table Alembic's batch mode rebuilt is named quoted
     parts, depth, quoted, cur = [], 0, False, ""
     for ch in body.rstrip(")").rstrip():
         if ch == "'":

@@ -530,9 +530,13 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
         problems.extend(msgs)
 
     # -- duplicate commits -------------------------------------------------------------------
-    n_results, n_distinct = q("SELECT count(*), count(DISTINCT task_id) FROM results")[0]
+    n_results, n_distinct, n_tokens = q(
+        "SELECT count(*), count(DISTINCT task_id), count(DISTINCT token) FROM results")[0]
     r["results"] = n_results
-    dup = n_results - n_distinct
+    # No index enforces one result per token since revision 0005: this check does.
+    dup = n_results - n_distinct + n_results - n_tokens
+    if n_results != n_tokens:
+        problems.append(f"{n_results} results from {n_tokens} distinct tokens")
     not_done = q("SELECT r.task_id, coalesce(t.state, 'no task row') FROM results r "
                  "LEFT JOIN tasks t ON t.id = r.task_id WHERE t.state IS NOT 'done'")
     dup += len(not_done)

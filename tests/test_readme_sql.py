@@ -1,0 +1,94 @@
+"""The README's queries for `sqlite3` users run on a real campaign file and say what the README
+says: a schema revision that renames a column or an index must not leave them behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from coordinator.master import Master, MasterConfig
+from coordinator.sources import demo_tasks
+from store.campaign import Store
+from store.engine import open_engine
+from store.stats import read_stats, stats_text
+from store.tasks import NewTask, enqueue_tasks
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+SECTION = README[README.index("### Queries"):README.index("### What one task costs")]
+QUERIES = dict(re.findall(r"#### (\d+)\.[^\n]*\n(?:.*?\n)*?```sql\n(.*?)```", SECTION,
+                          flags=re.DOTALL))
+
+
+def _instant_workers(n: int):
+    spec = importlib.util.spec_from_file_location("round_cost", ROOT / "tools" / "round_cost.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.InstantWorkers(n)
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory) -> Path:
+    """A finished 30-task campaign run by the real master, plus one quarantined READY."""
+    d = tmp_path_factory.mktemp("readme")
+    db = d / "campaign.db"
+    store = Store.open(db)
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, t.input_bytes, origin=t.origin)
+                               for t in demo_tasks(30)])
+        summary = Master(store, _instant_workers(3), MasterConfig(
+            stats_file=d / "stats", progress=False, linger_s=0, grace_s=1,
+            stop_wait_s=1)).run()
+        assert summary.committed == 30
+    finally:
+        store.close()
+    with sqlite3.connect(db) as c:
+        c.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank, token) "
+                  "VALUES (1, 1, 'ready', 'malformed', 2, 'zz')")
+    return db
+
+
+def test_the_readme_lists_its_thirteen_queries():
+    assert sorted(QUERIES, key=int) == [str(i) for i in range(1, 14)]
+
+
+@pytest.mark.parametrize("number", [str(i) for i in range(1, 14)])
+def test_every_readme_query_runs_on_a_campaign_file(campaign: Path, number: str):
+    with sqlite3.connect(f"file:{campaign}?mode=ro", uri=True) as c:
+        rows = c.execute(QUERIES[number]).fetchall()
+    if number == "1":
+        assert rows == [("done", 30, 0, 30)]
+    if number == "13":
+        assert rows == []
+
+
+def test_query_11_prints_the_stats_text(campaign: Path):
+    with sqlite3.connect(f"file:{campaign}?mode=ro", uri=True) as c:
+        lines = [r[0] for r in c.execute(QUERIES["11"])]
+        plan = " ".join(r[3] for r in c.execute("EXPLAIN QUERY PLAN " + QUERIES["11"]))
+    engine = open_engine(campaign)
+    try:
+        with engine.connect() as conn:
+            expected = stats_text(read_stats(conn))
+    finally:
+        engine.dispose()
+    assert "\n".join(lines) + "\n" == expected
+    assert "ready messages: 1 (malformed=1)" in expected
+    assert "ix_events_counted_kind" in plan  # the per-task events are never read
+
+
+def test_query_13_finds_a_token_committed_twice(campaign: Path, tmp_path: Path):
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:
+        c.execute("UPDATE results SET token = (SELECT token FROM results WHERE task_id = 1) "
+                  "WHERE task_id = 2")
+        rows = c.execute(QUERIES["13"]).fetchall()
+    assert [r[0] for r in rows] == ["token committed for more than one task"]
