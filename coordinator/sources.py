@@ -41,6 +41,7 @@ class NewInput:
     payload: dict
     input_bytes: bytes | None
     origin: str
+    canonical: tuple[str, str] | None = None  # canonical_form(payload), if already computed
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,12 +214,13 @@ def _parse_line(path: pathlib.Path, lineno: int, raw: bytes) -> NewInput | None:
         raise TaskFileError(path, lineno, "'path' must be a non-empty string")
     payload = {k: v for k, v in obj.items() if k != "input_file"}
     try:
-        canonical_form(payload)  # the store's own checks, here where the line is known
+        canonical = canonical_form(payload)  # the store's own checks, where the line is known
     except (PayloadError, ValueError) as exc:  # e.g. a lone surrogate cannot be UTF-8
         raise TaskFileError(path, lineno, str(exc)) from None
     except RecursionError:
         raise TaskFileError(path, lineno, "payload nested too deeply") from None
-    return NewInput(payload=payload, input_bytes=_read_input_file(path, lineno, obj), origin=f"{path}:{lineno}")
+    return NewInput(payload=payload, input_bytes=_read_input_file(path, lineno, obj),
+                    origin=f"{path}:{lineno}", canonical=canonical)
 
 
 def _read_input_file(path: pathlib.Path, lineno: int, obj: dict) -> bytes | None:

@@ -63,6 +63,12 @@ def _s2f(value: object) -> list[list[Any]]:
 
 def normalize(payload: Mapping[str, Any]) -> dict[str, Any]:
     """The canonical semantic payload: validated, defaults dropped. Raises PayloadError."""
+    out = _normalized(payload)
+    canonical_json(out)  # rejects NaN, infinities and non-JSON values now, not at commit
+    return out
+
+
+def _normalized(payload: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(payload, Mapping):
         raise PayloadError(f"a task payload must be a mapping, not {type(payload).__name__}")
     unknown = sorted(set(payload) - set(FIELDS))
@@ -94,7 +100,6 @@ def normalize(payload: Mapping[str, Any]) -> dict[str, Any]:
         if not all(isinstance(k, str) for k in cont):
             raise PayloadError("continuation keys must be strings")
         out["continuation"] = dict(cont)
-    canonical_json(out)  # rejects NaN, infinities and non-JSON values now, not at commit
     return out
 
 
@@ -112,8 +117,9 @@ def semantic_id(payload: Mapping[str, Any]) -> str:
 
 
 def canonical_form(payload: Mapping[str, Any]) -> tuple[str, str]:
-    """(canonical JSON, semantic id) of a payload, normalizing and encoding it once."""
-    text = canonical_json(normalize(payload))
+    """(canonical JSON, semantic id) of a payload, normalizing and encoding it once (the
+    encoding is also the check that it is JSON at all)."""
+    text = canonical_json(_normalized(payload))
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 

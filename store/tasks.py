@@ -56,6 +56,9 @@ class NewTask:
     origin: str = ""
     depth: int = 0
     parent_id: int | None = None
+    #: `canonical_form(payload)` when the caller already has it (a tasks file checks every
+    #: line before the import): a million-line import then encodes each payload once.
+    canonical: tuple[str, str] | None = None
 
 
 def tail_position(tx: Tx) -> int:
@@ -89,7 +92,7 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
     created: list[int] = []
     pos = tail_position(tx)
     for item in new:
-        canon, sid = canonical_form(item.payload)
+        canon, sid = item.canonical or canonical_form(item.payload)
         ihash = None
         if item.input_bytes is not None:
             if db.execute("SELECT 1 FROM tasks WHERE semantic_id = ?", (sid,)).fetchone():

@@ -169,6 +169,33 @@ def test_jsonl_good_file(tmp_path):
             load_tasks_jsonl(write_lines(tmp_path / "empty.jsonl", lines))
 
 
+def test_a_tasks_file_is_encoded_once_per_line_from_parse_to_row(tmp_path, monkeypatch):
+    """The line's check computes the canonical form the import stores: one JSON encoding per
+    line in all (there were four, a fifth of a million-line import), and the same row."""
+    from store import semantic
+    from store.campaign import Store
+    from store.tasks import NewTask, enqueue_tasks
+
+    lines = [json.dumps({"data": {"n": i}, "target_branch": i + 1}) for i in range(50)]
+    encoded = []
+    real = semantic.canonical_json
+    monkeypatch.setattr(semantic, "canonical_json", lambda v: encoded.append(v) or real(v))
+    found = load_tasks_jsonl(write_lines(tmp_path / "tasks.jsonl", lines))
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction() as tx:
+            ids = enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin,
+                                             canonical=i.canonical) for i in found])
+        assert len(encoded) == len(lines) == len(ids)
+        with store.reading() as conn:
+            rows = conn.exec_driver_sql("SELECT semantic_id, payload FROM tasks ORDER BY id")
+            assert [tuple(r) for r in rows] == [
+                (semantic.semantic_id(json.loads(line)), real(json.loads(line)))
+                for line in lines]
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     "bad_line, reason",
     [
