@@ -249,14 +249,18 @@ def _how(s: dict) -> str:
     return "no --callable and no command"
 
 
-def check_resume(cfg: RunConfig, stored: dict | None) -> None:
+def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
     """Refuse a --resume that would run the campaign differently from its first run in a way
     that commits wrong results for good: another executor (a forgotten `--callable` runs every
     stored task through the demo executor, which fails them all), or an AFL campaign resumed
     without its `--afl-out` (its results would no longer reach AFL). Another callable or
-    command of the same kind, or more tasks from another source, are the user's call."""
+    command of the same kind, or more tasks from another source, are the user's call.
+
+    Returns what the user should hear all the same: an AFL campaign resumed with another
+    `--afl-out`, `--fuzzer` or `--name` (a typo in `--name` starts a second instance
+    directory that AFL then syncs from; a moved AFL directory is a good reason)."""
     if stored is None:  # from before revision 0004: this start's settings become the record
-        return
+        return []
     given = campaign_settings(cfg)
     if stored.get("executor") not in (None, given["executor"]):
         raise ConfigError(
@@ -268,3 +272,13 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> None:
             f"{cfg.db} watches an AFL queue (--afl-out {stored.get('afl_out')} --fuzzer "
             f"{stored.get('fuzzer')} --name {stored.get('name')}); give them again on --resume, "
             f"or its results would not reach AFL")
+    if stored.get("source") != "afl" or given["source"] != "afl":
+        return []
+    changed = [f"--{key.replace('_', '-')} {stored.get(key)} (now {given[key]})"
+               for key in ("afl_out", "fuzzer", "name")
+               if stored.get(key) is not None and stored.get(key) != given[key]]
+    if not changed:
+        return []
+    return [f"this campaign was started with {', '.join(changed)}; its new test cases now go "
+            f"to {cfg.afl_out / str(given['name']) / 'queue'} and it reads "
+            f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}"]

@@ -163,11 +163,12 @@ def _master(cfg: RunConfig, transport) -> int:
                    load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
         outputs = _outputs(cfg)  # checked before the database is touched
         host, pid = host_and_pid()
+        notes: list[str] = []
         store = Store.open(cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
                            policy=RetryPolicy(cfg.retries, cfg.max_attempts),
                            note=f"master pid={pid} host={host} ranks={transport.size}",
                            settings=campaign_settings(cfg),
-                           check_settings=lambda stored: check_resume(cfg, stored))
+                           check_settings=lambda stored: notes.extend(check_resume(cfg, stored)))
         if (cfg.resume and store.incarnation == 1 and cfg.demo is None
                 and cfg.tasks_file is None and cfg.afl_out is None
                 and cfg.executor != "command"):  # (demo tasks have no input to run it on)
@@ -231,6 +232,8 @@ def _master(cfg: RunConfig, transport) -> int:
               f"{len(report.interrupted)} interrupted and {len(report.reclaimed)} deferred "
               f"tasks first in the queue; {len(report.refused)} deferred tasks whose input is "
               f"gone stay deferred", file=sys.stderr, flush=True)
+    for note in notes:
+        print(f"coordinator: note: {note}", file=sys.stderr, flush=True)
     if cfg.afl_out is not None and not (cfg.afl_out / cfg.fuzzer / "queue").is_dir():
         print(f"coordinator: {cfg.afl_out / cfg.fuzzer / 'queue'} does not exist yet; waiting "
               f"for it (is AFL running with -o {cfg.afl_out} and -M/-S {cfg.fuzzer}?)",
