@@ -279,6 +279,7 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
                if stored.get(key) is not None and stored.get(key) != given[key]]
     if not changed:
         return []
-    return [f"this campaign was started with {', '.join(changed)}; its new test cases now go "
+    note = (f"this campaign was started with {', '.join(changed)}; its new test cases now go "
             f"to {cfg.afl_out / str(given['name']) / 'queue'} and it reads "
-            f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}"]
+            f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}")
+    return [note]
