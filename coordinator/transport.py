@@ -199,8 +199,20 @@ class Transport:
     def bcast(self, obj: object) -> object:
         """Start-up only: the master's verdict (go, or an error and exit status) to all ranks.
 
-        A rank that died before it (ULFM) fails the broadcast: a worker then cannot know the
-        verdict and raises; the master notes the death and goes on with the ranks left."""
+        The workers wait for it in a barrier they poll with sleeps, not in the broadcast: a
+        rank blocked in MPI spins (MPICH) or yields in a loop (Open MPI, oversubscribed), and
+        the master may spend minutes importing a tasks file on the same cores. Measured with
+        300,000 tasks on 2 cores, 3 workers: they burnt 17 s of CPU in an 18 s start.
+
+        A rank that died before it (ULFM) fails the barrier or the broadcast: a worker then
+        cannot know the verdict and raises; the master notes the death and goes on with the
+        ranks left (it still broadcasts, for the workers whose barrier completed)."""
+        try:
+            self._meet()
+        except MPI.Exception as e:
+            if self.rank != 0 or not is_process_failure(e):
+                raise
+            self._note_failure()
         try:
             return self.comm.bcast(obj, root=0)
         except MPI.Exception as e:
@@ -208,6 +220,15 @@ class Transport:
                 raise
             self._note_failure()
             return obj
+
+    def _meet(self) -> None:
+        request = self.comm.Ibarrier()
+        if self.rank == 0:
+            request.Wait()  # the workers are there already, or on their way
+            return
+        backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
+        while not request.Test():
+            backoff.wait()
 
     def abort(self, code: int) -> None:
         self.comm.Abort(code)

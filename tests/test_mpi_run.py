@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -571,3 +572,36 @@ def test_resume_that_would_run_the_campaign_otherwise_is_refused(tmp_path):
     assert more.returncode == 0, more.stderr[-2000:]
     assert "4 of 6 tasks were already in the campaign" in more.stderr
     assert query(db, "SELECT count(*) FROM results") == [(6,)]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_workers_sleep_while_the_master_imports_a_big_tasks_file(tmp_path):
+    """The workers wait for the start verdict without burning the cores the master imports
+    on. Blocked in the start-up broadcast they took one whole core between them (17 s of
+    CPU in an 18 s start on 2 cores), which slowed the import itself."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"data": {{"n": {i}}}}}\n' for i in range(300_000)))
+    db = tmp_path / "big.db"
+    proc = start(["run", "--db", str(db), "--tasks", str(tasks), "--no-progress"])
+    try:
+        master = master_pid(db)  # recorded before the import, in its own transaction
+        workers: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(workers) < 3 and time.monotonic() < deadline:
+            workers = [p for p in ranks_of(db) if p != master]
+            time.sleep(0.05)
+        assert len(workers) == 3
+        time.sleep(1.0)  # past their own start-up, into the wait for the verdict
+        before, t0 = sum(map(_cpu_seconds, workers)), time.monotonic()
+        time.sleep(2.0)
+        spent, window = sum(map(_cpu_seconds, workers)) - before, time.monotonic() - t0
+        # The whole window fell inside the import (one transaction: no task row before it).
+        assert query(db, "SELECT count(*) FROM tasks") == [(0,)]
+    finally:
+        kill_job(proc)
+        finish(proc, timeout=60)
+    assert spent < 0.2 * window, f"3 waiting workers used {spent:.2f} s of CPU in {window:.2f} s"
