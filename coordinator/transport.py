@@ -8,6 +8,7 @@ rank's queued leftovers are drained like any other message (NOTES: `Iprobe` foll
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import socket
@@ -202,17 +203,21 @@ class Transport:
         The workers wait for it in a barrier they poll with sleeps, not in the broadcast: a
         rank blocked in MPI spins (MPICH) or yields in a loop (Open MPI, oversubscribed), and
         the master may spend minutes importing a tasks file on the same cores. Measured with
-        300,000 tasks on 2 cores, 3 workers: they burnt 17 s of CPU in an 18 s start.
+        300,000 tasks on 2 cores, 3 workers: they burnt 17 s of CPU in an 18 s start. The
+        master only enters the barrier, never waits in it: a worker that is late (a slow
+        node, a stalled import) holds the other workers' start until it arrives, never the
+        master's. The master's side of the barrier is completed when its process ends.
 
         A rank that died before it (ULFM) fails the barrier or the broadcast: a worker then
         cannot know the verdict and raises; the master notes the death and goes on with the
-        ranks left (it still broadcasts, for the workers whose barrier completed)."""
-        try:
-            self._meet()
-        except MPI.Exception as e:
-            if self.rank != 0 or not is_process_failure(e):
-                raise
-            self._note_failure()
+        ranks left."""
+        if self.rank == 0:
+            self._enter_barrier()
+        else:
+            request = self.comm.Ibarrier()
+            backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
+            while not request.Test():  # raises for a rank's death (ULFM)
+                backoff.wait()
         try:
             return self.comm.bcast(obj, root=0)
         except MPI.Exception as e:
@@ -221,14 +226,20 @@ class Transport:
             self._note_failure()
             return obj
 
-    def _meet(self) -> None:
+    def _enter_barrier(self) -> None:
         request = self.comm.Ibarrier()
-        if self.rank == 0:
-            request.Wait()  # the workers are there already, or on their way
-            return
-        backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
-        while not request.Test():
-            backoff.wait()
+
+        def complete() -> None:
+            # Before mpi4py's own exit handler (registered earlier, so run later) finalizes
+            # MPI, which must not find the request pending. Every worker that got the verdict
+            # has passed the barrier by then; one that never arrived would hold MPI_Finalize
+            # just the same. Under ULFM the master leaves with os._exit and never gets here.
+            try:
+                request.Wait()
+            except MPI.Exception:
+                pass  # a rank died: nothing to wait for
+
+        atexit.register(complete)
 
     def abort(self, code: int) -> None:
         self.comm.Abort(code)
