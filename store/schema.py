@@ -236,9 +236,11 @@ results = Table(
     "results",
     metadata,
     Column("task_id", Integer, ForeignKey("tasks.id"), primary_key=True),
-    # The dispatch it was committed from. Not UNIQUE (revision 0005): the dispatch row's
-    # primary key already made it unique, and an index on random tokens cost ~4 written pages
-    # per commit, a fifth of the master's WAL writes.
+    # The dispatch it was committed from. Not UNIQUE (revision 0005): an index on random
+    # tokens cost ~4 written pages per commit, a fifth of the master's WAL writes. Tokens do
+    # not repeat because of how they are minted (SHA-256 of a random per-incarnation epoch,
+    # the rank and a sequence number); the schema only refuses two active dispatches with
+    # one token, and the audits (README query 13, tools/fault_campaign.py) check the rest.
     Column("token", Text, nullable=False),
     Column("rank", Integer, nullable=False),
     Column("incarnation", Integer, nullable=False),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
-from store.schema import ROLLBACK_EVENTS
+from store.schema import COUNTED_KIND_SQL, ROLLBACK_EVENTS
 
 MPIEXEC = find_mpiexec()
 JOB_TIMEOUT_S = 120
@@ -205,7 +205,8 @@ def check_conservation(db: Path, expected_tasks: int | None = None) -> None:
                      "WHERE e.kind='dispatched' AND e.token=r.token AND e.task_id=r.task_id)"
                  ) == [(0,)]
     # ...and was still current when it committed: never rolled back, requeued or retired
-    assert query(db, "SELECT count(*) FROM results r JOIN events e ON e.token=r.token "
-                     f"WHERE e.kind IN ({ROLLBACK_KINDS_SQL})") == [(0,)]
+    assert query(db, "SELECT count(*) FROM results r JOIN events e ON e.task_id=r.task_id "
+                     f"AND e.token=r.token WHERE e.kind IN ({ROLLBACK_KINDS_SQL}) "
+                     f"AND {COUNTED_KIND_SQL}") == [(0,)]
     if expected_tasks is not None:
         assert query(db, "SELECT count(*) FROM tasks")[0][0] == expected_tasks

@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.cli import find_mpiexec, mpiexec_flags  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
-from store.schema import ROLLBACK_EVENTS  # noqa: E402
+from store.schema import COUNTED_KIND_SQL, ROLLBACK_EVENTS  # noqa: E402
 
 ALL_KINDS: tuple[str, ...] = tuple(KINDS)
 
@@ -509,7 +509,8 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
     marks = ",".join(f"'{k}'" for k in ROLLBACK_KINDS)
     for task_id, token, kind in q(
             f"SELECT r.task_id, r.token, e.kind FROM results r JOIN events e "
-            f"ON e.token = r.token WHERE e.kind IN ({marks})"):
+            f"ON e.task_id = r.task_id AND e.token = r.token "
+            f"WHERE e.kind IN ({marks}) AND {COUNTED_KIND_SQL}"):
         wrong[token].append(f"task {task_id}: committed from token {token[:12]} that was "
                             f"retired ({kind})")
     for task_id, token, got, want in q(
@@ -575,7 +576,7 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
     # -- recovery ----------------------------------------------------------------------------
     causes = ",".join(f"'{k}'" for k in CAUSE_KINDS)
     recovered = q(f"SELECT DISTINCT e.task_id, t.state FROM events e JOIN tasks t "
-                  f"ON t.id = e.task_id WHERE e.kind IN ({causes})")
+                  f"ON t.id = e.task_id WHERE e.kind IN ({causes}) AND {COUNTED_KIND_SQL}")
     r["recovered_tasks"] = len(recovered)
     r["recovered_done"] = sum(1 for _, st in recovered if st == "done")
     r["dispatches_sum"] = one("SELECT coalesce(sum(dispatches), 0) FROM tasks")
@@ -585,7 +586,7 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
     by_token: dict[str, tuple[str, int, float, int]] = {}
     for eid, kind, token, task_id, at in q(
             f"SELECT id, kind, token, task_id, at FROM events WHERE kind IN ({causes}) "
-            f"AND token IS NOT NULL"):
+            f"AND {COUNTED_KIND_SQL} AND token IS NOT NULL"):
         by_token[token] = (kind, task_id, at, eid)
     requeue_at: dict[str, float] = {}
     for token, (kind, task_id, at, eid) in by_token.items():

@@ -10,10 +10,10 @@ the UNIQUE index on `results.token` took ~3.8 pages, since random tokens land on
 leaves of an index that grows with the campaign; `ix_events_kind` took ~1.6 for the
 `dispatched` entries nothing reads by kind. So:
 
-- `results.token` is no longer UNIQUE. The dispatch row's primary key made it unique
-  before the result row copied it; the result's own primary key (`task_id`) is what keeps a
-  task from being committed twice. This copies the `results` table (batch mode): a few
-  seconds per million results.
+- `results.token` is no longer UNIQUE. Tokens do not repeat because of how they are minted
+  (a random per-incarnation epoch in their hash); the audits check it after the fact. The
+  result's own primary key (`task_id`) is what keeps a task from being committed twice. This
+  copies the `results` table (batch mode): a few seconds per million results.
 - `ix_results_status` (status): `count(*)` and the counts by status read it instead of
   the whole table (the token index was what `count(*)` used before).
 - `ix_events_kind` becomes `ix_events_counted_kind`, partial: it leaves out the per-task
