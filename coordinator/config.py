@@ -274,9 +274,14 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
             f"or its results would not reach AFL")
     if stored.get("source") != "afl" or given["source"] != "afl":
         return []
+    def same(key: str) -> bool:
+        was, now = stored.get(key), given[key]
+        if key == "afl_out" and was is not None and now is not None:  # ../afl is /x/afl
+            return Path(str(was)).resolve() == Path(str(now)).resolve()
+        return was is None or was == now
+
     changed = [f"--{key.replace('_', '-')} {stored.get(key)} (now {given[key]})"
-               for key in ("afl_out", "fuzzer", "name")
-               if stored.get(key) is not None and stored.get(key) != given[key]]
+               for key in ("afl_out", "fuzzer", "name") if not same(key)]
     if not changed:
         return []
     note = (f"this campaign was started with {', '.join(changed)}; its new test cases now go "

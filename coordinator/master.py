@@ -199,9 +199,8 @@ class Master:
                 timed_out = self.gate.watchdog(tx)
                 recovered += timed_out
             if new_inputs:
-                task_ops.enqueue_tasks(tx, [task_ops.NewTask(
-                    i.payload, i.input_bytes, origin=i.origin) for i in new_inputs],
-                    skip_known_content=True)
+                task_ops.enqueue_tasks(tx, [i.as_task() for i in new_inputs],
+                                       skip_known_content=True)
             if recovered or new_inputs or retried or any(c.new_tasks for c in committed):
                 self._may_have_queued = True
             if dispatching and (committed or recovered or retried or new_inputs):

@@ -117,7 +117,7 @@ def _master(cfg: RunConfig, transport) -> int:
     from store.errors import StoreError, StoreWriteError
     from store.journal import RetryPolicy
     from store.stats import read_stats, result_statuses, stats_text
-    from store.tasks import NewTask, enqueue_tasks
+    from store.tasks import enqueue_tasks
 
     from .cli import describe
     from .config import DEFAULT_DEMO_TASKS, campaign_settings, check_resume
@@ -180,8 +180,7 @@ def _master(cfg: RunConfig, transport) -> int:
                       file=sys.stderr, flush=True)
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:
-                added = enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin,
-                                                   canonical=i.canonical) for i in initial])
+                added = enqueue_tasks(tx, [i.as_task() for i in initial])
             if len(added) < len(initial):
                 # A task is its semantic payload: the same payload again (another input_file
                 # with the same path included) is the same task, and is not run twice.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from store.semantic import PayloadError, canonical_form
+from store.tasks import NewTask
 
 __all__ = [
     "AflQueueSource",
@@ -36,12 +37,18 @@ SEMANTIC_FIELDS = frozenset(
 TASK_FILE_FIELDS = SEMANTIC_FIELDS | {"input_file"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class NewInput:
     payload: dict
     input_bytes: bytes | None
     origin: str
     canonical: tuple[str, str] | None = None  # canonical_form(payload), if already computed
+
+    def as_task(self) -> NewTask:
+        """The task to enqueue: the canonical form computed while checking the input travels
+        with it, so the import does not encode the payload again."""
+        return NewTask(self.payload, self.input_bytes, origin=self.origin,
+                       canonical=self.canonical)
 
 
 # --------------------------------------------------------------------------------------------

@@ -115,6 +115,9 @@ def test_resume_with_another_executor_or_without_the_afl_queue_is_refused(tmp_pa
                       f"cases now go to {tmp_path / 'symc' / 'queue'} and it reads "
                       f"{tmp_path / 'main' / 'queue'}")]
     assert check_resume(resolve(tmp_path, "--resume", "--callable", "m:f"), first) == []
+    # The same directory by another path is no change.
+    assert check_resume(resolve(tmp_path, "--resume", "--afl-out", os.path.relpath(tmp_path),
+                                "--fuzzer", "main", "--callable", "m:f"), afl) == []
 
 
 def test_tasks_from_a_pipe_and_out_with_afl_out_are_refused(tmp_path):

@@ -15,7 +15,7 @@ from coordinator.sources import demo_tasks
 from store.campaign import Store
 from store.engine import open_engine
 from store.stats import read_stats, stats_text
-from store.tasks import NewTask, enqueue_tasks
+from store.tasks import enqueue_tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -40,8 +40,7 @@ def campaign(tmp_path_factory) -> Path:
     store = Store.open(db)
     try:
         with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, t.input_bytes, origin=t.origin)
-                               for t in demo_tasks(30)])
+            enqueue_tasks(tx, [t.as_task() for t in demo_tasks(30)])
         summary = Master(store, _instant_workers(3), MasterConfig(
             stats_file=d / "stats", progress=False, linger_s=0, grace_s=1,
             stop_wait_s=1)).run()

@@ -174,7 +174,7 @@ def test_a_tasks_file_is_encoded_once_per_line_from_parse_to_row(tmp_path, monke
     line in all (there were four, a fifth of a million-line import), and the same row."""
     from store import semantic
     from store.campaign import Store
-    from store.tasks import NewTask, enqueue_tasks
+    from store.tasks import enqueue_tasks
 
     lines = [json.dumps({"data": {"n": i}, "target_branch": i + 1}) for i in range(50)]
     encoded = []
@@ -184,8 +184,7 @@ def test_a_tasks_file_is_encoded_once_per_line_from_parse_to_row(tmp_path, monke
     store = Store.open(tmp_path / "c.db")
     try:
         with store.transaction() as tx:
-            ids = enqueue_tasks(tx, [NewTask(i.payload, i.input_bytes, origin=i.origin,
-                                             canonical=i.canonical) for i in found])
+            ids = enqueue_tasks(tx, [i.as_task() for i in found])  # as the runtime does
         assert len(encoded) == len(lines) == len(ids)
         with store.reading() as conn:
             rows = conn.exec_driver_sql("SELECT semantic_id, payload FROM tasks ORDER BY id")

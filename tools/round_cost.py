@@ -31,7 +31,7 @@ from coordinator.wire import (  # noqa: E402
     TAG_READY, TAG_RESULT, TAG_STOP_ACK, Ready, Result, Stop, decode_stop, decode_work, encode,
 )
 from store.campaign import Store  # noqa: E402
-from store.tasks import NewTask, enqueue_tasks  # noqa: E402
+from store.tasks import enqueue_tasks  # noqa: E402
 
 
 class InstantWorkers:
@@ -80,8 +80,7 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool) -> dict[str, f
         store = Store.open(Path(d) / "round.db", synchronous=sync)
         try:
             with store.transaction("import") as tx:
-                enqueue_tasks(tx, [NewTask(t.payload, t.input_bytes, origin=t.origin)
-                                   for t in demo_tasks(tasks)])
+                enqueue_tasks(tx, [t.as_task() for t in demo_tasks(tasks)])
             raw = store._connection().connection.driver_connection
             statements = 0
             if trace:
