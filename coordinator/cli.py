@@ -280,12 +280,34 @@ def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
     if ns.progress is None and sys.stderr.isatty():
         # Under mpiexec a rank's stderr is a pipe: decide here, where the terminal is.
         rest.insert(1, "--progress")
-    with tempfile.TemporaryDirectory(prefix="coordinator-launch-") as d:
+    _remove_orphaned_launch_dirs(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=LAUNCH_DIR_PREFIX) as d:
+        (Path(d) / LAUNCHER_PID).write_text(f"{os.getpid()}\n")
         pid_file = Path(d) / "master.pid"
         rest[1:1] = ["--master-pid-file", str(pid_file)]
         cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
                "coordinator", *rest]
         return _supervise(cmd, pid_file)
+
+
+LAUNCH_DIR_PREFIX = "coordinator-launch-"
+LAUNCHER_PID = "launcher.pid"
+
+
+def _remove_orphaned_launch_dirs(tmp: Path) -> None:
+    """A launcher that was SIGKILLed could not remove its directory (it holds only the pid
+    files): the next launch removes those of this user whose launcher process is gone. A
+    directory without a launcher pid, or whose pid is alive (or reused), is left alone."""
+    for d in tmp.glob(LAUNCH_DIR_PREFIX + "*"):
+        try:
+            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+            pid = int((d / LAUNCHER_PID).read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # no pid file, unreadable, or not ours to signal: not known to be orphaned
 
 
 def _end_with_parent() -> None:

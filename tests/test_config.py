@@ -209,3 +209,28 @@ def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
     assert false.returncode == 1
     assert "exited with status 1 before the master started" in false.stderr
     assert not (tmp_path / "c.db").exists()
+
+
+def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
+    """`coordinator run` keeps its pid files in a temporary directory; a SIGKILLed launcher
+    left it behind. The next launch removes those whose launcher is gone, and only those."""
+    import subprocess
+    import sys
+
+    from coordinator.cli import LAUNCH_DIR_PREFIX, LAUNCHER_PID, _remove_orphaned_launch_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dirs = {}
+    for name, pid in (("orphan", gone.stdout.strip()), ("live", str(os.getpid())),
+                      ("garbled", "not a pid"), ("legacy", None)):
+        d = dirs[name] = tmp_path / f"{LAUNCH_DIR_PREFIX}{name}"
+        d.mkdir()
+        (d / "master.pid").write_text("123\n")
+        if pid is not None:
+            (d / LAUNCHER_PID).write_text(f"{pid}\n")
+    (tmp_path / f"{LAUNCH_DIR_PREFIX}file").write_text("not a directory")
+    (tmp_path / "unrelated").mkdir()
+    _remove_orphaned_launch_dirs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{LAUNCH_DIR_PREFIX}{n}" for n in ("live", "garbled", "legacy", "file")] + ["unrelated"])
