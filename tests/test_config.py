@@ -217,7 +217,11 @@ def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
     import subprocess
     import sys
 
-    from coordinator.cli import LAUNCH_DIR_PREFIX, LAUNCHER_PID, _remove_orphaned_launch_dirs
+    from coordinator.cli import (
+        LAUNCH_DIR_PREFIX,
+        LAUNCHER_PID,
+        _remove_orphaned_launch_dirs,
+    )
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
