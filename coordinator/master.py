@@ -23,16 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import exists, select
-
 from store import dispatches as dsp
 from store import tasks as task_ops
 from store.campaign import Store
 from store.journal import Tx
-from store.schema import EventKind, TaskState, WorkerState, dispatches, tasks, workers
+from store.schema import EventKind, TaskState, WorkerState
 from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
-from store.workers import idle_ranks, set_workers
+from store.workers import idle_ranks, ranks_in_state, set_workers, where_they_run
 
 from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter, input_id
@@ -378,9 +376,7 @@ class Master:
             return False
         self._next_drain_check = now + 0.05
         with self.store.reading() as conn:
-            # an active task always has its dispatch row: two index probes, no scan
-            live = conn.execute(select(exists(select(tasks.c.id).where(
-                tasks.c.state == "queued")) | exists(select(dispatches.c.token)))).scalar()
+            live = dsp.work_left(conn)
         return not live and not self._sent
 
     def _poll_sources(self) -> list[NewInput]:
@@ -484,7 +480,7 @@ class Master:
         if time.monotonic() - self._stop_at >= self.config.grace_s:
             return True
         with self.store.reading() as conn:
-            return not conn.execute(select(exists(select(dispatches.c.token)))).scalar()
+            return not dsp.any_in_flight(conn)
 
     def _shutdown(self) -> None:
         self.summary.stopped_by_signal = self._stop_signal
@@ -505,9 +501,7 @@ class Master:
         self._failed_ranks.update(r for r in self.transport.take_failed() if r != 0)
         here = socket.gethostname()
         gone = set()
-        for rank, host, pid in tx.db.execute(
-                "SELECT d.rank, w.host, w.pid FROM dispatches d "
-                "LEFT JOIN workers w ON w.rank = d.rank"):
+        for rank, host, pid in dsp.holders(tx):
             if rank in self._failed_ranks:
                 gone.add(rank)
             elif host == here and pid and not _process_exists(pid):
@@ -545,8 +539,7 @@ class Master:
         here = socket.gethostname()
         try:
             with self.store.reading() as conn:
-                where = {r: (h, p) for r, h, p in conn.execute(
-                    select(workers.c.rank, workers.c.host, workers.c.pid))}
+                where = where_they_run(conn)
         except Exception:  # the database may be what failed; then nothing can be fenced
             return []
         fenced = []
@@ -589,8 +582,7 @@ class Master:
         exact-token STOP_ACK. Returns the ranks that never acknowledged."""
         pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
         with self.store.reading() as conn:
-            shown_ready = {r for (r,) in conn.execute(select(workers.c.rank).where(
-                workers.c.state == WorkerState.IDLE.value))}
+            shown_ready = ranks_in_state(conn, WorkerState.IDLE)
         stop_tokens: dict[int, str] = {}
         acked: set[int] = set()
         deadline = time.monotonic() + self.config.stop_wait_s

@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, exists, select
 from sqlalchemy.exc import DBAPIError
 
 from .errors import FenceError
@@ -331,3 +331,20 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
         set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows
                          if r.rank not in charged_ranks])
     return [r.task_id for r in reversed(rows)]  # oldest dispatch first, as queued
+
+
+def any_in_flight(conn: Connection) -> bool:
+    return bool(conn.execute(select(exists(select(dispatches.c.token)))).scalar())
+
+
+def work_left(conn: Connection) -> bool:
+    """A queued task or a dispatch: an active task always has its dispatch row, so two index
+    probes answer it, never a scan."""
+    return bool(conn.execute(select(exists(select(tasks.c.id).where(
+        tasks.c.state == TaskState.QUEUED.value)) | exists(select(dispatches.c.token)))).scalar())
+
+
+def holders(tx: Tx) -> list[tuple[int, str | None, int | None]]:
+    """(rank, host, pid) of every rank that holds a dispatch, as its READY last reported."""
+    return tx.db.execute("SELECT d.rank, w.host, w.pid FROM dispatches d "
+                         "LEFT JOIN workers w ON w.rank = d.rank").fetchall()

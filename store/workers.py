@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import update
+from sqlalchemy import Connection, select, update
 
 from .journal import Tx
 from .schema import WorkerState, workers
@@ -65,3 +65,14 @@ def forget_incarnation(tx: Tx) -> None:
     """A new incarnation talks to new processes: nothing known about ranks carries over."""
     tx.conn.execute(update(workers).values(state=WorkerState.UNKNOWN.value, parked_token=None,
                                            incarnation=tx.incarnation))
+
+
+def where_they_run(conn: Connection) -> dict[int, tuple[str | None, int | None]]:
+    """rank -> (host, pid) as each worker last reported them in its READY."""
+    return {r: (h, p) for r, h, p in conn.execute(
+        select(workers.c.rank, workers.c.host, workers.c.pid))}
+
+
+def ranks_in_state(conn: Connection, state: WorkerState) -> set[int]:
+    return {r for (r,) in conn.execute(select(workers.c.rank)
+                                       .where(workers.c.state == state.value))}
