@@ -502,12 +502,18 @@ def _db_upgrade(db: Path) -> int:
     from store.campaign import campaign_locked
     from store.errors import StoreError
     from store.versioning import upgrade
+
+    def announce(before: str, target: str) -> None:
+        print(f"coordinator: upgrading {db} from schema {before} to {target} (one transaction; "
+              f"a revision that copies a table takes seconds per million rows)...",
+              file=sys.stderr, flush=True)
+
     try:
         if db.parent.is_dir():
             with campaign_locked(db):  # never under a running master
-                before, after = upgrade(db)
+                before, after = upgrade(db, announce=announce)
         else:
-            before, after = upgrade(db)  # (which explains the missing directory)
+            before, after = upgrade(db, announce=announce)  # (which explains the missing dir)
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return EXIT_USAGE

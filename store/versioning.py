@@ -7,6 +7,7 @@ alembic.ini; `alembic -x db=PATH upgrade head` from the repository root does the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -74,8 +75,11 @@ def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
     raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
 
 
-def upgrade(path: str | os.PathLike[str], revision: str = "head") -> tuple[str | None, str]:
-    """Create or upgrade the database at `path`; returns (revision before, revision after)."""
+def upgrade(path: str | os.PathLike[str], revision: str = "head", *,
+            announce: Callable[[str, str], None] | None = None) -> tuple[str | None, str]:
+    """Create or upgrade the database at `path`; returns (revision before, revision after).
+    `announce(before, target)` is called before an existing campaign is changed: a revision
+    that copies a table takes seconds per million rows, and the caller may want to say so."""
     engine = open_engine(path)
     try:
         with engine.connect() as conn:
@@ -84,6 +88,9 @@ def upgrade(path: str | os.PathLike[str], revision: str = "head") -> tuple[str |
             known = {rev.revision for rev in _script().walk_revisions()}
             if before is not None and before not in known:
                 raise SchemaVersionError(str(path), before, head_revision(), newer=True)
+            target = head_revision() if revision == "head" else revision
+            if announce is not None and before is not None and before != target:
+                announce(before, target)
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)

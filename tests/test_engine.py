@@ -244,3 +244,17 @@ def test_db_upgrade_waits_for_no_master(db_path):
     up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
                          str(db_path)], capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and "already at" in up.stdout, up.stderr
+
+
+def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
+    """A revision that copies a table (0005 copies `results`: seconds per million rows) is
+    announced before it starts, so a long upgrade is not a silent one."""
+    import sys
+
+    from store import versioning
+    versioning.upgrade(db_path, "0004")
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(db_path)], capture_output=True, text=True, timeout=60, check=False)
+    assert up.returncode == 0, up.stderr
+    assert f"upgrading {db_path} from schema 0004 to {versioning.head_revision()}" in up.stderr
+    assert f"schema 0004 -> {versioning.head_revision()}" in up.stdout
