@@ -504,8 +504,8 @@ def _db_upgrade(db: Path) -> int:
     from store.versioning import upgrade
 
     def announce(before: str, target: str) -> None:
-        print(f"coordinator: upgrading {db} from schema {before} to {target} (one transaction; "
-              f"a revision that copies a table takes seconds per million rows)...",
+        print(f"coordinator: upgrading {db} from schema {before} to {target} (a revision that "
+              f"copies a table takes seconds per million rows)...",
               file=sys.stderr, flush=True)
 
     try:
