@@ -274,6 +274,7 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
             f"or its results would not reach AFL")
     if stored.get("source") != "afl" or given["source"] != "afl":
         return []
+
     def same(key: str) -> bool:
         was, now = stored.get(key), given[key]
         if key == "afl_out" and was is not None and now is not None:  # ../afl is /x/afl

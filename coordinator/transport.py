@@ -212,7 +212,12 @@ class Transport:
         cannot know the verdict and raises; the master notes the death and goes on with the
         ranks left."""
         if self.rank == 0:
-            self._enter_barrier()
+            try:
+                self._enter_barrier()
+            except MPI.Exception as e:  # posting it may already see a death (ULFM)
+                if not is_process_failure(e):
+                    raise
+                self._note_failure()
         else:
             request = self.comm.Ibarrier()
             backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
