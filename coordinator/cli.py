@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .executors import EXECUTOR_KINDS
@@ -153,6 +154,12 @@ def _parser() -> argparse.ArgumentParser:
                         "(default on; ignored for other MPIs)")
     r.add_argument("--mpiexec", action=Once, default=None,
                    help="mpiexec to self-launch with (default: the one beside this Python)")
+    r.add_argument("--start-timeout", action=Once, type=int_range(0), default=START_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="self-launch: end the job if no master has started after this long "
+                        "(a rank that dies inside MPI_Init leaves Open MPI with ULFM waiting "
+                        f"for ever; nothing has been changed then); 0 = wait for ever "
+                        f"(default {START_TIMEOUT_S})")
     fi = r.add_argument_group(
         "fault injection (testing only; acts in the workers' send path)",
         "kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()))
@@ -287,9 +294,12 @@ def _self_launch(ns: argparse.Namespace, args: list[str]) -> int:
         rest[1:1] = ["--master-pid-file", str(pid_file)]
         cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
                "coordinator", *rest]
-        return _supervise(cmd, pid_file)
+        return _supervise(cmd, pid_file, ns.start_timeout)
 
 
+#: Seconds a self-launched job may take to reach the master's start (its pid file is written
+#: right after MPI_Init, before the database or a tasks file is read): ~1-2 s here.
+START_TIMEOUT_S = 120
 LAUNCH_DIR_PREFIX = "coordinator-launch-"
 LAUNCHER_PID = "launcher.pid"
 
@@ -324,7 +334,7 @@ PR_SET_PDEATHSIG = 1
 FORCE_AFTER = 3
 
 
-def _supervise(cmd: list[str], pid_file: Path) -> int:
+def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> int:
     """Run the job in a session of its own and turn a stop request into a signal to the master.
 
     A terminal's Ctrl-C goes to its foreground process group. If that held `mpiexec`, Open
@@ -363,7 +373,13 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
-    rc = proc.wait()
+    rc = _wait_for_start(proc, pid_file, start_timeout_s)
+    if rc is None:
+        print(f"coordinator: no master had started {start_timeout_s} s after the launch (a "
+              f"rank that dies inside MPI_Init leaves Open MPI with ULFM waiting for ever); "
+              f"ended the job, nothing was changed: start it again (or give --start-timeout)",
+              file=sys.stderr, flush=True)
+        return LAUNCH_TIMED_OUT
     if ended_by is not None and not _recorded_pid(pid_file):
         # The master records its pid (atomically) before it opens the database, and it never
         # did: nothing was changed. (If it started meanwhile, the SIGTERM the job got reached
@@ -377,6 +393,36 @@ def _supervise(cmd: list[str], pid_file: Path) -> int:
               f"the master started (see its output above); nothing was changed",
               file=sys.stderr, flush=True)
     return rc if rc >= 0 else 128 - rc
+
+
+#: The status of a self-launched job ended because no master started in time.
+LAUNCH_TIMED_OUT = 1
+
+
+def _wait_for_start(proc: subprocess.Popen, pid_file: Path, start_timeout_s: float) -> int | None:
+    """The job's exit status; None if no master started within `start_timeout_s` (0: no
+    limit), after ending the job (SIGTERM, then SIGKILL: ranks stuck in MPI_Init may ignore
+    the first)."""
+    deadline = time.monotonic() + start_timeout_s if start_timeout_s else None
+    while True:
+        try:
+            return proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            pass
+        if deadline is None or time.monotonic() < deadline:
+            continue
+        if _recorded_pid(pid_file):
+            deadline = None  # started: from here on, the run takes what it takes
+            continue
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 30.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=grace)
+                return None
+            except subprocess.TimeoutExpired:
+                continue
+        return None
 
 
 def _recorded_pid(pid_file: Path) -> int:
@@ -395,10 +441,11 @@ def _strip_launch_options(args: list[str]) -> list[str]:
         if a == "--":
             out.extend(args[i:])
             break
-        if a in ("--np", "--mpiexec"):
+        if a in ("--np", "--mpiexec", "--start-timeout"):
             skip = True
             continue
-        if a.startswith(("--np=", "--mpiexec=")) or a in ("--ulfm", "--no-ulfm"):
+        if (a.startswith(("--np=", "--mpiexec=", "--start-timeout="))
+                or a in ("--ulfm", "--no-ulfm")):
             continue
         out.append(a)
     return out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,39 @@ def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
     _remove_orphaned_launch_dirs(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"{LAUNCH_DIR_PREFIX}{n}" for n in ("live", "garbled", "legacy", "file")] + ["unrelated"])
+
+
+def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
+    """A rank that dies inside MPI_Init leaves Open MPI with ULFM waiting for ever, before any
+    of our code runs. The self-launcher ends a job whose master has not started within
+    --start-timeout (a stand-in mpiexec that hangs, in its own process group, here), and
+    leaves one whose master did start alone however long it then runs."""
+    import subprocess
+    import sys
+    import time as clock
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+    hang = tmp_path / "hanging-mpiexec"
+    version = '[ "$1" = --version ] && { echo "stand-in"; exit 0; }\n'
+    hang.write_text("#!/bin/sh\n" + version + "sleep 600 &\nwait\n")
+    starts = tmp_path / "starting-mpiexec"  # writes the master's pid, then runs for 3 s
+    starts.write_text("#!/bin/sh\n" + version + "while [ $# -gt 0 ]; do\n"
+                      "  if [ \"$1\" = --master-pid-file ]; then echo $$ > \"$2\"; fi; shift\n"
+                      "done\nsleep 3\n")
+    for script in (hang, starts):
+        script.chmod(0o755)
+
+    def launch(mpiexec: Path) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = clock.monotonic()
+        done = subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                               str(tmp_path / "c.db"), "--no-progress", "--mpiexec",
+                               str(mpiexec), "--start-timeout", "1"],
+                              capture_output=True, text=True, timeout=120, env=env, check=False)
+        return done, clock.monotonic() - t0
+
+    ended, took = launch(hang)
+    assert ended.returncode == 1, ended.stderr
+    assert "no master had started 1 s after the launch" in ended.stderr
+    assert took < 30  # ended by the launcher, not by the test's own timeout
+    started, _ = launch(starts)
+    assert started.returncode == 0, started.stderr
+    assert "no master had started" not in started.stderr
