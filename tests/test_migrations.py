@@ -291,8 +291,8 @@ def test_migrated_schema_enforces_the_invariants(tmp_path: Path):
             uniques = {t: {tuple(u["column_names"]) for u in insp.get_unique_constraints(t)}
                        for t in ("dispatches", "results", "leases", "tasks")}
             assert {("rank",), ("task_id",)} <= uniques["dispatches"]
-            # A result's token was unique as its dispatch's primary key; the result's own key
-            # is the task (revision 0005 dropped the token index from the hot path).
+            # The result's own key is the task. Since revision 0005 no index refuses one token
+            # on two results (tokens are unique by how they are minted; the audits check it).
             assert uniques["results"] == set()
             assert ("kind", "key") in uniques["leases"]
             assert ("semantic_id",) in uniques["tasks"]
