@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .executors import EXECUTOR_KINDS
 from .fault_spec import KINDS, InjectSpecError, parse_inject
-from .runtime import EXIT_STORE, EXIT_USAGE
+from .runtime import EXIT_STORE, EXIT_USAGE, process_exists
 from .config import (
     DEFAULT_DEMO_TASKS,
     ENV_MAX_ATTEMPTS,
@@ -313,11 +313,10 @@ def _remove_orphaned_launch_dirs(tmp: Path) -> None:
             if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
                 continue
             pid = int((d / LAUNCHER_PID).read_text())
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
         except (OSError, ValueError):
-            continue  # no pid file, unreadable, or not ours to signal: not known to be orphaned
+            continue  # no pid file, or unreadable: not known to be orphaned
+        if not process_exists(pid):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _end_with_parent() -> None:

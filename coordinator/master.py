@@ -36,6 +36,7 @@ from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter, input_id
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
+from .runtime import process_exists
 from .sources import NewInput
 from .transport import Backoff, SendFailed, Transport
 from .wire import (
@@ -85,16 +86,6 @@ class Summary:
     elapsed_s: float = 0.0
     stopped_by_signal: str | None = None
     unacked_ranks: list[int] = field(default_factory=list)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Master:
@@ -504,7 +495,7 @@ class Master:
         for rank, host, pid in dsp.holders(tx):
             if rank in self._failed_ranks:
                 gone.add(rank)
-            elif host == here and pid and not _process_exists(pid):
+            elif host == here and pid and not process_exists(pid):
                 gone.add(rank)
         return gone
 

@@ -338,6 +338,17 @@ def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object])
     ), sources=sources, writer=writer)
 
 
+def process_exists(pid: int) -> bool:
+    """On this host; a process we may not signal exists all the same."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
