@@ -308,7 +308,8 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
     """
     cond = (dispatches.c.incarnation < tx.incarnation if earlier_incarnations
             else dispatches.c.incarnation == tx.incarnation)
-    rows = tx.conn.execute(select(dispatches.c.rank, dispatches.c.token, dispatches.c.task_id)
+    rows = tx.conn.execute(select(dispatches.c.rank, dispatches.c.token, dispatches.c.task_id,
+                                  dispatches.c.ready_at)
                            .where(cond).order_by(dispatches.c.created_at.desc(),
                                                  dispatches.c.rank.desc())).all()
     kind = EventKind.INTERRUPTED if earlier_incarnations else EventKind.STOP_REQUEUED
@@ -328,8 +329,10 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
         set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.QUEUED,
                   queue_pos=head_position(tx), attempts_delta=int(charged))
     if not earlier_incarnations and rows:
+        # Only a rank whose READY was seen is idle: the others are still running the task
+        # just requeued, and get their STOP once their READY comes (SPEC: STOP after READY).
         set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows
-                         if r.rank not in charged_ranks])
+                         if r.rank not in charged_ranks and r.ready_at is not None])
     return [r.task_id for r in reversed(rows)]  # oldest dispatch first, as queued
 
 

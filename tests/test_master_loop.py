@@ -236,6 +236,46 @@ def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
         store.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp_path):
+    """SPEC, shutdown: STOP only after the worker has shown READY. Rank 1 is still running
+    when the grace period ends (its task goes back to the queue); it answers a few polls
+    later, and only then is sent its STOP. Meanwhile the database says it is busy, not idle."""
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(3)])
+        ranks = ScriptedAnswers(1, lambda token: [(6, TAG_RESULT, _valid_result(token)),
+                                                  (6, TAG_READY, bytes(_ready(1, token).data))])
+        states_at_stop = []
+
+        def send_stop(data: bytes, dest: int) -> None:
+            with sqlite3.connect(tmp_path / "c.db") as db:
+                states_at_stop.append(db.execute("SELECT state FROM workers WHERE rank = ?",
+                                                  (dest,)).fetchone()[0])
+            answered = not any(t == TAG_READY for _, t, _m in ranks.pending)
+            ScriptedRanks.send_stop(ranks, data, dest)
+            stops.append((dest, answered))
+
+        stops: list[tuple[int, bool]] = []
+        ranks.send_stop = send_stop
+        master = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=0.0, stop_wait_s=5,
+                                                   stats_file=None))
+        assert master._round()  # the first READY: WORK to rank 1, which answers 6 drains on
+        with sqlite3.connect(tmp_path / "c.db") as db:
+            assert db.execute("SELECT state FROM workers").fetchall() == [("busy",)]
+        master.request_stop("SIGTERM")
+        master._shutdown()
+        with sqlite3.connect(tmp_path / "c.db") as db:
+            tasks_left = db.execute("SELECT state, count(*) FROM tasks GROUP BY 1").fetchall()
+            final = db.execute("SELECT state FROM workers").fetchall()
+    finally:
+        store.close()
+    assert stops == [(1, True)]  # one STOP, sent once the READY had been drained
+    assert states_at_stop == ["idle"] and final == [("stopped",)]
+    assert master.summary.unacked_ranks == []
+    assert tasks_left == [("queued", 3)]  # the late RESULT was not committed: its task is back
+
 
 def test_progress_refreshes_less_often_when_its_read_is_slow():
     """A refresh counts whole tables (a quarter second at a million tasks): every half second,

@@ -155,23 +155,27 @@ def test_graceful_stop_returns_in_flight_work_without_counting_it(farm):
 def test_graceful_stop_charges_the_attempt_of_a_worker_known_to_be_gone(farm):
     """A dead worker's task may be what killed it: a stop must not requeue it for free (a
     poison task would otherwise loop across resumes), while the live ranks' tasks are not
-    charged and their ranks end idle."""
-    ids = farm.enqueue({"data": 1}, {"data": 2})
-    farm.ready(1, "")
-    farm.ready(2, "")
-    sent = farm.dispatch(1, 2)
+    charged. A live rank whose READY was seen ends idle; one still running stays busy (its STOP
+    waits for its READY)."""
+    ids = farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    for r in (1, 2, 3):
+        farm.ready(r, "")
+    sent = farm.dispatch(1, 2, 3)
+    farm.ready(1, sent[1])  # its RESULT never came
     with farm.store.reading() as conn:
         task_of = dict(conn.execute(select(dispatches.c.rank, dispatches.c.task_id)).all())
     with farm.store.transaction() as tx:
         assert sorted(requeue_in_flight(tx, earlier_incarnations=False,
                                         charged_ranks={2})) == ids
     attempts = {t.id: t.attempts for t in rows(farm, tasks)}
-    assert (attempts[task_of[1]], attempts[task_of[2]]) == (0, 1)
-    assert [t.state for t in rows(farm, tasks)] == ["queued"] * 2
-    assert {w.rank: w.state for w in rows(farm, workers)}[1] == "idle"
+    assert [attempts[task_of[r]] for r in (1, 2, 3)] == [0, 1, 0]
+    assert [t.state for t in rows(farm, tasks)] == ["queued"] * 3
+    state = {w.rank: w.state for w in rows(farm, workers)}
+    assert (state[1], state[3]) == ("idle", "busy")
     kinds = [(e.rank, e.token, e.detail) for e in rows(farm, events)
              if e.kind == "stop_requeued"]
-    assert sorted(kinds) == [(1, sent[1], None), (2, sent[2], "worker gone")]
+    assert sorted(kinds) == [(1, sent[1], None), (2, sent[2], "worker gone"),
+                             (3, sent[3], None)]
 
 
 def test_done_tasks_whose_run_failed_can_be_requeued(farm):

@@ -646,7 +646,8 @@ class GateMachine(RuleBasedStateMachine):
     @rule()
     def graceful_stop(self) -> None:
         """SIGTERM: this incarnation's in-flight work goes back to the queue head, no attempt
-        counted, oldest dispatch first."""
+        counted, oldest dispatch first; a rank whose READY was seen is idle, the others are
+        still running (busy) until their READY."""
         order = sorted(self.active.values(), key=lambda d: (d.created, d.rank), reverse=True)
         with self.store.transaction() as tx:
             requeued = dsp.requeue_in_flight(tx, earlier_incarnations=False)
@@ -655,7 +656,8 @@ class GateMachine(RuleBasedStateMachine):
         for d in order:
             del self.active[d.rank]
             self._to_head(self.tasks[d.task_id])
-            self.wstate[d.rank] = "idle"
+            if d.ready:
+                self.wstate[d.rank] = "idle"
             self.events["stop_requeued"] += 1
 
     @precondition(lambda self: self.incarnation < 4 and (
