@@ -39,7 +39,7 @@ RUN_EPILOG = f"""\
 environment (a flag wins over its variable):
   {ENV_RESUME}=1                        same as --resume
   {ENV_RETRIES}=N     same as --retries (0..16, default 1)
-  {ENV_MAX_ATTEMPTS}=N        same as --max-attempts (default 5)
+  {ENV_MAX_ATTEMPTS}=N        same as --max-attempts (default retries + 4)
   {ENV_TIMEOUT}=S                       same as --timeout (default 30)
   {ENV_WATCHDOG}=S         same as --watchdog (default max(120, 4 x timeout))
 
@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                         "deferred to the next --resume (0..16, default 1)")
     r.add_argument("--max-attempts", action=Once, type=int_range(1), default=None,
                    help="failed dispatches after which a task is held as failed until "
-                        "`coordinator requeue` (default 5; counted across restarts)")
+                        "`coordinator requeue` (above --retries; default retries + 4, i.e. "
+                        "5; counted across restarts)")
     r.add_argument("--synchronous", action=Once, choices=("FULL", "NORMAL"), default="FULL",
                    help="FULL (default): every dispatch and commit survives a power loss; "
                         "NORMAL: faster, a power loss may re-run the last few tasks")

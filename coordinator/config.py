@@ -97,7 +97,7 @@ class RunConfig:
     db: Path
     resume: bool
     retries: int
-    max_attempts: int
+    max_attempts: int | None  # None: the store's default for `retries`
     synchronous: str
     executor: str                  # command | python | demo
     argv: list[str]
@@ -132,6 +132,15 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     retries = ns.retries if ns.retries is not None else _env_int(ENV_RETRIES, 0, 16)
     max_attempts = (ns.max_attempts if ns.max_attempts is not None
                     else _env_int(ENV_MAX_ATTEMPTS, 1, None))
+    retries = 1 if retries is None else retries
+    if max_attempts is not None and max_attempts <= retries:
+        # The ceiling would hold a task as failed before its budget is spent: the budget the
+        # user asked for would silently never be reached.
+        given = ("--max-attempts" if ns.max_attempts is not None else ENV_MAX_ATTEMPTS)
+        raise ConfigError(
+            f"{given} {max_attempts} holds a task as failed before its {retries} immediate "
+            f"retries (--retries / {ENV_RETRIES}) are used: give a ceiling above {retries}, or "
+            f"leave it out (its default follows --retries)")
     # The command's limit: an inherited value no command uses must not refuse a demo or python
     # run (it still feeds the default watchdog).
     commands = ns.executor == "command" or (ns.executor is None and bool(ns.command))
@@ -217,8 +226,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"{flag} {path}: the directory {path.absolute().parent} does not "
                               f"exist")
     return RunConfig(
-        db=ns.db, resume=resume, retries=1 if retries is None else retries,
-        max_attempts=5 if max_attempts is None else max_attempts,
+        db=ns.db, resume=resume, retries=retries,
+        max_attempts=max_attempts,
         synchronous=ns.synchronous, executor=executor, argv=argv, callable_spec=ns.callable,
         timeout_s=timeout, watchdog_s=watchdog, demo=demo, tasks_file=ns.tasks,
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,

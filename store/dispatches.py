@@ -221,27 +221,29 @@ def find_expired(tx: Tx) -> list[tuple[int, str]]:
 
 def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str, *,
                  protocol: bool = True) -> Recovery:
-    """Post-send compensation plus the retry policy: the attempt counts (the worker may have
-    consumed the input), then requeue at the head, defer, or hold as failed.
+    """Post-send compensation plus the retry policy: the attempt counts, towards the ceiling
+    and the budget alike (the worker may have consumed the input), then requeue at the head,
+    defer, or hold as failed.
 
     `protocol` says whether a broken dispatch (counted as Protocol-requeued/-deferred) or a
     task whose run failed (a timeout; counted apart) is being retried."""
     requeued_kind = EventKind.REQUEUED if protocol else EventKind.RETRIED
     deferred_kind = EventKind.DEFERRED if protocol else EventKind.TASK_DEFERRED
-    attempts = tx.conn.execute(select(tasks.c.attempts).where(tasks.c.id == task_id)).scalar_one()
+    attempts, budget_used = tx.conn.execute(
+        select(tasks.c.attempts, tasks.c.budget_used).where(tasks.c.id == task_id)).one()
     attempts += 1
-    decision = retry_decision(attempts, tx.policy)
+    decision = retry_decision(attempts, budget_used + 1, tx.policy)
     if decision is TaskState.DEFERRED:
         try:
             with tx.savepoint():
                 ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.DEFERRED,
-                               attempts_delta=1, reason=reason)
+                               attempts_delta=1, budget_delta=1, reason=reason)
                 tx.event(deferred_kind, rank=rank, token=token, task_id=task_id,
                          detail=reason)
         except (DBAPIError, sqlite3.Error) as e:
             # R8: a deferral that cannot be written must not lose the task: keep it queued.
             ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                           queue_pos=head_position(tx), attempts_delta=1,
+                           queue_pos=head_position(tx), attempts_delta=1, budget_delta=1,
                            reason=f"deferral failed: {getattr(e, 'orig', None) or e}")
             tx.event(EventKind.DEFER_FAILED, rank=rank, token=token, task_id=task_id,
                      detail=str(getattr(e, "orig", None) or e)[:500])
@@ -250,21 +252,23 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
             return Recovery(rank or 0, token, task_id, TaskState.QUEUED, attempts, True)
     elif decision is TaskState.QUEUED:
         ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                       queue_pos=head_position(tx), attempts_delta=1, reason=reason)
+                       queue_pos=head_position(tx), attempts_delta=1, budget_delta=1,
+                       reason=reason)
         tx.event(requeued_kind, rank=rank, token=token, task_id=task_id, detail=reason)
     else:
-        ok = _hold_failed(tx, rank, token, task_id, attempts, reason)
+        ok = _hold_failed(tx, rank, token, task_id, attempts, reason, charged=True)
     if not ok:
         raise FenceError(f"task {task_id} was not active")
     return Recovery(rank or 0, token, task_id, decision, attempts)
 
 
 def _hold_failed(tx: Tx, rank: int | None, token: str, task_id: int, attempts: int,
-                 last: str) -> bool:
-    """The attempt ceiling: the task is held as failed (its `attempts`-th failure counted)."""
+                 last: str, *, charged: bool = False) -> bool:
+    """The attempt ceiling: the task is held as failed (its `attempts`-th failure counted,
+    and charged to the budget if the retry policy decided it)."""
     why = f"{attempts} failed attempts (ceiling {tx.policy.max_attempts}); last: {last}"
     ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.FAILED, attempts_delta=1,
-                   reason=why)
+                   budget_delta=int(charged), reason=why)
     tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=why)
     return ok
 
@@ -303,8 +307,8 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
     counted, except for the dispatches of `charged_ranks` (workers known to be gone: the task
     may be what killed them, and a launcher that tears the job down after a death signals the
     master like an operator would). Resume (`True`): dispatches an earlier incarnation left
-    behind when it died; the attempt counts and the ceiling applies, but the immediate-retry
-    budget does not (a coordinator crash is not a protocol failure).
+    behind when it died; the attempt counts and the ceiling applies, but nothing is charged to
+    the immediate-retry budget (`budget_used`: a coordinator crash is not a protocol failure).
     """
     cond = (dispatches.c.incarnation < tx.incarnation if earlier_incarnations
             else dispatches.c.incarnation == tx.incarnation)

@@ -29,16 +29,22 @@ class RetryPolicy:
     """SPEC §3 R7/R8: immediate requeues, then deferral; a total ceiling holds a task as failed.
 
     `retries`: post-send failures requeued at the head of the queue (0–16, default 1).
-    `max_attempts`: post-send failures after which the task is held as failed (attempts are
-    stored, so the budget and the ceiling both survive a restart).
+    `max_attempts`: failed dispatches after which the task is held as failed (both counts are
+    stored, so the budget and the ceiling survive a restart). By default the budget, then
+    `DEFERRALS_BEFORE_FAILED` deferrals, then the ceiling: 5 for the default budget.
     """
 
     retries: int = 1
-    max_attempts: int = 5
+    max_attempts: int | None = None
+
+    DEFERRALS_BEFORE_FAILED = 3
 
     def __post_init__(self) -> None:
         if not (type(self.retries) is int and 0 <= self.retries <= 16):
             raise ValueError(f"retries must be an integer in 0..16, not {self.retries!r}")
+        if self.max_attempts is None:
+            object.__setattr__(self, "max_attempts",
+                               self.retries + self.DEFERRALS_BEFORE_FAILED + 1)
         if not (type(self.max_attempts) is int and self.max_attempts >= 1):
             raise ValueError(f"max_attempts must be an integer >= 1, not {self.max_attempts!r}")
 

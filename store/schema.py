@@ -168,8 +168,12 @@ tasks = Table(
     Column("payload", Text, nullable=False),  # canonical JSON (sorted keys, no NaN)
     Column("input_hash", Text, ForeignKey("blobs.hash"), nullable=True),
     Column("state", Text, nullable=False),
-    # Post-send failures of this task, persistent: a restart does not refill the budget.
+    # Failed dispatches of this task, a crash-interrupted one included, persistent: the
+    # ceiling (--max-attempts) reads it, and a restart does not refill it.
     Column("attempts", Integer, nullable=False, server_default=text("0")),
+    # Of those, the ones the retry policy decided (not a crash-interrupted dispatch): what the
+    # immediate-retry budget reads (revision 0006).
+    Column("budget_used", Integer, nullable=False, server_default=text("0")),
     Column("dispatches", Integer, nullable=False, server_default=text("0")),
     # Queue order among queued tasks: new work at the tail (positive, growing), requeued and
     # reclaimed work at the head (negative, shrinking).

@@ -189,24 +189,29 @@ def input_bytes(tx: Tx, input_hash: str | None) -> bytes | None:
     return row[0] if row else None
 
 
-def retry_decision(attempts: int, policy: RetryPolicy) -> TaskState:
-    """Where a task goes after its `attempts`-th post-send failure (R7, R8, the ceiling)."""
+def retry_decision(attempts: int, budget_used: int, policy: RetryPolicy) -> TaskState:
+    """Where a task goes after a failure the retry policy decides: its `attempts`-th failed
+    dispatch (the ceiling) and its `budget_used`-th charged to the budget (R7, R8). A dispatch
+    a crash interrupted counts towards the ceiling only."""
     if attempts >= policy.max_attempts:
         return TaskState.FAILED
-    if attempts <= policy.retries:
+    if budget_used <= policy.retries:
         return TaskState.QUEUED
     return TaskState.DEFERRED
 
 
 def set_state(tx: Tx, task_id: int, expected: TaskState, new: TaskState, *,
               queue_pos: int | None = None, reason: str | None = None,
-              attempts_delta: int = 0, dispatches_delta: int = 0) -> bool:
+              attempts_delta: int = 0, budget_delta: int = 0,
+              dispatches_delta: int = 0) -> bool:
     """The one fenced task transition: changes the row only if it is in `expected`."""
     values: dict[str, Any] = {"state": new.value, "updated_at": tx.now, "reason": reason}
     if queue_pos is not None:
         values["queue_pos"] = queue_pos
     if attempts_delta:
         values["attempts"] = tasks.c.attempts + attempts_delta
+    if budget_delta:
+        values["budget_used"] = tasks.c.budget_used + budget_delta
     if dispatches_delta:
         values["dispatches"] = tasks.c.dispatches + dispatches_delta
     res = tx.conn.execute(
@@ -277,7 +282,8 @@ def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
     pos = tail_position(tx)
     tx.db.executemany(
         "UPDATE tasks SET state = 'queued', queue_pos = ?, reason = NULL, updated_at = ?"
-        + (", attempts = 0" if reset_attempts else "") + " WHERE id = ? AND state = ?",
+        + (", attempts = 0, budget_used = 0" if reset_attempts else "")
+        + " WHERE id = ? AND state = ?",
         [(pos + i, tx.now, r.id, r.state) for i, r in enumerate(rows)])
     for r in rows:
         tx.event(EventKind.MANUAL_REQUEUE, task_id=r.id, detail=f"from {r.state}")
@@ -302,8 +308,8 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
     pos = tail_position(tx)
     tx.db.executemany("DELETE FROM results WHERE task_id = ?", [(r.task_id,) for r in rows])
     tx.db.executemany(
-        "UPDATE tasks SET state = 'queued', queue_pos = ?, attempts = 0, reason = NULL, "
-        "updated_at = ? WHERE id = ? AND state = 'done'",
+        "UPDATE tasks SET state = 'queued', queue_pos = ?, attempts = 0, budget_used = 0, "
+        "reason = NULL, updated_at = ? WHERE id = ? AND state = 'done'",
         [(pos + i, tx.now, r.task_id) for i, r in enumerate(rows)])
     for r in rows:
         why = (r.detail or "").strip().splitlines()

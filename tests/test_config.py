@@ -44,6 +44,20 @@ def test_command_executor_on_demo_tasks_is_refused(tmp_path):
         resolve(tmp_path, "--", "./target", "@@")  # the default source is the demo
 
 
+def test_a_ceiling_at_or_below_the_retry_budget_is_refused(tmp_path, monkeypatch):
+    """It would hold a task as failed before the requeues asked for are used."""
+    with pytest.raises(ConfigError, match=r"--max-attempts 16 holds a task as failed before "
+                                          r"its 16 immediate retries"):
+        resolve(tmp_path, "--retries", "16", "--max-attempts", "16")
+    monkeypatch.setenv("SYMCC_DISPATCH_MAX_ATTEMPTS", "1")
+    with pytest.raises(ConfigError, match="SYMCC_DISPATCH_MAX_ATTEMPTS 1 holds"):
+        resolve(tmp_path)  # against the default budget of 1
+    assert resolve(tmp_path, "--retries", "0").max_attempts == 1
+    monkeypatch.delenv("SYMCC_DISPATCH_MAX_ATTEMPTS")
+    cfg = resolve(tmp_path, "--retries", "16")
+    assert (cfg.retries, cfg.max_attempts) == (16, None)  # the store's default: 20
+
+
 def test_db_that_is_a_directory_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         resolve_run(_parser().parse_args(["run", "--db", str(tmp_path)]))

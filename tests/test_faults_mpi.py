@@ -621,7 +621,7 @@ def test_a_poison_task_fails_at_the_attempt_ceiling_and_requeue_resets_it(tmp_pa
     tasks_file.write_text("\n".join(lines) + "\n")
     db = tmp_path / "c.db"
     done = run(["run", "--db", str(db), "--tasks", str(tasks_file), "--timeout", "1",
-                "--retries", "16", "--max-attempts", "3", "--no-progress", "--",
+                "--retries", "2", "--max-attempts", "3", "--no-progress", "--",
                 sys.executable, str(target), "@@"], timeout=FAULT_JOB_S)
     assert done.returncode == 0, done.stderr[-3000:]
     check_conservation(db, expected_tasks=5)

@@ -431,7 +431,7 @@ def test_0005_keeps_every_result_and_event_and_goes_back(tmp_path: Path):
 
     before = rows()
     assert before["results"] and before["events"]
-    assert versioning.upgrade(db) == ("0004", "0005")
+    assert versioning.upgrade(db, "0005") == ("0004", "0005")
     assert rows() == before
     with sqlite3.connect(db) as conn:
         indexes = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = "
@@ -447,6 +447,31 @@ def test_0005_keeps_every_result_and_event_and_goes_back(tmp_path: Path):
                      "task_id = 1) WHERE task_id = 2")
     assert _plans(db, "SELECT count(*) FROM events WHERE kind = 'dispatched'") == [
         "SEARCH events USING COVERING INDEX ix_events_kind (kind=?)"]
+
+
+def test_0006_starts_each_budget_at_what_it_read_before_and_goes_back(tmp_path: Path):
+    """Until 0006 the retry budget read `attempts`: a task in the middle of its retries keeps
+    the budget it had used, every other row is untouched, and a downgrade drops the column."""
+    db = tmp_path / "old.db"
+    versioning.upgrade(db, "0005")
+    with sqlite3.connect(db) as conn:
+        for i, (state, attempts) in enumerate([("queued", 0), ("deferred", 2), ("failed", 5),
+                                               ("done", 1)], start=1):
+            conn.execute("INSERT INTO tasks (id, semantic_id, payload, state, attempts, "
+                         "queue_pos, created_at, updated_at) VALUES (?, ?, '{}', ?, ?, ?, 0, 0)",
+                         (i, f"{i:064x}", state, attempts, i))
+    before = dict(_dump(db)["rows"])["tasks"]  # type: ignore[call-overload]
+    assert versioning.upgrade(db, "0006") == ("0005", "0006")
+    with sqlite3.connect(db) as conn:
+        got = conn.execute("SELECT id, attempts, budget_used FROM tasks ORDER BY id").fetchall()
+        conn.execute("INSERT INTO tasks (id, semantic_id, payload, state, queue_pos, "
+                     "created_at, updated_at) VALUES (9, ?, '{}', 'queued', 9, 0, 0)",
+                     ("9" * 64,))
+        new = conn.execute("SELECT budget_used FROM tasks WHERE id = 9").fetchone()
+        conn.execute("DELETE FROM tasks WHERE id = 9")
+    assert got == [(1, 0, 0), (2, 2, 2), (3, 5, 5), (4, 1, 1)] and new == (0,)
+    _run_alembic(db, "downgrade", "0005")
+    assert dict(_dump(db)["rows"])["tasks"] == before  # type: ignore[call-overload]
 
 
 def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):

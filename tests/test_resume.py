@@ -123,6 +123,29 @@ def test_retry_budget_survives_a_restart(db_path):
     farm.close()
 
 
+def test_a_crash_counts_towards_the_ceiling_but_not_the_retry_budget(db_path):
+    """A dispatch the dead master left counts an attempt (the ceiling stops a task that takes
+    the job down every time), but it was no protocol failure: the task's first real one is
+    still requeued within the budget of 1, its second deferred."""
+    farm = Farm(db_path)
+    [tid] = farm.enqueue({"data": 1})
+    farm.ready(1, "")
+    farm.dispatch(1)
+    farm.close()  # the master died with the dispatch committed
+    farm = Farm(db_path, resume=True)
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.state, t.attempts, t.budget_used) == ("queued", 1, 0)
+    assert fail_once(farm)[0].outcome.value == "queued"
+    assert fail_once(farm)[0].outcome.value == "deferred"
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.attempts, t.budget_used) == (3, 2)
+    with farm.store.transaction() as tx:  # an operator requeue resets both counts
+        assert requeue_tasks(tx, ids=[tid]) == [tid]
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.state, t.attempts, t.budget_used) == ("queued", 0, 0)
+    farm.close()
+
+
 def test_restarts_cannot_retry_a_poison_task_forever(db_path):
     farm = Farm(db_path, policy=RetryPolicy(max_attempts=3))
     [tid] = farm.enqueue({"data": "kills its worker, and the job with it"})

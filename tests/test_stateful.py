@@ -100,6 +100,7 @@ class MTask:
     state: str = "queued"
     pos: int = 0
     attempts: int = 0
+    budget_used: int = 0  # the failures the retry policy decided (not a crash's)
     dispatches: int = 0
     deferred_at: float = 0.0
     refused_said: bool = False  # a resume said its input is gone, and nothing changed since
@@ -188,10 +189,11 @@ class GateMachine(RuleBasedStateMachine):
         failures."""
         t = self.tasks[d.task_id]
         t.attempts += 1
+        t.budget_used += 1
         if t.attempts >= POLICY.max_attempts:
             t.state = "failed"
             self.events["failed"] += 1
-        elif t.attempts <= POLICY.retries:
+        elif t.budget_used <= POLICY.retries:
             self._to_head(t)
             self.events["requeued" if protocol else "retried"] += 1
         elif self.defer_blocked:
@@ -595,7 +597,7 @@ class GateMachine(RuleBasedStateMachine):
             t = self.tasks[d.task_id]
             assert (rec.outcome.value, rec.attempts, rec.defer_failed) == (
                 "queued" if t.state == "queued" else t.state, t.attempts,
-                self.defer_blocked and t.state == "queued" and t.attempts > POLICY.retries)
+                self.defer_blocked and t.state == "queued" and t.budget_used > POLICY.retries)
 
     def _deadlines(self) -> bool:
         return any(d.deadline is not None for d in self.active.values())
@@ -720,12 +722,13 @@ class GateMachine(RuleBasedStateMachine):
 
             # Every enqueued task exists, in exactly one known state; none appeared or vanished.
             rows = {r.id: r for r in q(
-                "SELECT id, state, attempts, dispatches, queue_pos FROM tasks")}
+                "SELECT id, state, attempts, budget_used, dispatches, queue_pos FROM tasks")}
             assert set(rows) == set(self.tasks)
             assert {r.state for r in rows.values()} <= set(STATES)
             for tid, t in self.tasks.items():
                 assert rows[tid].state == t.state, (tid, rows[tid], t)
                 assert rows[tid].attempts == t.attempts, (tid, rows[tid], t)
+                assert rows[tid].budget_used == t.budget_used, (tid, rows[tid], t)
                 assert rows[tid].dispatches == t.dispatches, (tid, rows[tid], t)
                 if t.state == "queued":
                     assert rows[tid].queue_pos == t.pos, (tid, rows[tid], t)
