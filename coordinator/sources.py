@@ -154,7 +154,25 @@ class AflQueueSource:
         if digest in self._seen_hashes:
             return None
         self._seen_hashes.add(digest)
-        return NewInput(payload={"path": str(path)}, input_bytes=content, origin=f"afl:{self.fuzzer}/{name}")
+        # A name that is not UTF-8 (not AFL's, but anyone can drop a file there) cannot be
+        # stored as text: it is kept with its bytes escaped. The input's bytes are stored with
+        # the task, so the escaped path is never opened.
+        where = _as_text(path)
+        payload = {"path": where}
+        try:
+            canonical = canonical_form(payload)
+        except PayloadError as e:  # nothing else should fail; if it does, say so, go on
+            print(f"coordinator: AFL queue entry {where} skipped: {e}", file=sys.stderr,
+                  flush=True)
+            return None
+        return NewInput(payload=payload, input_bytes=content,
+                        origin=f"afl:{self.fuzzer}/{_as_text(name)}",
+                        canonical=canonical)
+
+
+def _as_text(path: str | os.PathLike[str]) -> str:
+    """A file name as valid UTF-8 text: bytes that are not UTF-8 become `\\xNN` escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _is_dir(entry: os.DirEntry) -> bool:

@@ -105,8 +105,14 @@ def _normalized(payload: Mapping[str, Any]) -> dict[str, Any]:
 
 def canonical_json(value: Any) -> str:
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False,
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False,
                           ensure_ascii=False)
+        if not text.isascii():
+            text.encode()  # a lone surrogate (a str made from bytes that were not UTF-8)
+        return text
+    except UnicodeEncodeError as e:
+        raise PayloadError(f"payload is not valid Unicode: {e.reason} in "
+                           f"{text[max(0, e.start - 20):e.end + 20]!r}") from None
     except (TypeError, ValueError) as e:
         raise PayloadError(f"payload is not canonical JSON: {e}") from None
 

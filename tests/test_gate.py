@@ -419,6 +419,7 @@ def test_identity_ignores_key_order_and_tokens_and_defaults(farm):
     ({"path": "p", "s2f_actions": [[1, "fly"]]}, "solve"),
     ({"path": "p", "s2f_actions": [[i, "skip"] for i in range(65)]}, "at most 64"),
     ({"data": float("nan")}, "JSON"), ({"path": "p", "continuation": []}, "mapping"),
+    ({"path": "id:000001,\udcff"}, "not valid Unicode"),  # a name that was not UTF-8
 ])
 def test_bad_payloads_are_refused_clearly(bad, match):
     with pytest.raises(PayloadError, match=match):

@@ -10,6 +10,8 @@ import time
 import pytest
 
 from coordinator.sources import AflQueueSource, NewInput, TaskFileError, demo_tasks, load_tasks_jsonl
+from store.campaign import Store
+from store.tasks import enqueue_tasks
 
 # ------------------------------------------------------------------------------------ AFL queue
 
@@ -48,6 +50,26 @@ def test_afl_returns_new_entries_sorted_and_only_once(tmp_path, queue):
     assert source.poll() == []
     put(queue, "id:000002,src:000001", b"three")
     assert names(source.poll()) == ["id:000002,src:000001"]
+
+
+def test_afl_entry_whose_name_is_not_utf8_is_kept_with_an_escaped_path(tmp_path, queue):
+    """Not AFL's naming, but anyone can drop a file in the queue: its name cannot be stored as
+    text, and it once failed the whole batch at every start. Its bytes are stored with the
+    task (self-contained), so the escaped path is only a label."""
+    put(queue, "id:000000,a", b"good")
+    bad = os.fsdecode(os.fsencode(str(queue)) + b"/id:000001,\xff\xfe")
+    put(queue, os.path.basename(bad), b"odd name")
+    found = AflQueueSource(tmp_path / "afl_out", "main").poll()
+    assert [f.input_bytes for f in found] == [b"good", b"odd name"]
+    escaped = found[1].payload["path"]
+    assert escaped == str(queue / "id:000001,\\xff\\xfe") and escaped.encode()
+    assert found[1].origin == "afl:main/id:000001,\\xff\\xfe"
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            assert len(enqueue_tasks(tx, [f.as_task() for f in found])) == 2
+    finally:
+        store.close()
 
 
 def test_afl_ignores_dot_files_directories_and_other_names(tmp_path, queue):
