@@ -55,11 +55,18 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
+    pass
+
+
 def _worker(cfg: RunConfig, transport) -> int:
     from .worker import Sender, serve
-    # The master decides when the job stops (a terminal's Ctrl-C reaches every rank).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The master decides when the job stops (a terminal's Ctrl-C reaches every rank). Caught
+    # by a handler that does nothing, not ignored: an ignored signal stays ignored across
+    # exec, and the targets the command executor starts could then not be stopped by SIGTERM
+    # or Ctrl-C at all; a caught one is back to its default in them.
+    signal.signal(signal.SIGINT, _leave_it_to_the_master)
+    signal.signal(signal.SIGTERM, _leave_it_to_the_master)
     try:
         verdict = transport.bcast(None)
         if not isinstance(verdict, dict):  # the master refused to start: its exit status
