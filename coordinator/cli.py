@@ -547,7 +547,7 @@ def _requeue(ns: argparse.Namespace) -> int:
 
 def _db_upgrade(db: Path) -> int:
     from store.campaign import campaign_locked
-    from store.errors import StoreError
+    from store.errors import StoreError, StoreWriteError
     from store.versioning import upgrade
 
     def announce(before: str, target: str) -> None:
@@ -561,6 +561,14 @@ def _db_upgrade(db: Path) -> int:
                 before, after = upgrade(db, announce=announce)
         else:
             before, after = upgrade(db, announce=announce)  # (which explains the missing dir)
+    except (StoreWriteError, OSError) as e:
+        # A full disk, a read-only file or directory (the lock file), tables that do not match
+        # the revision stamp: each revision runs in one transaction, so the failed one changed
+        # nothing.
+        print(f"coordinator: cannot upgrade {db}: {getattr(e, 'cause', e)}; the revision "
+              f"that failed changed nothing (each runs in one transaction): fix the cause and "
+              f"run it again", file=sys.stderr)
+        return EXIT_STORE
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return EXIT_USAGE

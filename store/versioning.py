@@ -7,6 +7,7 @@ alembic.ini; `alembic -x db=PATH upgrade head` from the repository root does the
 from __future__ import annotations
 
 import os
+import sqlite3
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -15,12 +16,13 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, inspect
+from alembic.util import CommandError
+from sqlalchemy import Connection, exc, inspect
 
 import migrations
 
 from .engine import open_engine
-from .errors import DatabaseOpenError, SchemaVersionError
+from .errors import DatabaseOpenError, SchemaVersionError, StoreWriteError
 
 
 def alembic_config() -> Config:
@@ -42,7 +44,17 @@ def head_revision() -> str:
 
 
 def current_revision(conn: Connection) -> str | None:
-    return MigrationContext.configure(conn).get_current_revision()
+    """The file's revision stamp. Several stamps (a hand edit; a campaign has one) are refused
+    with what they say, rather than Alembic's "more than one head" traceback."""
+    try:
+        return MigrationContext.configure(conn).get_current_revision()
+    except CommandError:
+        found = sorted(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())
+        raise DatabaseOpenError(
+            f"{conn.engine.url.database}: its alembic_version table holds {len(found)} "
+            f"revisions ({', '.join(found)}) where a campaign has one: it was changed by hand "
+            f"or by another tool; restore a copy, or keep only the revision its tables match"
+        ) from None
 
 
 def refuse_foreign(conn: Connection, path: str | os.PathLike[str]) -> None:
@@ -93,8 +105,12 @@ def upgrade(path: str | os.PathLike[str], revision: str = "head", *,
                 announce(before, target)
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
-            conn.commit()
+            try:
+                command.upgrade(cfg, revision)
+                conn.commit()
+            except (exc.DBAPIError, sqlite3.Error) as e:
+                raise StoreWriteError(f"the schema upgrade from {before or '(new)'} to {target}",
+                                      getattr(e, "orig", None) or e) from e
             after = current_revision(conn)
         return before, after
     finally:

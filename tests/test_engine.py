@@ -258,3 +258,36 @@ def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
     assert up.returncode == 0, up.stderr
     assert f"upgrading {db_path} from schema 0004 to {versioning.head_revision()}" in up.stderr
     assert f"schema 0004 -> {versioning.head_revision()}" in up.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    import sys
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_a_file_with_two_revision_stamps_is_refused_clearly_by_every_command(db_path):
+    """A hand edit left two rows in alembic_version: Alembic's own answer is a traceback
+    ("more than one head"); every command names what the file says instead."""
+    upgrade(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("INSERT INTO alembic_version VALUES ('0099')")
+    for args in (["status"], ["db", "upgrade"], ["requeue", "--state", "all"]):
+        got = _cli(*args, "--db", str(db_path))
+        assert got.returncode == 2, (args, got.stderr)
+        assert "alembic_version table holds 2 revisions" in got.stderr, (args, got.stderr)
+        assert "Traceback" not in got.stderr
+
+
+def test_an_upgrade_that_fails_changes_nothing_and_says_so(db_path):
+    """A stamp older than the tables (0003 on a file whose tables are newer): the revision that
+    fails is rolled back whole; exit 3, no traceback."""
+    upgrade(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0003'")
+    got = _cli("db", "upgrade", "--db", str(db_path))
+    assert got.returncode == 3, got.stderr
+    assert "cannot upgrade" in got.stderr and "duplicate column name: settings" in got.stderr
+    assert "Traceback" not in got.stderr
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0003",)]
