@@ -222,9 +222,13 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     stats_file = ns.stats_file or ns.db.with_name(ns.db.name + ".stats")
     for flag, path in (("--stats-file", ns.stats_file), ("--summary-json", ns.summary_json)):
         # Written at the end: found out then, after the whole run.
-        if path is not None and not path.absolute().parent.is_dir():
-            raise ConfigError(f"{flag} {path}: the directory {path.absolute().parent} does not "
-                              f"exist")
+        if path is None:
+            continue
+        where = path.absolute().parent
+        if not where.is_dir():
+            raise ConfigError(f"{flag} {path}: the directory {where} does not exist")
+        if not os.access(where, os.W_OK | os.X_OK):  # a read-only mount too, even as root
+            raise ConfigError(f"{flag} {path}: the directory {where} is not writable")
     return RunConfig(
         db=ns.db, resume=resume, retries=retries,
         max_attempts=max_attempts,

@@ -33,7 +33,7 @@ from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, ranks_in_state, set_workers, where_they_run
 
 from .gate import Gate, Inbound, failure_detail
-from .output import TestcaseWriter, input_id
+from .output import TestcaseWriter, input_id, replace_text
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
 from .runtime import process_exists
@@ -110,6 +110,7 @@ class Master:
         self._next_stats = 0.0
         self._stop_seq = 0
         self._progress = Progress(enabled=config.progress)
+        self.stats_error: str | None = None  # why the last stats file write failed
 
     # -- the round ---------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -440,15 +441,17 @@ class Master:
         if s is None:
             with self.store.reading() as conn:
                 s = read_stats(conn)
-        text = stats_text(s)
-        tmp = self.config.stats_file.with_name(self.config.stats_file.name + ".tmp")
         try:
-            tmp.write_text(text)
-            os.replace(tmp, self.config.stats_file)
+            replace_text(self.config.stats_file, stats_text(s))
         except OSError as e:  # a convenience copy: the numbers stay in the database
-            log.warning("cannot write the stats file %s: %s", self.config.stats_file, e)
-            with contextlib.suppress(OSError):  # a full disk may have left it half written
-                tmp.unlink()
+            why = e.strerror or str(e)
+            if why != self.stats_error:  # said once per cause, not every interval
+                print(f"coordinator: cannot write the stats file {self.config.stats_file}: "
+                      f"{why} (the numbers stay in the database: `coordinator status`)",
+                      file=sys.stderr, flush=True)
+            self.stats_error = why
+        else:
+            self.stats_error = None
 
     # -- graceful stop -----------------------------------------------------------------------
     def request_stop(self, why: str) -> None:

@@ -151,6 +151,19 @@ class TestcaseWriter:
         _fsync_dir(self.out_dir)
 
 
+def replace_text(path: pathlib.Path, text: str) -> None:
+    """Replace `path` with `text` whole: readers (a launcher polling a pid file, a user
+    tailing the stats) see the old file or the new one, never a half-written one. On failure
+    (a full disk) no temporary file is left behind and the old file stays."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(str(tmp))
+        raise
+
+
 def afl_sync_counter(afl_out: pathlib.Path, name: str) -> tuple[str, int] | None:
     """The highest `.synced/<name>` counter among AFL's instances in `afl_out`, with the
     instance's name: the next id of ours each of them will look for (AFL++ `sync_fuzzers`

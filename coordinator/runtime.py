@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from .config import RunConfig
+from .output import replace_text
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -53,6 +54,17 @@ def _size(path: Path) -> int:
 def peak_rss_mib() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _write_summary(path: Path, summary: dict) -> None:
+    """The run's summary for scripts. Its directory was checked at start; if the write fails
+    anyway (a full disk), say so: the campaign itself is in the database."""
+    try:
+        replace_text(path, json.dumps(summary, indent=2) + "\n")
+    except OSError as e:
+        print(f"coordinator: cannot write --summary-json {path}: {e.strerror or e} (the "
+              f"campaign is in the database: `coordinator status --json`)", file=sys.stderr,
+              flush=True)
 
 
 def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
@@ -153,9 +165,7 @@ def _master(cfg: RunConfig, transport) -> int:
         try:
             # Atomically: the launcher reads it at any moment, and an empty file means
             # "no master yet" there.
-            tmp = cfg.master_pid_file.with_name(cfg.master_pid_file.name + ".tmp")
-            tmp.write_text(f"{os.getpid()}\n")
-            os.replace(tmp, cfg.master_pid_file)
+            replace_text(cfg.master_pid_file, f"{os.getpid()}\n")
         except OSError as e:
             print(f"coordinator: cannot record the master's pid ({e}); stop the run with "
                   f"`kill -TERM {os.getpid()}`", file=sys.stderr, flush=True)
@@ -288,10 +298,12 @@ def _master(cfg: RunConfig, transport) -> int:
           f"{peak_rss_mib():.0f} MiB); campaign: {t['done']} done, {t['queued']} queued, "
           f"{t['deferred']} deferred, {t['failed']} failed, {s.results} results"
           f"{f' ({not_ok})' if not_ok else ''}"
-          f"{'; continue it with --resume' if left else ''}; stats in {cfg.stats_file}",
+          f"{'; continue it with --resume' if left else ''}; "
+          + (f"stats in {cfg.stats_file}" if master.stats_error is None else
+             f"the stats file {cfg.stats_file} could not be written ({master.stats_error})"),
           flush=True)
     if cfg.summary_json is not None:
-        cfg.summary_json.write_text(json.dumps({
+        _write_summary(cfg.summary_json, {
             "tasks": t, "results": s.results, "committed_this_run": summary.committed,
             "loop_s": summary.elapsed_s, "total_s": elapsed,
             "tasks_per_s": summary.committed / max(summary.elapsed_s, 1e-9),
@@ -299,7 +311,7 @@ def _master(cfg: RunConfig, transport) -> int:
             "commits_per_task": summary.transactions / max(summary.committed, 1),
             "master_peak_rss_mib": peak_rss_mib(), "workers": transport.size - 1,
             "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
-        }, indent=2) + "\n")
+        })
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
               f"ending the job (the campaign is saved)", file=sys.stderr, flush=True)

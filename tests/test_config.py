@@ -205,6 +205,20 @@ def test_end_of_run_files_in_a_missing_directory_are_refused_at_start(tmp_path):
             resolve(tmp_path, flag, str(tmp_path / "missing" / "f"))
 
 
+def test_end_of_run_files_in_a_read_only_directory_are_refused_at_start(tmp_path,
+                                                                         monkeypatch):
+    """A read-only mount (root can write anywhere else, so the check is faked here: what is
+    tested is that the answer of access(2) is asked and reported)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == ro else real(p, m))
+    for flag in ("--stats-file", "--summary-json"):
+        with pytest.raises(ConfigError, match=f"{flag} .*/ro is not writable"):
+            resolve(tmp_path, flag, str(ro / "f"))
+    assert resolve(tmp_path, "--summary-json", str(tmp_path / "f")).summary_json
+
+
 def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
     """`--mpiexec /nonexistent` ended in a traceback, `--mpiexec /bin/false` in exit 1 and not
     a word."""

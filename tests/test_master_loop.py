@@ -276,6 +276,27 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
     assert master.summary.unacked_ranks == []
     assert tasks_left == [("queued", 3)]  # the late RESULT was not committed: its task is back
 
+@pytest.mark.timeout(60)
+def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_path,
+                                                                               capsys):
+    """A convenience copy: its directory vanishing (or a full disk) must not stop the run,
+    nor repeat the same complaint every interval."""
+    gone = tmp_path / "gone"
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(20)])
+        master = Master(store, ScriptedRanks(), MasterConfig(
+            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_interval_s=0.0,
+            stats_file=gone / "c.stats"))
+        summary = master.run()
+    finally:
+        store.close()
+    err = capsys.readouterr().err
+    assert summary.committed == 20
+    assert err.count(f"cannot write the stats file {gone / 'c.stats'}: No such file") == 1
+    assert master.stats_error == "No such file or directory"
+
 
 def test_progress_refreshes_less_often_when_its_read_is_slow():
     """A refresh counts whole tables (a quarter second at a million tasks): every half second,
