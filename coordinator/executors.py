@@ -120,6 +120,18 @@ def _kill_group(pgid: int) -> None:
         pass  # group already empty
 
 
+#: Process groups of the commands running now (their leaders unreaped, so each id is still
+#: theirs): what a worker torn down by a signal must not leave behind.
+_RUNNING_GROUPS: set[int] = set()
+
+
+def kill_running_commands() -> None:
+    """Kill every command this process runs, whole groups. A target runs in a session of its
+    own, so nothing else ends it when its worker goes: it would outlive the job."""
+    for pgid in list(_RUNNING_GROUPS):
+        _kill_group(pgid)
+
+
 def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
     """Wait until the child exits *without reaping it*; True if it exited in time.
 
@@ -324,11 +336,13 @@ class CommandExecutor:
         finally:
             if stdin_file is not None:
                 stdin_file.close()
+        _RUNNING_GROUPS.add(proc.pid)
         tail = _TailReader(proc.stderr, DETAIL_MAX_BYTES)
         tail.start()
         timed_out = not self._wait(proc)
         # Also reaps anything the target left running in its group after a normal exit.
         _kill_group(proc.pid)
+        _RUNNING_GROUPS.discard(proc.pid)  # before the reap frees the id for reuse
         returncode = proc.wait()
         # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.
         tail.join(timeout=2.0)

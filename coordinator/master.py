@@ -525,9 +525,11 @@ class Master:
             backoff.wait()
         return sorted(pending)
 
-    def fence(self, ranks: list[int]) -> list[int]:
-        """SIGKILL the given ranks' processes if they run on this host (pid from READY); the
-        only way to end a rank that is hung (stopped) and so never answers MPI."""
+    def fence(self, ranks: list[int], term_wait_s: float = 1.0) -> list[int]:
+        """End the given ranks' processes if they run on this host (pid from READY); the only
+        way to end a rank that is hung (stopped) and so never answers MPI. SIGTERM (with
+        SIGCONT, for a stopped one) first, so a worker still running a command kills that
+        command's process group on its way out; SIGKILL after `term_wait_s` for the rest."""
         if not ranks:
             return []
         here = socket.gethostname()
@@ -536,16 +538,23 @@ class Master:
                 where = where_they_run(conn)
         except Exception:  # the database may be what failed; then nothing can be fenced
             return []
-        fenced = []
+        pids = {}
         for rank in ranks:
             host, pid = where.get(rank, (None, None))
             if host == here and pid and pid != os.getpid():
-                try:
+                pids[rank] = pid
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            for pid in pids.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + term_wait_s
+        while any(process_exists(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for pid in pids.values():
+            if process_exists(pid):
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                    fenced.append(rank)
-                except ProcessLookupError:
-                    fenced.append(rank)  # already gone
-        return fenced
+        return sorted(pids)
 
     def _send_stop(self, rank: int, *, finalize: bool) -> str | None:
         """A tokenized STOP with a fresh token to `rank`: the token, or None if the send

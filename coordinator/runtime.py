@@ -72,13 +72,15 @@ def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
 
 
 def _worker(cfg: RunConfig, transport) -> int:
-    from .worker import Sender, serve
-    # The master decides when the job stops (a terminal's Ctrl-C reaches every rank). Caught
-    # by a handler that does nothing, not ignored: an ignored signal stays ignored across
-    # exec, and the targets the command executor starts could then not be stopped by SIGTERM
-    # or Ctrl-C at all; a caught one is back to its default in them.
+    from .worker import Sender, serve, torn_down
+    # The master decides when the job stops: a terminal's Ctrl-C reaches every rank, and the
+    # workers go on with their tasks through the grace period. Caught by a handler that does
+    # nothing, not ignored: an ignored signal stays ignored across exec, and the targets the
+    # command executor starts could then not be stopped by Ctrl-C or SIGTERM at all.
     signal.signal(signal.SIGINT, _leave_it_to_the_master)
-    signal.signal(signal.SIGTERM, _leave_it_to_the_master)
+    # SIGTERM is the job being torn down (mpiexec ending it, a batch system, the master
+    # fencing a rank that never acknowledged STOP): the running command goes with the worker.
+    signal.signal(signal.SIGTERM, torn_down)
     try:
         verdict = transport.bcast(None)
         if not isinstance(verdict, dict):  # the master refused to start: its exit status

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from .executors import ExecOutcome, Executor
+from .executors import ExecOutcome, Executor, kill_running_commands
 from .protocol import is_token
 from .transport import Backoff, MasterGone, SendFailed, Transport, host_and_pid
 from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encode
@@ -30,6 +30,21 @@ log = logging.getLogger(__name__)
 #: An idle worker re-sends its last READY (the last completed token, or empty) this often
 #: while no WORK arrives.
 HEARTBEAT_S = 5.0
+
+
+#: This worker's scratch directory while it serves (a teardown removes it too).
+_scratch: list[Path] = []
+
+
+def torn_down(signum: int, _frame: object) -> None:
+    """SIGTERM handler: the job is being torn down. The running command's whole process group
+    is killed (it runs in a session of its own: nothing else would end it, and it outlived
+    the job), and the worker leaves at once without a RESULT: its task was or will be
+    requeued by the master, never committed from a run cut short."""
+    kill_running_commands()
+    for d in _scratch:
+        shutil.rmtree(d, ignore_errors=True)
+    os._exit(128 + signum)
 
 
 class Sender:
@@ -112,6 +127,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
     sender = sender or Sender(transport)
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
+    _scratch.append(scratch_dir)
     backoff = Backoff()
     completed = ""  # R1: empty in the first READY
     last_completed = ""

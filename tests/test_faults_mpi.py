@@ -368,8 +368,8 @@ def test_a_malformed_ready_is_quarantined_and_the_heartbeat_frees_the_rank(tmp_p
 @pytest.mark.timeout(120)
 @covering("ready_stale")
 @pytest.mark.parametrize("inject, seed, at_least", [
-    ("ready_stale=0.05", 461, 0),
-    ("reorder=1,ready_stale=0.05", 2642, 1),
+    ("ready_stale=0.2", 461, 0),
+    ("reorder=1,ready_stale=0.2", 2642, 1),
 ], ids=["after-result", "before-result"])
 def test_a_stale_ready_is_quarantined_while_its_dispatch_is_active(tmp_path, inject, seed,
                                                                    at_least):

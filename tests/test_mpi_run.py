@@ -358,6 +358,71 @@ def test_sigterm_stops_gracefully_and_resume_completes(tmp_path):
     assert query(db, "SELECT count(*) FROM results") == [(300,)]
 
 
+LONG_TARGET = textwrap.dedent("""\
+    import os, subprocess, sys, time
+    # A run longer than the stop's grace and wait, with a child of its own, like SymCC under
+    # a wrapper script: both pids recorded where the test finds them.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.path.join(sys.argv[2], f"{os.getpid()}-{child.pid}"), "w"):
+        pass
+    time.sleep(600)
+    """)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"  # a zombie is gone for our purposes
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("ulfm", [True, False], ids=["ulfm", "no-ulfm"])
+def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
+    """Ranks still running their command when the stop's wait runs out are ended by the
+    master (fenced under ULFM, the job aborted without). Each target runs in a session of its
+    own, so it used to outlive the job, with its children, until its own end. The worker now
+    takes its command's process group with it when it is told to go (SIGTERM)."""
+    from mpi_jobs import mpi_kind
+    if ulfm and mpi_kind() != "openmpi":
+        pytest.skip("ULFM is Open MPI's")
+    target, pids = tmp_path / "long.py", tmp_path / "pids"
+    target.write_text(LONG_TARGET)
+    pids.mkdir()
+    lines = []
+    for i in range(3):
+        (tmp_path / f"in{i}").write_bytes(b"%d" % i)
+        lines.append(json.dumps({"path": str(tmp_path / f"in{i}"),
+                                 "input_file": str(tmp_path / f"in{i}")}))
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--tasks", str(tmp_path / "t.jsonl"),
+                  "--timeout", "600", "--grace", "0.5", "--stop-wait", "1", "--no-progress",
+                  "--", sys.executable, str(target), "@@", str(pids)], ulfm=ulfm)
+    started: list[int] = []
+    try:
+        pid = master_pid(db)
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = [int(p) for f in pids.iterdir() for p in f.name.split("-")]
+        assert len(started) == 6 and all(map(_alive, started))
+        os.kill(pid, signal.SIGTERM)
+        done = finish(proc, timeout=90)
+    finally:
+        kill_job(proc)
+    assert "did not acknowledge STOP" in done.stderr, done.stderr[-3000:]
+    deadline = time.monotonic() + 10  # SIGKILLed by now; /proc may take a moment
+    while any(map(_alive, started)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in started if _alive(p)]
+    for p in left:  # do not leave them behind on the machine running the tests
+        os.kill(p, signal.SIGKILL)
+    assert left == []
+    check_conservation(db, expected_tasks=3)
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("queued", 3)]
+
+
 WORKER_FAILS = textwrap.dedent("""\
     import os
     # Loads on the master (rank 0 checks the spec before the start), not on the workers.
