@@ -588,7 +588,8 @@ class Master:
             shown_ready = ranks_in_state(conn, WorkerState.IDLE)
         stop_tokens: dict[int, str] = {}
         acked: set[int] = set()
-        deadline = time.monotonic() + self.config.stop_wait_s
+        started = time.monotonic()
+        deadline = started + self.config.stop_wait_s
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
@@ -602,7 +603,16 @@ class Master:
                     self.gate.apply_ready(tx, readies)
                     self.gate.apply_results(tx, results)
                 shown_ready.update(m.rank for m in readies)
-            for rank in sorted(pending & shown_ready - set(stop_tokens)):
+            # A stopped worker leaves MPI. One still in the start-up broadcast (a short run, a
+            # slow rank) may receive it through a rank that has left, which fails it under
+            # ULFM: no STOP until every live rank has shown READY (each sends its first after
+            # the broadcast), or half the wait is gone (a rank busy or hung at the end).
+            all_started = pending <= shown_ready
+            if all_started or time.monotonic() - started >= self.config.stop_wait_s / 2:
+                to_stop = sorted(pending & shown_ready - set(stop_tokens))
+            else:
+                to_stop = []
+            for rank in to_stop:
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)
                 if token is None:
                     pending.discard(rank)

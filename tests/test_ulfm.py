@@ -220,3 +220,28 @@ def test_a_refused_start_with_a_worker_killed_during_it_ends_every_rank(tmp_path
         assert f"{tasks}:{lines + 1}: focus_bytes must be a list of integers" in done.stderr
         assert ranks_of(db) == []
         assert not db.exists()
+
+
+@pytest.mark.skipif(mpi_kind() != "openmpi", reason="ULFM is an Open MPI feature")
+def test_a_worker_slow_to_start_on_a_short_run_leaves_no_traceback(tmp_path):
+    """One rank starts a second late (a slow node); the run is over before it has its start
+    verdict. The workers stopped meanwhile used to leave MPI at once, and the late rank's
+    broadcast, which runs through them, failed: a healthy run printed "cannot go on" and an
+    MPI_ERR_PROC_FAILED traceback (2 runs in 5 of a one-task campaign here). The master now
+    stops no worker before every live one has shown READY."""
+    import sys
+
+    from coordinator.cli import mpiexec_flags
+    from mpi_jobs import MPIEXEC
+    db = tmp_path / "c.db"
+    rank = [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--demo", "1",
+            "--no-progress"]
+    flags = [f for f in mpiexec_flags(MPIEXEC, 1, ulfm=True) if f not in ("-n", "1")]
+    command = [MPIEXEC, *flags, "-n", "3", *rank, ":", "-n", "1",
+               "sh", "-c", 'sleep 1; exec "$0" "$@"', *rank]
+    done = finish(start([], command=command), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cannot go on" not in done.stderr and "Traceback" not in done.stderr, \
+        done.stderr[-3000:]
+    assert query(db, "SELECT state, count(*) FROM workers GROUP BY 1") == [("stopped", 3)]
+    check_conservation(db, expected_tasks=1)
