@@ -269,7 +269,8 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
     without its `--afl-out` (its results would no longer reach AFL). Another callable or
     command of the same kind, or more tasks from another source, are the user's call.
 
-    Returns what the user should hear all the same: an AFL campaign resumed with another
+    Returns what the user should hear all the same: another callable or command; an AFL
+    campaign resumed with another
     `--afl-out`, `--fuzzer` or `--name` (a typo in `--name` starts a second instance
     directory that AFL then syncs from; a moved AFL directory is a good reason)."""
     if stored is None:  # from before revision 0004: this start's settings become the record
@@ -285,8 +286,15 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
             f"{cfg.db} watches an AFL queue (--afl-out {stored.get('afl_out')} --fuzzer "
             f"{stored.get('fuzzer')} --name {stored.get('name')}); give them again on --resume, "
             f"or its results would not reach AFL")
+    notes = []
+    key = {"python": "callable", "command": "command"}.get(given["executor"])
+    if key is not None and stored.get(key) not in (None, given[key]):
+        # The user's call (a fixed target, a renamed module), but results committed from now
+        # on come from another program than the earlier ones: said, not refused.
+        notes.append(f"this campaign's earlier runs used {_how(stored)}; this --resume runs "
+                     f"{_how(given)}")
     if stored.get("source") != "afl" or given["source"] != "afl":
-        return []
+        return notes
 
     def same(key: str) -> bool:
         was, now = stored.get(key), given[key]
@@ -296,9 +304,8 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
 
     changed = [f"--{key.replace('_', '-')} {stored.get(key)} (now {given[key]})"
                for key in ("afl_out", "fuzzer", "name") if not same(key)]
-    if not changed:
-        return []
-    note = (f"this campaign was started with {', '.join(changed)}; its new test cases now go "
-            f"to {cfg.afl_out / str(given['name']) / 'queue'} and it reads "
-            f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}")
-    return [note]
+    if changed:
+        notes.append(f"this campaign was started with {', '.join(changed)}; its new test cases "
+                     f"now go to {cfg.afl_out / str(given['name']) / 'queue'} and it reads "
+                     f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}")
+    return notes

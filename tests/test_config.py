@@ -114,7 +114,13 @@ def test_resume_with_another_executor_or_without_the_afl_queue_is_refused(tmp_pa
                                           r"would use the demo executor"):
         check_resume(resolve(tmp_path, "--resume"), first)
     check_resume(resolve(tmp_path, "--resume", "--callable", "m:f"), first)
-    check_resume(resolve(tmp_path, "--resume", "--callable", "m:g"), first)  # the user's call
+    # Another callable or command is the user's call (a fixed target), but said.
+    assert check_resume(resolve(tmp_path, "--resume", "--callable", "m:g"), first) == [
+        "this campaign's earlier runs used --callable m:f; this --resume runs --callable m:g"]
+    cmd = campaign_settings(resolve(tmp_path, "--tasks", "t.jsonl", "--", "./a", "@@"))
+    assert check_resume(resolve(tmp_path, "--resume", "--", "./a", "@@"), cmd) == []
+    assert check_resume(resolve(tmp_path, "--resume", "--", "./b", "@@"), cmd) == [
+        "this campaign's earlier runs used -- ./a @@; this --resume runs -- ./b @@"]
     check_resume(resolve(tmp_path, "--resume"), None)  # a campaign from before 0004
     check_resume(resolve(tmp_path, "--resume"), {})  # keys it lacks are not compared
     afl = campaign_settings(resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main",
