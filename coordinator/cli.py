@@ -470,6 +470,8 @@ def _status(db: Path, as_json: bool) -> int:
     from store.errors import StoreError
     from store.stats import read_stats, recent_failures, result_statuses, stats_text
     from store.versioning import check_revision
+
+    from .gate import detail_summary
     engine = _open_readonly(db)
     if engine is None:
         return EXIT_USAGE
@@ -497,8 +499,7 @@ def _status(db: Path, as_json: bool) -> int:
     if failures:
         print("latest results that are not ok:")
         for task_id, rank, status, detail in failures:
-            last = (detail or "(no detail)").strip().splitlines()[-1:] or [""]
-            print(f"  task {task_id} (rank {rank}): {status}: {last[0][:200]}")
+            print(f"  task {task_id} (rank {rank}): {status}: {detail_summary(detail)}")
     print(stats_text(s), end="")
     return 0
 

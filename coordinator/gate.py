@@ -113,6 +113,19 @@ def failure_detail(parsed: Any) -> str | None:
 DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output files \(")
 
 
+def detail_summary(detail: str | None, width: int = 200) -> str:
+    """One line for a failed run: its first line (how the command ended, or the exception)
+    and its last own line (a command's last word on stderr), not the note of dropped output
+    files that may follow them, which said nothing of why the run failed."""
+    lines = [line.strip() for line in (detail or "").splitlines() if line.strip()]
+    if not lines:
+        return "(no detail)"
+    own = [line for line in lines[1:] if not DROPPED_NOTE.match(line)]
+    last = own[-1] if own else ""
+    text = lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}"
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def _status_of(parsed: Any) -> object:
     return parsed.get("status") if isinstance(parsed, Mapping) else getattr(parsed, "status", None)
 

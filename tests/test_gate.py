@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 from sqlalchemy import select
 
-from coordinator.gate import MAX_DETAIL_CHARS, Inbound, failure_detail
+from coordinator.gate import MAX_DETAIL_CHARS, Inbound, detail_summary, failure_detail
 from coordinator.protocol import ReadyStatus, ResultStatus
 from store import dispatches as dsp
 from store.journal import RetryPolicy
@@ -380,6 +380,20 @@ def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
 ])
 def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
     assert failure_detail(parsed) == detail
+
+
+@pytest.mark.parametrize("detail, line", [
+    # how the command ended, and its last word, not the dropped-files note after them
+    ("exited with status 3\ntarget: bad input\ndropped 1 of 2 output files (1 over 10 "
+     "bytes; limits: ...)", "exited with status 3 … target: bad input"),
+    ("exited with status 3\ndropped 1 of 2 output files (...)", "exited with status 3"),
+    ("ValueError: no\nTraceback (most recent call last):\n  File x\nValueError: no",
+     "ValueError: no"),
+    ("", "(no detail)"), (None, "(no detail)"),
+    ("a" * 150 + "\n" + "b" * 150, "a" * 150 + " … " + "b" * 46 + "…"),
+])
+def test_status_shows_the_first_and_last_own_line_of_a_failure(detail, line):
+    assert detail_summary(detail) == line
 
 
 # -- payload identity (R7, §4) -------------------------------------------------------------
