@@ -356,6 +356,10 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
         if master and presses < FORCE_AFTER:
             try:
                 os.kill(master, target_sig)
+                if signum == signal.SIGHUP:  # the master can only say which signal it got
+                    with contextlib.suppress(OSError):  # the terminal may be gone with it
+                        print("coordinator: SIGHUP passed on to the master as SIGTERM",
+                              file=sys.stderr, flush=True)
                 if presses == FORCE_AFTER - 1:
                     print("coordinator: still stopping; signal once more to end the job at "
                           "once (the campaign is saved: continue with --resume)",
