@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
-from .engine import DEFAULT_SYNCHRONOUS, DEFERRED_BEGIN, open_engine, write_tx
+from .engine import DEFAULT_SYNCHRONOUS, DEFERRED_BEGIN, open_engine, refuse_empty_file, write_tx
 from .errors import CampaignExistsError, CampaignLockedError, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
@@ -117,6 +117,7 @@ class Store:
         path = Path(path)
         if not path.exists():
             raise StoreError(f"{path}: no such campaign database")
+        refuse_empty_file(path)
         engine = open_engine(path)
         try:
             with engine.connect() as conn:

@@ -74,6 +74,17 @@ def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_
             f"linked against a newer libsqlite3)")
 
 
+def refuse_empty_file(path: Path) -> None:
+    """For commands that only look at (or maintain) an existing campaign: opening an empty
+    file, as a start that failed early or a `touch` leaves, would write an SQLite header
+    into it."""
+    if path.is_file() and path.stat().st_size == 0:
+        raise DatabaseOpenError(f"{path} holds no campaign yet (an empty file: a master "
+                                f"starting on it creates one within a moment; one left by a "
+                                f"start that failed is used as it is by the next "
+                                f"`coordinator run`)")
+
+
 def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNCHRONOUS,
                 write: bool = True) -> Engine:
     """An engine on the SQLite file at `path`, verified safe to run the protocol on.
@@ -86,6 +97,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
     if synchronous not in SYNCHRONOUS_MODES:
         raise ValueError(f"synchronous must be one of {SYNCHRONOUS_MODES}, not {synchronous!r}")
     db_path = Path(path).absolute()
+    if not write:
+        refuse_empty_file(db_path)
     fstype = filesystem_type(db_path.parent)
     if fstype in NETWORK_FILESYSTEMS:
         raise UnsafeDatabaseError(

@@ -172,6 +172,10 @@ def test_an_empty_file_holds_no_campaign_yet(tmp_path):
     `db upgrade` (which would race the master)."""
     path = tmp_path / "new.db"
     path.touch()
+    with pytest.raises(DatabaseOpenError, match="holds no campaign yet .* within a moment"):
+        open_engine(path, write=False)  # refused before opening: no header written into it
+    assert path.stat().st_size == 0
+    sqlite3.connect(path).execute("PRAGMA journal_mode = WAL").fetchall()  # a header, no tables
     engine = open_engine(path, write=False)
     try:
         with engine.connect() as conn, pytest.raises(DatabaseOpenError,
@@ -291,3 +295,13 @@ def test_an_upgrade_that_fails_changes_nothing_and_says_so(db_path):
     assert "Traceback" not in got.stderr
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0003",)]
+
+
+def test_status_and_requeue_leave_an_empty_file_empty(db_path):
+    """A read-only command on a 0-byte file (a start that failed early, a `touch`) must not
+    turn it into an SQLite database."""
+    db_path.write_bytes(b"")
+    for args in (["status"], ["requeue", "--state", "all"]):
+        got = _cli(*args, "--db", str(db_path))
+        assert got.returncode == 2 and "holds no campaign yet" in got.stderr, got.stderr
+        assert db_path.stat().st_size == 0
