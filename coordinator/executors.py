@@ -373,23 +373,30 @@ class CommandExecutor:
     def _collect(self, out_dir: pathlib.Path) -> tuple[list[tuple[str, bytes]], str]:
         try:
             with os.scandir(out_dir) as it:
-                entries = sorted(
-                    (e for e in it if not e.name.startswith(".") and e.is_file(follow_symlinks=False)),
-                    key=lambda e: e.name,
-                )
+                listed = list(it)
         except OSError as exc:
             return [], f"cannot list output directory: {exc}"
+        # Test cases are the regular files; a dot file (a temporary one), a directory, a
+        # symlink (it could point anywhere on the worker's host) or a pipe is not one.
+        entries = sorted((e for e in listed if not e.name.startswith(".")
+                          and e.is_file(follow_symlinks=False)), key=lambda e: e.name)
+        skipped = len(listed) - len(entries)
         kept: list[tuple[str, bytes]] = []
         total = 0
-        dropped = {"count": 0, "too_big": 0}
+        dropped = {"count": 0, "too_big": 0, "unreadable": 0}
         for entry in entries:
             if len(kept) >= self.max_files or total >= self.max_total_bytes:
                 dropped["count"] += 1
                 continue
-            content = _read_bounded(entry.path, self.max_file_bytes)
+            try:
+                content = _read_bounded(entry.path, self.max_file_bytes)
+            except OSError:
+                content = None
+                dropped["unreadable"] += 1
+            else:
+                dropped["too_big"] += content is None
             if content is None:
                 dropped["count"] += 1
-                dropped["too_big"] += 1
                 continue
             if total + len(content) > self.max_total_bytes:
                 dropped["count"] += 1
@@ -399,23 +406,24 @@ class CommandExecutor:
             kept.append((entry.name.encode("utf-8", "surrogateescape")
                          .decode("utf-8", "backslashreplace"), content))
             total += len(content)
-        note = ""
+        notes = []
         if dropped["count"]:
-            note = (  # gate.DROPPED_NOTE: the master keeps this line even for an ok result
+            unreadable = f", {dropped['unreadable']} unreadable" if dropped["unreadable"] else ""
+            notes.append(  # gate.DROPPED_NOTE: the master keeps it even for an ok result
                 f"dropped {dropped['count']} of {len(entries)} output files "
-                f"({dropped['too_big']} over {self.max_file_bytes} bytes; limits: "
+                f"({dropped['too_big']} over {self.max_file_bytes} bytes{unreadable}; limits: "
                 f"{self.max_files} files, {self.max_total_bytes} bytes in total)"
             )
-        return kept, note
+        if skipped:
+            notes.append(f"dropped {skipped} of {len(listed)} output entries (dot files, "
+                         f"directories, symlinks and other entries that are not regular files)")
+        return kept, "\n".join(notes)
 
 
 def _read_bounded(path: str, limit: int) -> bytes | None:
-    """The file's bytes, or None if it is larger than ``limit`` or unreadable."""
-    try:
-        # O_NOFOLLOW: the scandir check and this open must agree even if the target raced us.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
+    """The file's bytes, or None if it is larger than ``limit``; OSError if unreadable."""
+    # O_NOFOLLOW: the scandir check and this open must agree even if the target raced us.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     return None if len(data) > limit else data

@@ -101,7 +101,7 @@ def failure_detail(parsed: Any) -> str | None:
     if _status_of(parsed) == "ok":
         notes = [line for line in str(get("detail") or "").splitlines()
                  if DROPPED_NOTE.match(line)]
-        return notes[-1][:MAX_DETAIL_CHARS] if notes else None
+        return "\n".join(notes)[:MAX_DETAIL_CHARS] if notes else None
     text = str(get("detail") or "").strip()
     if not text and get("returncode") is not None:
         text = f"exit status {get('returncode')}"
@@ -110,7 +110,7 @@ def failure_detail(parsed: Any) -> str | None:
 
 #: The command executor's note of dropped output files (executors._collect), told apart
 #: from the command's own stderr lines that share the result's detail.
-DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output files \(")
+DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output (files|entries) \(")
 
 
 def detail_summary(detail: str | None, width: int = 200) -> str:

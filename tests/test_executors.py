@@ -22,6 +22,7 @@ from coordinator.executors import (
     make_executor,
     output_limits,
 )
+from coordinator.gate import failure_detail
 
 # Writes two outputs (named so that name order != creation order) plus things that must be
 # ignored, reports what it saw on stderr, and exits 3 for inputs starting with b"fail".
@@ -231,6 +232,29 @@ def test_command_file_count_limit(tmp_path, workdir):
     assert out.status == "ok"
     assert [name for name, _ in out.testcases] == ["tc000", "tc001"]
     assert "dropped 3 of 5 output files" in out.detail
+
+
+ODD_ENTRIES_TARGET = """
+import os
+out = os.environ["SYMCC_OUTPUT_DIR"]
+open(os.path.join(out, "kept"), "wb").write(b"a test case")
+open(os.path.join(out, ".partial"), "wb").write(b"a temporary file")
+os.mkdir(os.path.join(out, "subdir"))
+os.symlink("/etc/passwd", os.path.join(out, "link"))
+os.mkfifo(os.path.join(out, "fifo"))
+"""
+
+
+def test_output_entries_that_are_not_test_cases_are_counted_in_the_note(tmp_path, workdir):
+    """Dot files, directories, symlinks and pipes are not test cases; they used to vanish
+    without a word."""
+    target = write_script(tmp_path, "odd.py", ODD_ENTRIES_TARGET)
+    out = CommandExecutor([sys.executable, target], timeout_s=30).run({}, b"", workdir)
+    assert out.status == "ok", out.detail
+    assert out.testcases == [("kept", b"a test case")]
+    assert out.detail == ("dropped 4 of 5 output entries (dot files, directories, symlinks "
+                          "and other entries that are not regular files)")
+    assert failure_detail({"status": "ok", "detail": out.detail}) == out.detail
 
 
 def test_command_file_size_limits(tmp_path, workdir):
