@@ -216,6 +216,12 @@ def _master(cfg: RunConfig, transport) -> int:
         refused = isinstance(e, (StoreError, TaskFileError, ValueError, OSError))
         if refused:
             print(f"coordinator: {e}", file=sys.stderr, flush=True)
+            if isinstance(e, StoreWriteError):
+                print("coordinator: stopped before the run; nothing is lost — fix the storage "
+                      "and start it again" + (" with --resume (the campaign exists; tasks "
+                                              "already imported are not added twice)"
+                                              if store is not None else ""),
+                      file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
             print("coordinator: internal error before the run started", file=sys.stderr,

@@ -423,6 +423,48 @@ def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
     assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("queued", 3)]
 
 
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 256 KiB filesystem of its own (tmpfs; needs root and a kernel that lets it mount)."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                          capture_output=True, text=True, timeout=30, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30,
+                       check=False)
+
+
+def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_path, tiny_fs):
+    """The database fills its filesystem while the tasks file is imported: exit 3, a line
+    saying nothing is lost and to continue with --resume (the campaign row exists, so a plain
+    start would be refused), no traceback; on a disk with room, --resume imports and runs
+    every task once."""
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"data": {"n": i + 1, "pad": "x" * 200}}) + "\n"
+                             for i in range(3000)))
+    db = tiny_fs / "c.db"
+    args = ["run", "--db", str(db), "--tasks", str(tasks), "--no-progress"]
+    done = run(args, np=2)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "database or disk is full" in done.stderr and "Traceback" not in done.stderr
+    assert "start it again with --resume" in done.stderr
+    roomy = tmp_path / "roomy"
+    roomy.mkdir()
+    for name in ("c.db", "c.db-wal"):  # the same campaign, moved to a disk with room
+        if (tiny_fs / name).exists():
+            (roomy / name).write_bytes((tiny_fs / name).read_bytes())
+    again = run(["run", "--db", str(roomy / "c.db"), "--tasks", str(tasks), "--no-progress",
+                 "--resume"], np=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_conservation(roomy / "c.db", expected_tasks=3000)
+    assert query(roomy / "c.db", "SELECT count(*) FROM results") == [(3000,)]
+
+
 WORKER_FAILS = textwrap.dedent("""\
     import os
     # Loads on the master (rank 0 checks the spec before the start), not on the workers.
