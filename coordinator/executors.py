@@ -120,16 +120,41 @@ def _kill_group(pgid: int) -> None:
         pass  # group already empty
 
 
-#: Process groups of the commands running now (their leaders unreaped, so each id is still
-#: theirs): what a worker torn down by a signal must not leave behind.
-_RUNNING_GROUPS: set[int] = set()
+class _RunningCommands:
+    """The process groups of the commands this process runs now (their leaders unreaped, so
+    each id is still theirs): what a worker torn down by a signal must not leave behind."""
+
+    def __init__(self) -> None:
+        self.groups: set[int] = set()
+        self.spawning = False  # a command is being started: its group is not known yet
+        self.deferred: list[Callable[[], None]] = []
+
+    def spawned(self, pgid: int | None) -> None:
+        """The command being started has its group (None: it did not start)."""
+        if pgid is not None:
+            self.groups.add(pgid)
+        self.spawning = False
+        if self.deferred:
+            self.deferred.pop()()
+
+
+_commands = _RunningCommands()
 
 
 def kill_running_commands() -> None:
     """Kill every command this process runs, whole groups. A target runs in a session of its
     own, so nothing else ends it when its worker goes: it would outlive the job."""
-    for pgid in list(_RUNNING_GROUPS):
+    for pgid in list(_commands.groups):
         _kill_group(pgid)
+
+
+def teardown_when_safe(teardown: Callable[[], None]) -> None:
+    """From a signal handler: run `teardown` now, or, if a command is being started, as soon
+    as its process group is registered (else it would escape `kill_running_commands`)."""
+    if _commands.spawning:
+        _commands.deferred.append(teardown)
+    else:
+        teardown()
 
 
 def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -320,6 +345,7 @@ class CommandExecutor:
             stdin_file = None if self.uses_file_arg else open(input_path, "rb")
         except OSError as exc:
             return ExecOutcome(status=STATUS_ERROR, detail=_clip(f"cannot open input for stdin: {exc}"))
+        _commands.spawning = True
         try:
             proc = subprocess.Popen(
                 argv,
@@ -332,17 +358,21 @@ class CommandExecutor:
                 close_fds=True,
             )
         except OSError as exc:
+            _commands.spawned(None)
             return ExecOutcome(status=STATUS_ERROR, detail=_clip(f"cannot start {argv[0]!r}: {exc}"))
+        except BaseException:
+            _commands.spawned(None)
+            raise
         finally:
             if stdin_file is not None:
                 stdin_file.close()
-        _RUNNING_GROUPS.add(proc.pid)
+        _commands.spawned(proc.pid)
         tail = _TailReader(proc.stderr, DETAIL_MAX_BYTES)
         tail.start()
         timed_out = not self._wait(proc)
         # Also reaps anything the target left running in its group after a normal exit.
         _kill_group(proc.pid)
-        _RUNNING_GROUPS.discard(proc.pid)  # before the reap frees the id for reuse
+        _commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
         returncode = proc.wait()
         # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.
         tail.join(timeout=2.0)

@@ -51,6 +51,7 @@ from .wire import (
     decode_inbound,
     encode,
 )
+from .worker import TEARDOWN_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -505,7 +506,7 @@ class Master:
     def stop_workers_now(self) -> list[int]:
         """After a fatal error: STOP (no finalize) to every live worker, without the database
         (it may be what failed); returns the ranks that did not acknowledge in time."""
-        pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
+        pending = set(self.live_workers())
         tokens: dict[int, str] = {}
         for rank in sorted(pending):
             token = self._send_stop(rank, finalize=False)
@@ -525,11 +526,15 @@ class Master:
             backoff.wait()
         return sorted(pending)
 
+    def live_workers(self) -> list[int]:
+        return [r for r in range(1, self.transport.size) if r not in self._failed_ranks]
+
     def fence(self, ranks: list[int], term_wait_s: float = 1.0) -> list[int]:
         """End the given ranks' processes if they run on this host (pid from READY); the only
-        way to end a rank that is hung (stopped) and so never answers MPI. SIGTERM (with
-        SIGCONT, for a stopped one) first, so a worker still running a command kills that
-        command's process group on its way out; SIGKILL after `term_wait_s` for the rest."""
+        way to end a rank that is hung (stopped) and so never answers MPI. TEARDOWN_SIGNAL
+        (with SIGCONT, for a stopped one) first, so a worker still running a command kills
+        that command's process group on its way out; SIGKILL after `term_wait_s` for the
+        rest."""
         if not ranks:
             return []
         here = socket.gethostname()
@@ -543,7 +548,7 @@ class Master:
             host, pid = where.get(rank, (None, None))
             if host == here and pid and pid != os.getpid():
                 pids[rank] = pid
-        for sig in (signal.SIGTERM, signal.SIGCONT):
+        for sig in (TEARDOWN_SIGNAL, signal.SIGCONT):
             for pid in pids.values():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
@@ -583,13 +588,16 @@ class Master:
     def _stop_workers(self) -> list[int]:
         """Tokenized STOP to each worker once it has shown READY; wait, bounded, for the
         exact-token STOP_ACK. Returns the ranks that never acknowledged."""
-        pending = {r for r in range(1, self.transport.size) if r not in self._failed_ranks}
+        pending = set(self.live_workers())
         with self.store.reading() as conn:
             shown_ready = ranks_in_state(conn, WorkerState.IDLE)
+            # Heard from in this incarnation: past the start-up broadcast (see below).
+            past_start = ranks_in_state(conn, WorkerState.IDLE, WorkerState.BUSY,
+                                        WorkerState.PARKED)
         stop_tokens: dict[int, str] = {}
         acked: set[int] = set()
-        started = time.monotonic()
-        deadline = started + self.config.stop_wait_s
+        began = time.monotonic()
+        deadline = began + self.config.stop_wait_s
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
@@ -603,12 +611,13 @@ class Master:
                     self.gate.apply_ready(tx, readies)
                     self.gate.apply_results(tx, results)
                 shown_ready.update(m.rank for m in readies)
+                past_start.update(m.rank for m in readies)
             # A stopped worker leaves MPI. One still in the start-up broadcast (a short run, a
             # slow rank) may receive it through a rank that has left, which fails it under
-            # ULFM: no STOP until every live rank has shown READY (each sends its first after
-            # the broadcast), or half the wait is gone (a rank busy or hung at the end).
-            all_started = pending <= shown_ready
-            if all_started or time.monotonic() - started >= self.config.stop_wait_s / 2:
+            # ULFM: no STOP until every live rank has been heard from (each sends its first
+            # READY after the broadcast), or half the wait is gone (a rank that never was).
+            all_started = pending <= past_start
+            if all_started or time.monotonic() - began >= self.config.stop_wait_s / 2:
                 to_stop = sorted(pending & shown_ready - set(stop_tokens))
             else:
                 to_stop = []

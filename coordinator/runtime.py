@@ -72,15 +72,15 @@ def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
 
 
 def _worker(cfg: RunConfig, transport) -> int:
-    from .worker import Sender, serve, torn_down
-    # The master decides when the job stops: a terminal's Ctrl-C reaches every rank, and the
-    # workers go on with their tasks through the grace period. Caught by a handler that does
-    # nothing, not ignored: an ignored signal stays ignored across exec, and the targets the
-    # command executor starts could then not be stopped by Ctrl-C or SIGTERM at all.
+    from .worker import TEARDOWN_SIGNAL, Sender, serve, torn_down
+    # The master decides when the job stops: a terminal's Ctrl-C, or a batch system's SIGTERM
+    # when the job is cancelled or out of time, reaches every rank, and the workers go on
+    # with their tasks through the grace period. Caught by a handler that does nothing, not
+    # ignored: an ignored signal stays ignored across exec, and the targets the command
+    # executor starts could then not be stopped by Ctrl-C or SIGTERM at all.
     signal.signal(signal.SIGINT, _leave_it_to_the_master)
-    # SIGTERM is the job being torn down (mpiexec ending it, a batch system, the master
-    # fencing a rank that never acknowledged STOP): the running command goes with the worker.
-    signal.signal(signal.SIGTERM, torn_down)
+    signal.signal(signal.SIGTERM, _leave_it_to_the_master)
+    signal.signal(TEARDOWN_SIGNAL, torn_down)  # the master gave up on this rank
     try:
         verdict = transport.bcast(None)
         if not isinstance(verdict, dict):  # the master refused to start: its exit status
@@ -390,6 +390,9 @@ def end_job(transport, master, status: int, *, stop_first: bool = True) -> int:
     worker to STOP without finalizing, then SIGKILLs the ranks on this host that did not
     acknowledge (hung ones), by the pid each reported in its READY, and exits."""
     if not transport.fault_tolerant:
+        # MPI_Abort ends the ranks, not the commands they run (each in a session of its own):
+        # the ranks on this host that may still run one are told to end theirs first.
+        master.fence(master.live_workers() if stop_first else master.summary.unacked_ranks)
         _abort_job(transport, status)
         return status
     unacked = master.stop_workers_now() if stop_first else master.summary.unacked_ranks

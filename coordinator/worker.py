@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import traceback
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from .executors import ExecOutcome, Executor, kill_running_commands
+from .executors import ExecOutcome, Executor, kill_running_commands, teardown_when_safe
 from .protocol import is_token
 from .transport import Backoff, MasterGone, SendFailed, Transport, host_and_pid
 from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encode
@@ -32,15 +33,26 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 
 
+#: How the master ends a worker it gave up on (one that never acknowledged STOP, or every
+#: worker before it aborts the job). Not SIGTERM: a batch system or `mpiexec` sends that to
+#: every rank when a job is cancelled or out of time, and the workers must then go on through
+#: the master's grace period.
+TEARDOWN_SIGNAL = signal.SIGUSR2
+
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
 
 
 def torn_down(signum: int, _frame: object) -> None:
-    """SIGTERM handler: the job is being torn down. The running command's whole process group
-    is killed (it runs in a session of its own: nothing else would end it, and it outlived
-    the job), and the worker leaves at once without a RESULT: its task was or will be
-    requeued by the master, never committed from a run cut short."""
+    """TEARDOWN_SIGNAL handler: the running command's whole process group is killed (it runs
+    in a session of its own: nothing else would end it, and it outlived the job), and the
+    worker leaves at once without a RESULT: its task was requeued by the master, never
+    committed from a run cut short. A command being started right now is killed as soon as
+    its group is known."""
+    teardown_when_safe(lambda: _leave_now(signum))
+
+
+def _leave_now(signum: int) -> None:
     kill_running_commands()
     for d in _scratch:
         shutil.rmtree(d, ignore_errors=True)

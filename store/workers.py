@@ -73,6 +73,6 @@ def where_they_run(conn: Connection) -> dict[int, tuple[str | None, int | None]]
         select(workers.c.rank, workers.c.host, workers.c.pid))}
 
 
-def ranks_in_state(conn: Connection, state: WorkerState) -> set[int]:
-    return {r for (r,) in conn.execute(select(workers.c.rank)
-                                       .where(workers.c.state == state.value))}
+def ranks_in_state(conn: Connection, *states: WorkerState) -> set[int]:
+    return {r for (r,) in conn.execute(select(workers.c.rank).where(
+        workers.c.state.in_([s.value for s in states])))}

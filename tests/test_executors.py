@@ -608,3 +608,27 @@ def test_a_result_the_master_could_not_accept_is_sent_as_an_error(tmp_path, work
     too_big = ExecOutcome("ok", value="x" * 5000)
     big = decode_inbound(sender.result_bytes("a" * 64, too_big), 4096)
     assert big["status"] == "error" and "over --max-message-bytes 4096" in big["detail"]
+
+
+def test_a_teardown_signalled_while_the_command_starts_still_kills_it(workdir, monkeypatch):
+    """The worker's teardown handler can run while Popen waits for the exec, before the new
+    group is registered: it must then run once the group is known, or the command would
+    escape it. Here the 'signal' arrives inside Popen; the teardown kills what is running."""
+    from coordinator import executors
+    real_popen = subprocess.Popen
+    seen: list[list[int]] = []
+
+    def teardown() -> None:
+        seen.append(sorted(executors._commands.groups))
+        executors.kill_running_commands()
+
+    def popen(*args, **kwargs):
+        executors.teardown_when_safe(teardown)  # as the handler would, mid-spawn
+        assert seen == []  # deferred: the group is not known yet
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(executors.subprocess, "Popen", popen)
+    out = CommandExecutor(["sleep", "30"], timeout_s=60).run({}, b"", workdir)
+    assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the new group registered
+    assert (out.status, out.returncode) == ("error", -9), out.detail  # killed, not waited for
+    assert executors._commands.groups == set() and not executors._commands.spawning

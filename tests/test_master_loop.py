@@ -276,6 +276,68 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
     assert master.summary.unacked_ranks == []
     assert tasks_left == [("queued", 3)]  # the late RESULT was not committed: its task is back
 
+class LateStarter(StaggeredRanks):
+    """Rank 1 answers at once; rank 2's first READY (it is still starting) comes only at drain
+    `late`. Every STOP is answered, and the drain at which it was sent is kept."""
+
+    def __init__(self, late: int):
+        super().__init__({1: (0, 0), 2: (0, 0)})
+        self.first_readies = [_ready(1, "")]
+        self.pending.append((late, TAG_READY, _ready(2, "")))
+        self.stops: list[tuple[int, int]] = []  # (rank, drain clock)
+
+    def send_stop(self, data: bytes, dest: int) -> None:
+        self.stops.append((dest, self.clock))
+        ScriptedRanks.send_stop(self, data, dest)
+
+
+@pytest.mark.timeout(60)
+def test_no_worker_is_stopped_before_every_worker_has_been_heard_from(tmp_path):
+    """A stopped worker leaves MPI; one still in the start-up broadcast can receive it through
+    that rank, which under ULFM then fails: a one-task run used to print a traceback. Rank 1
+    does the only task; rank 2 is heard from only later: neither gets its STOP before that."""
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(1)])
+        ranks = LateStarter(late=40)
+        summary = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=1, stop_wait_s=30,
+                                                    stats_file=None)).run()
+    finally:
+        store.close()
+    assert summary.committed == 1 and summary.unacked_ranks == []
+    assert sorted(r for r, _ in ranks.stops) == [1, 2]
+    assert all(clock >= 40 for _, clock in ranks.stops), ranks.stops
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_busy_at_the_stop_does_not_hold_back_the_stop_of_the_idle_ones(tmp_path):
+    """Heard from is enough: a rank still running its task (the usual SymCC case at a stop)
+    has passed the start-up broadcast, so the idle ranks are stopped at once."""
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(1)])
+        ranks = ScriptedAnswers(2, lambda token: [(60, TAG_RESULT, _valid_result(token)),
+                                                  (60, TAG_READY, bytes(_ready(1, token).data))])
+        stops: list[tuple[int, int]] = []
+
+        def send_stop(data: bytes, dest: int) -> None:
+            stops.append((dest, ranks.clock))
+            ScriptedRanks.send_stop(ranks, data, dest)
+
+        ranks.send_stop = send_stop
+        master = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=0.0, stop_wait_s=30,
+                                                   stats_file=None))
+        assert master._round()  # both first READYs: rank 1 gets the task, rank 2 stays idle
+        master.request_stop("SIGTERM")
+        master._shutdown()
+    finally:
+        store.close()
+    assert dict(stops)[2] < 60 <= dict(stops)[1], stops
+
+
+
 @pytest.mark.timeout(60)
 def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_path,
                                                                                capsys):

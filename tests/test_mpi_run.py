@@ -381,23 +381,19 @@ def _alive(pid: int) -> bool:
 def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
     """Ranks still running their command when the stop's wait runs out are ended by the
     master (fenced under ULFM, the job aborted without). Each target runs in a session of its
-    own, so it used to outlive the job, with its children, until its own end. The worker now
-    takes its command's process group with it when it is told to go (SIGTERM)."""
+    own, so it used to outlive the job, with its children, until its own end. The master now
+    sends such ranks on its host SIGUSR2 first, and a worker takes its command's process
+    group with it."""
     from mpi_jobs import mpi_kind
     if ulfm and mpi_kind() != "openmpi":
         pytest.skip("ULFM is Open MPI's")
     target, pids = tmp_path / "long.py", tmp_path / "pids"
     target.write_text(LONG_TARGET)
     pids.mkdir()
-    lines = []
-    for i in range(3):
-        (tmp_path / f"in{i}").write_bytes(b"%d" % i)
-        lines.append(json.dumps({"path": str(tmp_path / f"in{i}"),
-                                 "input_file": str(tmp_path / f"in{i}")}))
-    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    tasks = _input_tasks(tmp_path, 3)
     db = tmp_path / "c.db"
-    proc = start(["run", "--db", str(db), "--tasks", str(tmp_path / "t.jsonl"),
-                  "--timeout", "600", "--grace", "0.5", "--stop-wait", "1", "--no-progress",
+    proc = start(["run", "--db", str(db), "--tasks", str(tasks), "--timeout", "600",
+                  "--grace", "0.5", "--stop-wait", "1", "--no-progress",
                   "--", sys.executable, str(target), "@@", str(pids)], ulfm=ulfm)
     started: list[int] = []
     try:
@@ -409,18 +405,64 @@ def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
         assert len(started) == 6 and all(map(_alive, started))
         os.kill(pid, signal.SIGTERM)
         done = finish(proc, timeout=90)
+        assert "did not acknowledge STOP" in done.stderr, done.stderr[-3000:]
+        deadline = time.monotonic() + 10  # SIGKILLed by now; /proc may take a moment
+        while any(map(_alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in started if _alive(p)] == []
     finally:
         kill_job(proc)
-    assert "did not acknowledge STOP" in done.stderr, done.stderr[-3000:]
-    deadline = time.monotonic() + 10  # SIGKILLed by now; /proc may take a moment
-    while any(map(_alive, started)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in started if _alive(p)]
-    for p in left:  # do not leave them behind on the machine running the tests
-        os.kill(p, signal.SIGKILL)
-    assert left == []
+        for p in [int(p) for f in pids.iterdir() for p in f.name.split("-")]:
+            if _alive(p):  # never left behind on the machine running the tests
+                os.kill(p, signal.SIGKILL)
     check_conservation(db, expected_tasks=3)
     assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("queued", 3)]
+
+
+def _input_tasks(tmp_path: Path, n: int) -> Path:
+    """A tasks file of `n` inputs, each stored with its task."""
+    lines = []
+    for i in range(n):
+        (tmp_path / f"in{i}").write_bytes(b"%d" % i)
+        lines.append(json.dumps({"path": str(tmp_path / f"in{i}"),
+                                 "input_file": str(tmp_path / f"in{i}")}))
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path / "t.jsonl"
+
+
+SHORT_TARGET = textwrap.dedent("""\
+    import time
+    time.sleep(1.5)
+    """)
+
+
+def test_sigterm_to_every_rank_lets_running_commands_finish_in_the_grace_period(tmp_path):
+    """What a batch system does when a job is cancelled or out of time: SIGTERM to every
+    process. The workers go on with their commands through the master's grace period, so the
+    tasks in flight commit (no attempt charged, nothing requeued), and the run stops cleanly."""
+    target = tmp_path / "short.py"
+    target.write_text(SHORT_TARGET)
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 9)),
+                  "--grace", "20", "--no-progress", "--", sys.executable, str(target), "@@"])
+    try:
+        master_pid(db)
+        wait_for(db, "SELECT count(*) FROM dispatches", lambda n: n == 3)
+        for pid in ranks_of(db):
+            os.kill(pid, signal.SIGTERM)
+        done = finish(proc, timeout=90)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=9)
+    # Every task that was running when the signal came finished and committed: none went
+    # back to the queue at the stop, none was charged an attempt.
+    [(ok,)] = query(db, "SELECT count(*) FROM results WHERE status = 'ok'")
+    assert ok >= 3 and query(db, "SELECT count(*) FROM tasks WHERE state = 'queued'") == [
+        (9 - ok,)]
+    assert query(db, "SELECT count(*) FROM events WHERE kind = 'stop_requeued'") == [(0,)]
+    assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
+    assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
 
 
 @pytest.fixture
