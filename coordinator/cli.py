@@ -566,13 +566,15 @@ def _db_upgrade(db: Path) -> int:
                 before, after = upgrade(db, announce=announce)
         else:
             before, after = upgrade(db, announce=announce)  # (which explains the missing dir)
-    except (StoreWriteError, OSError) as e:
-        # A full disk, a read-only file or directory (the lock file), tables that do not match
-        # the revision stamp: each revision runs in one transaction, so the failed one changed
-        # nothing.
-        print(f"coordinator: cannot upgrade {db}: {getattr(e, 'cause', e)}; the revision "
-              f"that failed changed nothing (each runs in one transaction): fix the cause and "
-              f"run it again", file=sys.stderr)
+    except StoreWriteError as e:
+        # A full disk, a read-only file, tables that do not match the revision stamp: each
+        # revision runs in one transaction, so the failed one changed nothing.
+        print(f"coordinator: cannot upgrade {db}: {e}; the revision that failed changed "
+              f"nothing (each runs in one transaction): fix the cause and run it again",
+              file=sys.stderr)
+        return EXIT_STORE
+    except OSError as e:  # the lock file beside it: a read-only or full directory
+        print(f"coordinator: cannot upgrade {db}: {e}; nothing was changed", file=sys.stderr)
         return EXIT_STORE
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)

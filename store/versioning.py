@@ -105,12 +105,21 @@ def upgrade(path: str | os.PathLike[str], revision: str = "head", *,
                 announce(before, target)
             cfg = alembic_config()
             cfg.attributes["connection"] = conn
+            # The reads above opened a transaction; inside it Alembic would nest every revision
+            # into one. Ended, each revision commits on its own (transaction_per_migration):
+            # an upgrade that fails or is interrupted keeps the revisions it completed.
+            conn.commit()
             try:
                 command.upgrade(cfg, revision)
                 conn.commit()
             except (exc.DBAPIError, sqlite3.Error) as e:
-                raise StoreWriteError(f"the schema upgrade from {before or '(new)'} to {target}",
-                                      getattr(e, "orig", None) or e) from e
+                conn.rollback()
+                try:
+                    now = f" (the file is at {current_revision(conn) or '(none)'} now)"
+                except (exc.DBAPIError, sqlite3.Error):
+                    now = ""
+                raise StoreWriteError(f"the schema upgrade from {before or '(new)'} to "
+                                      f"{target}{now}", getattr(e, "orig", None) or e) from e
             after = current_revision(conn)
         return before, after
     finally:

@@ -22,7 +22,7 @@ from sqlalchemy.pool import NullPool
 from store import versioning
 from store.campaign import Store
 from store.engine import open_engine
-from store.errors import DatabaseOpenError, SchemaVersionError
+from store.errors import DatabaseOpenError, SchemaVersionError, StoreWriteError
 from store.schema import (
     Channel,
     EventKind,
@@ -499,3 +499,19 @@ def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):
             assert stats.read_stats(conn).events == {"requeued": 1}
     finally:
         engine.dispose()
+
+
+def test_an_upgrade_that_fails_keeps_the_revisions_it_completed(tmp_path: Path):
+    """Each revision is its own transaction (as the README says): a file at 0004 whose 0006
+    cannot apply (a hand-made column of that name) ends at 0005, with 0005's changes, and the
+    error names the failed step."""
+    db = tmp_path / "old.db"
+    versioning.upgrade(db, "0004")
+    with sqlite3.connect(db) as conn:
+        conn.execute("ALTER TABLE tasks ADD COLUMN budget_used INTEGER")
+    with pytest.raises(StoreWriteError, match="duplicate column name: budget_used"):
+        versioning.upgrade(db)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0005",)]
+        assert conn.execute("SELECT count(*) FROM sqlite_master WHERE name = "
+                            "'ix_results_status'").fetchone() == (1,)
