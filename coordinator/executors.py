@@ -46,6 +46,8 @@ STATUS_ERROR = "error"
 
 # Enough of a crashing target's stderr to see the reason, small enough for one RESULT message.
 DETAIL_MAX_BYTES = 2048
+#: What a result's explanation keeps (the master keeps no more either).
+DETAIL_MAX_CHARS = 2000
 
 EXECUTOR_KINDS = ("command", "python", "demo")
 
@@ -65,16 +67,22 @@ class Executor(Protocol):
     def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome: ...
 
 
-def _clip(text: str, limit: int = DETAIL_MAX_BYTES) -> str:
-    # Keep the tail: the last lines of a failing run are the ones that say why.
-    data = text.encode("utf-8", errors="replace")
-    if len(data) <= limit:
+def clip_detail(text: str, limit: int = DETAIL_MAX_CHARS) -> str:
+    """At most `limit` characters of a run's explanation: its first line (how the command
+    ended, the exception) and its tail (the last lines of a failing run say why, and the notes
+    on dropped output files come last); the middle goes."""
+    if len(text) <= limit:
         return text
-    return data[-limit:].decode("utf-8", errors="replace")
+    first, newline, rest = text.partition("\n")
+    marker = "\n…\n"
+    if not newline or len(first) > limit // 2:
+        return text[-limit:]
+    return first + marker + rest[-(limit - len(first) - len(marker)):]
+
 
 
 def _join_detail(*parts: str) -> str:
-    return _clip("\n".join(p for p in parts if p))
+    return clip_detail("\n".join(p for p in parts if p))
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,7 +306,7 @@ class CommandExecutor:
             return ExecOutcome(
                 status=STATUS_ERROR,
                 duration_s=time.perf_counter() - started,
-                detail=_clip(f"cannot materialise input: {exc}"),
+                detail=clip_detail(f"cannot materialise input: {exc}"),
             )
         outcome = self._execute(input_path, out_dir, workdir)
         outcome.testcases, dropped_note = self._collect(out_dir)
@@ -344,7 +352,7 @@ class CommandExecutor:
         try:
             stdin_file = None if self.uses_file_arg else open(input_path, "rb")
         except OSError as exc:
-            return ExecOutcome(status=STATUS_ERROR, detail=_clip(f"cannot open input for stdin: {exc}"))
+            return ExecOutcome(status=STATUS_ERROR, detail=clip_detail(f"cannot open input for stdin: {exc}"))
         _commands.spawning = True
         try:
             proc = subprocess.Popen(
@@ -359,7 +367,7 @@ class CommandExecutor:
             )
         except OSError as exc:
             _commands.spawned(None)
-            return ExecOutcome(status=STATUS_ERROR, detail=_clip(f"cannot start {argv[0]!r}: {exc}"))
+            return ExecOutcome(status=STATUS_ERROR, detail=clip_detail(f"cannot start {argv[0]!r}: {exc}"))
         except BaseException:
             _commands.spawned(None)
             raise
@@ -549,7 +557,7 @@ def _wants_input_bytes(fn: Callable[..., Any]) -> bool:
 
 
 def _exception_detail(exc: BaseException) -> str:
-    return _clip(f"{type(exc).__name__}: {exc}")
+    return clip_detail(f"{type(exc).__name__}: {exc}")
 
 
 def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
@@ -644,7 +652,7 @@ class PythonExecutor:
             value, testcases = _split_testcases(result)
             value = _as_json(value)
         except ValueError as exc:
-            return ExecOutcome(status=STATUS_ERROR, duration_s=duration, detail=_clip(str(exc)))
+            return ExecOutcome(status=STATUS_ERROR, duration_s=duration, detail=clip_detail(str(exc)))
         return ExecOutcome(status=STATUS_OK, value=value, testcases=testcases, duration_s=duration)
 
 
@@ -700,7 +708,7 @@ class DemoExecutor:
         try:
             n = self._task_number(task, input_bytes)
         except (OSError, ValueError) as exc:
-            return ExecOutcome(status=STATUS_ERROR, duration_s=time.perf_counter() - started, detail=_clip(str(exc)))
+            return ExecOutcome(status=STATUS_ERROR, duration_s=time.perf_counter() - started, detail=clip_detail(str(exc)))
         if self.work_ms > 0:
             _burn_cpu(self.work_ms)
         value = {"n": n, "digest": demo_digest(n), "collatz_steps": collatz_steps(n)}

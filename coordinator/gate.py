@@ -22,6 +22,7 @@ from store.campaign import Store
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, WorkerState
 
+from .executors import DETAIL_MAX_CHARS, clip_detail
 from .protocol import (
     INVALIDATING,
     READY_TOKEN_KEY,
@@ -88,8 +89,9 @@ def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
                           value_json=value_json, detail=failure_detail(parsed))
 
 
-#: What is kept of a failed run's explanation (the worker already sends only the tail).
-MAX_DETAIL_CHARS = 2000
+#: What is kept of a failed run's explanation: its first line and its tail, as the worker
+#: already clips it (executors.clip_detail).
+MAX_DETAIL_CHARS = DETAIL_MAX_CHARS
 
 
 def failure_detail(parsed: Any) -> str | None:
@@ -105,7 +107,7 @@ def failure_detail(parsed: Any) -> str | None:
     text = str(get("detail") or "").strip()
     if not text and get("returncode") is not None:
         text = f"exit status {get('returncode')}"
-    return text[-MAX_DETAIL_CHARS:] or None
+    return clip_detail(text, MAX_DETAIL_CHARS) or None
 
 
 #: The command executor's note of dropped output files (executors._collect), told apart

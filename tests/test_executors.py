@@ -14,6 +14,7 @@ import time
 import pytest
 
 from coordinator.executors import (
+    DETAIL_MAX_CHARS,
     CommandExecutor,
     DemoExecutor,
     Executor,
@@ -22,7 +23,7 @@ from coordinator.executors import (
     make_executor,
     output_limits,
 )
-from coordinator.gate import failure_detail
+from coordinator.gate import detail_summary, failure_detail
 
 # Writes two outputs (named so that name order != creation order) plus things that must be
 # ignored, reports what it saw on stderr, and exits 3 for inputs starting with b"fail".
@@ -632,3 +633,20 @@ def test_a_teardown_signalled_while_the_command_starts_still_kills_it(workdir, m
     assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the new group registered
     assert (out.status, out.returncode) == ("error", -9), out.detail  # killed, not waited for
     assert executors._commands.groups == set() and not executors._commands.spawning
+
+
+def test_a_long_stderr_keeps_how_the_command_ended_and_its_last_lines(tmp_path, workdir):
+    """SymCC's stderr easily passes the detail's 2,000 characters: keeping only the tail lost
+    the line saying how the command ended, which `coordinator status` shows first."""
+    target = write_script(tmp_path, "chatty.py", (
+        "import sys\n"
+        "for i in range(200):\n"
+        "    print(f'chatter line {i:03d} ' + 'x' * 40, file=sys.stderr)\n"
+        "sys.exit('target: the real cause')\n"))
+    out = CommandExecutor([sys.executable, target], timeout_s=30).run({}, b"", workdir)
+    assert out.status == "error" and len(out.detail) <= DETAIL_MAX_CHARS
+    first, *_, last = out.detail.splitlines()
+    assert (first, last) == ("target exited with status 1", "target: the real cause")
+    assert "chatter line 000" not in out.detail  # the middle went
+    assert failure_detail({"status": "error", "detail": out.detail}) == out.detail.strip()
+    assert detail_summary(out.detail) == "target exited with status 1 … target: the real cause"
