@@ -217,9 +217,13 @@ def _master(cfg: RunConfig, transport) -> int:
         if refused:
             print(f"coordinator: {e}", file=sys.stderr, flush=True)
             if isinstance(e, StoreWriteError):
+                # The campaign row exists by then: a plain start would be refused, and a
+                # resume adds only the tasks it is given (no default demo tasks).
+                source = (f" --tasks {cfg.tasks_file}" if cfg.tasks_file is not None else
+                          f" --demo {cfg.demo}" if cfg.demo is not None else "")
                 print("coordinator: stopped before the run; nothing is lost — fix the storage "
-                      "and start it again" + (" with --resume (the campaign exists; tasks "
-                                              "already imported are not added twice)"
+                      "and start it again" + (f" with --resume{source} (tasks already "
+                                              f"imported are not added twice)"
                                               if store is not None else ""),
                       file=sys.stderr, flush=True)
         else:

@@ -461,10 +461,11 @@ def test_sigterm_to_every_rank_lets_running_commands_finish_in_the_grace_period(
 
 @pytest.fixture
 def tiny_fs(tmp_path):
-    """A 256 KiB filesystem of its own (tmpfs; needs root and a kernel that lets it mount)."""
+    """A 1 MiB filesystem of its own (tmpfs; needs root and a kernel that lets it mount):
+    room for a new campaign, not for the tasks file below."""
     where = tmp_path / "tiny"
     where.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
                           capture_output=True, text=True, timeout=30, check=False)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
@@ -482,13 +483,13 @@ def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_pat
     every task once."""
     tasks = tmp_path / "t.jsonl"
     tasks.write_text("".join(json.dumps({"data": {"n": i + 1, "pad": "x" * 200}}) + "\n"
-                             for i in range(3000)))
+                             for i in range(8000)))
     db = tiny_fs / "c.db"
     args = ["run", "--db", str(db), "--tasks", str(tasks), "--no-progress"]
     done = run(args, np=2)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "database or disk is full" in done.stderr and "Traceback" not in done.stderr
-    assert "start it again with --resume" in done.stderr
+    assert f"start it again with --resume --tasks {tasks}" in done.stderr
     roomy = tmp_path / "roomy"
     roomy.mkdir()
     for name in ("c.db", "c.db-wal"):  # the same campaign, moved to a disk with room
@@ -497,8 +498,8 @@ def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_pat
     again = run(["run", "--db", str(roomy / "c.db"), "--tasks", str(tasks), "--no-progress",
                  "--resume"], np=2)
     assert again.returncode == 0, again.stderr[-3000:]
-    check_conservation(roomy / "c.db", expected_tasks=3000)
-    assert query(roomy / "c.db", "SELECT count(*) FROM results") == [(3000,)]
+    check_conservation(roomy / "c.db", expected_tasks=8000)
+    assert query(roomy / "c.db", "SELECT count(*) FROM results") == [(8000,)]
 
 
 WORKER_FAILS = textwrap.dedent("""\
