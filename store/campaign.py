@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
 from .engine import DEFAULT_SYNCHRONOUS, DEFERRED_BEGIN, open_engine, refuse_empty_file, write_tx
-from .errors import CampaignExistsError, CampaignLockedError, StoreError
+from .errors import CampaignExistsError, CampaignLockedError, NoCampaignYet, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
 from .versioning import check_revision, upgrade
@@ -128,7 +128,7 @@ class Store:
             raise
         if row is None:
             engine.dispose()
-            raise StoreError(f"{path}: holds no campaign yet")
+            raise NoCampaignYet(path)
         return cls(path, engine, row.incarnation, row.epoch, policy or RetryPolicy(),
                    ResumeReport())
 

@@ -16,7 +16,12 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, exc
 
-from .errors import DatabaseOpenError, StoreWriteError, UnsafeDatabaseError
+from .errors import (
+    DatabaseOpenError,
+    NoCampaignYet,
+    StoreWriteError,
+    UnsafeDatabaseError,
+)
 
 #: FULL: every acknowledged commit survives a power loss (measured: NORMAL lost up to 19
 #: acknowledged transactions in 65 of 80 simulated power losses; FULL lost none). NORMAL is
@@ -79,10 +84,7 @@ def refuse_empty_file(path: Path) -> None:
     file, as a start that failed early or a `touch` leaves, would write an SQLite header
     into it."""
     if path.is_file() and path.stat().st_size == 0:
-        raise DatabaseOpenError(f"{path} holds no campaign yet (an empty file: a master "
-                                f"starting on it creates one within a moment; one left by a "
-                                f"start that failed is used as it is by the next "
-                                f"`coordinator run`)")
+        raise NoCampaignYet(path, " (an empty file)")
 
 
 def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNCHRONOUS,

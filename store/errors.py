@@ -21,6 +21,15 @@ class DatabaseOpenError(StoreError):
     SQLite, or an SQLite file that belongs to something else."""
 
 
+class NoCampaignYet(DatabaseOpenError):
+    """A file with no campaign in it (yet): empty, or a schema without its campaign row."""
+
+    def __init__(self, path: object, what: str = ""):
+        super().__init__(f"{path} holds no campaign yet{what} (a master starting on it creates "
+                         f"one within a moment; an empty file left by a start that failed is "
+                         f"used as it is by the next `coordinator run`)")
+
+
 class SchemaVersionError(StoreError):
     """The database's schema revision is not the one this code was written for."""
 

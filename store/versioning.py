@@ -22,7 +22,12 @@ from sqlalchemy import Connection, exc, inspect
 import migrations
 
 from .engine import open_engine
-from .errors import DatabaseOpenError, SchemaVersionError, StoreWriteError
+from .errors import (
+    DatabaseOpenError,
+    NoCampaignYet,
+    SchemaVersionError,
+    StoreWriteError,
+)
 
 
 def alembic_config() -> Config:
@@ -80,9 +85,7 @@ def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
     refuse_foreign(conn, path)
     if found is None and not inspect(conn).get_table_names():
         # Empty: a master that has just created the file is about to write its schema.
-        raise DatabaseOpenError(f"{path} holds no campaign yet (a master starting on it "
-                                f"creates one within a moment; an empty file left by a start "
-                                f"that failed is used as it is by the next `coordinator run`)")
+        raise NoCampaignYet(path)
     known = {rev.revision for rev in _script().walk_revisions()}
     raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
 
