@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -471,8 +472,15 @@ def _open_readonly(db: Path):
 
 
 def _status(db: Path, as_json: bool) -> int:
+    from store.campaign import lock_held, lock_holder
     from store.errors import StoreError
-    from store.stats import read_stats, recent_failures, result_statuses, stats_text
+    from store.stats import (
+        held_reasons,
+        read_stats,
+        recent_failures,
+        result_statuses,
+        stats_text,
+    )
     from store.versioning import check_revision
 
     from .gate import detail_summary
@@ -485,19 +493,32 @@ def _status(db: Path, as_json: bool) -> int:
             s = read_stats(conn)
             by_status = result_statuses(conn)
             failures = recent_failures(conn) if set(by_status) - {"ok"} else []
+            held = held_reasons(conn) if s.tasks["deferred"] or s.tasks["failed"] else {}
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         engine.dispose()
+    master = _master_state(lock_holder(db), lock_held(db))
     if as_json:
-        print(json.dumps({**s.as_json(), "results_by_status": by_status}, indent=2,
-                         sort_keys=True))
+        print(json.dumps({**s.as_json(), "results_by_status": by_status, "master": master},
+                         indent=2, sort_keys=True))
         return 0
     t = s.tasks
     print(f"campaign {db} (incarnation {s.incarnation}, schema {s.schema_revision})")
+    if master is not None:
+        where = f"pid {master['pid']} on {master['host']}"
+        print("master: " + {True: f"running ({where})", False: f"not running (the last was "
+                            f"{where})", None: f"{where} (whether it runs cannot be told from here)"}[
+                                master["running"]])
     print(f"tasks: {sum(t.values())} = {t['done']} done, {t['queued']} queued, "
           f"{t['active']} active, {t['deferred']} deferred, {t['failed']} failed")
+    if t["active"] and master is not None and master["running"] is False:
+        print(f"  the {t['active']} active ones were left by a master that is gone: "
+              f"`coordinator run --resume` puts them back in the queue first")
+    for state, reasons in held.items():
+        print(f"  {state}, most common reasons: " + "; ".join(
+            f"{n} × {detail_summary(reason, 100)}" for reason, n in reasons))
     shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
     print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))
     if failures:
@@ -506,6 +527,18 @@ def _status(db: Path, as_json: bool) -> int:
             print(f"  task {task_id} (rank {rank}): {status}: {detail_summary(detail)}")
     print(stats_text(s), end="")
     return 0
+
+
+def _master_state(holder: tuple[int, str] | None, held: bool | None) -> dict | None:
+    """The last master that held the campaign's lock, and whether it runs: the kernel's lock
+    table says (the database is on a node-local disk, so the master runs here); without one,
+    whether its pid still exists on this host; None if it cannot be told."""
+    if holder is None:
+        return None
+    pid, host = holder
+    if held is None and host == socket.gethostname():
+        held = process_exists(pid)
+    return {"pid": pid, "host": host, "running": held}
 
 
 def _requeue(ns: argparse.Namespace) -> int:

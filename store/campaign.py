@@ -187,6 +187,35 @@ def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
         os.close(fd)
 
 
+def lock_holder(path: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """(pid, host) of the last master that held the campaign's lock, as it wrote them; None
+    if none ever did. Whether it still runs is for the caller to find out: read without
+    taking the lock, which a master starting at that moment would then be refused."""
+    lock = Path(path).with_name(Path(path).name + ".lock")
+    try:
+        words = lock.read_text(errors="replace").split()
+    except OSError:
+        return None
+    if len(words) == 4 and words[0] == "pid" and words[1].isdigit() and words[2] == "on":
+        return int(words[1]), words[3]
+    return None
+
+
+def lock_held(path: str | os.PathLike[str]) -> bool | None:
+    """Whether a master holds the campaign's lock now, from the kernel's table of locks
+    (Linux `/proc/locks`: no pid to be reused, and nothing taken). None if it cannot tell."""
+    lock = Path(path).with_name(Path(path).name + ".lock")
+    try:
+        st = lock.stat()
+        table = Path("/proc/locks").read_text()
+    except FileNotFoundError:
+        return False if not lock.exists() else None
+    except OSError:
+        return None
+    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(f.split()[1:2] == ["FLOCK"] and ours in f.split() for f in table.splitlines())
+
+
 def _lock_campaign(path: Path) -> int:
     """Hold `PATH.lock` exclusively for the master's life (released when the process ends,
     however it ends). Only one master may run a campaign; readers and `requeue` need no lock."""

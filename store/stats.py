@@ -10,7 +10,16 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, func, select, text
 
-from .schema import COUNTED_KIND_SQL, Channel, EventKind, campaign, quarantine, results
+from .schema import (
+    COUNTED_KIND_SQL,
+    Channel,
+    EventKind,
+    TaskState,
+    campaign,
+    quarantine,
+    results,
+    tasks,
+)
 from .tasks import count_by_state
 from .versioning import current_revision
 
@@ -87,6 +96,20 @@ def recent_failures(conn: Connection, limit: int = 5) -> list[tuple[int, int, st
         # million ok results are then never read.
         .where((results.c.status < "ok") | (results.c.status > "ok"))
         .order_by(results.c.committed_at.desc(), results.c.task_id.desc()).limit(limit))]
+
+
+def held_reasons(conn: Connection, limit: int = 3) -> dict[str, list[tuple[str, int]]]:
+    """For deferred and failed tasks: their most common reasons, with counts (state ->
+    [(reason, n)], most common first). Read through ix_tasks_state: held tasks only."""
+    held: dict[str, list[tuple[str, int]]] = {}
+    for state in (TaskState.DEFERRED.value, TaskState.FAILED.value):
+        rows = conn.execute(
+            select(tasks.c.reason, func.count()).where(tasks.c.state == state)
+            .group_by(tasks.c.reason).order_by(func.count().desc(), tasks.c.reason)
+            .limit(limit)).all()
+        if rows:
+            held[state] = [(reason or "(no reason)", n) for reason, n in rows]
+    return held
 
 
 def _reasons(counts: dict[str, int]) -> str:

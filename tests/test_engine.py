@@ -305,3 +305,20 @@ def test_status_and_requeue_leave_an_empty_file_empty(db_path):
         got = _cli(*args, "--db", str(db_path))
         assert got.returncode == 2 and "holds no campaign yet" in got.stderr, got.stderr
         assert db_path.stat().st_size == 0
+
+
+def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
+    """What `status` reports: from the kernel's lock table, so a reused pid cannot pass for
+    a running master."""
+    import socket
+
+    from store.campaign import lock_held, lock_holder
+    assert (lock_holder(db_path), lock_held(db_path)) == (None, False)  # never run
+    store = Store.open(db_path)
+    try:
+        assert lock_holder(db_path) == (os.getpid(), socket.gethostname())
+        assert lock_held(db_path) is True
+    finally:
+        store.close()
+    assert lock_held(db_path) is False
+    assert lock_holder(db_path) == (os.getpid(), socket.gethostname())  # the last one

@@ -183,6 +183,7 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
                            capture_output=True, text=True, timeout=60, check=True)
     assert "(error=1, ok=6)" in shown.stdout
     assert "this input is refused" in shown.stdout
+    assert "  deferred, most common reasons: 1 × timeout\n" in shown.stdout, shown.stdout
     assert "1 error: see `coordinator status`" in done.stdout
     # the hanging input was killed at 1 s each time: requeued once, then deferred
     [(state, attempts)] = query(db, "SELECT state, attempts FROM tasks "
@@ -320,10 +321,21 @@ def test_sigkill_of_the_whole_job_then_resume_commits_each_task_once(tmp_path):
     args = ["run", "--db", str(db), "--demo", "400", "--demo-work-ms", "5", "--no-progress"]
     proc = start(args)
     wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 60)
+    running = status_json(db)["master"]
     kill_job(proc)
     proc.communicate(timeout=60)
     kill_ranks(db)
     in_flight = query(db, "SELECT count(*) FROM dispatches")[0][0]
+    # status tells a running master from a dead one (by the kernel's lock table, not a pid),
+    # and what --resume does with the tasks a dead one left active.
+    assert running["running"] is True and running["pid"] == master_pid(db)
+    assert status_json(db)["master"] == {**running, "running": False}
+    shown = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert f"master: not running (the last was pid {running['pid']} on " in shown
+    if in_flight:
+        assert (f"the {in_flight} active ones were left by a master that is gone: "
+                f"`coordinator run --resume` puts them back in the queue first") in shown
     done = run(args[:1] + ["--resume"] + args[1:])
     assert done.returncode == 0, done.stderr
     check_conservation(db, expected_tasks=400)

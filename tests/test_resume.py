@@ -265,3 +265,15 @@ def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, caps
     assert out.out == "requeued 0 task(s)\n"
     assert out.err == (f"coordinator: not requeued (no such task, or not failed or deferred): "
                        f"{ids[0]}, 9999\n")
+
+
+def test_status_groups_held_tasks_by_their_reason(db_path, tmp_path):
+    from store.stats import held_reasons
+    farm = Farm(db_path)
+    for i in range(3):
+        defer(farm, {"data": i})
+    with farm.store.reading() as conn:
+        [(reason, n)] = held_reasons(conn)["deferred"]
+        assert n == 3 and reason
+        assert "failed" not in held_reasons(conn)
+    farm.close()
