@@ -490,6 +490,13 @@ def test_a_worker_that_kills_itself_loses_nothing(tmp_path, kind):
             break
     else:
         raise AssertionError(f"not complete after {len(runs)} runs")
+    if mpi_kind() != "openmpi" and runs[-1].returncode != 0:
+        # MPICH ends the whole job when a rank dies, also when one kills itself just after
+        # the RESULT that completed the campaign (whether it does depends on which rank got
+        # the last tasks): committed all the same. The next resume finds nothing to do.
+        last = run(args[:1] + ["--resume"] + args[1:], timeout=FAULT_JOB_S)
+        assert "this run committed 0 results" in last.stdout, last.stdout[-3000:]
+        runs.append(last)
     assert runs[-1].returncode == 0, runs[-1].stderr[-3000:]
     assert len(runs) >= 2  # the first incarnation lost its workers before the end
     if mpi_kind() == "openmpi":
