@@ -389,10 +389,11 @@ def _exit_now(status: int) -> None:
 def end_job(transport, master, status: int, *, stop_first: bool = True) -> int:
     """End the whole job from the master after saving everything.
 
-    Without ULFM, MPI_Abort does it. Under ULFM it does not (the launcher treats the master's
-    exit as one more process failure and the others wait on), so the master asks every live
-    worker to STOP without finalizing, then SIGKILLs the ranks on this host that did not
-    acknowledge (hung ones), by the pid each reported in its READY, and exits."""
+    Without ULFM, MPI_Abort does it, once the workers on this host that may still run a
+    command were fenced (see `Master.fence`). Under ULFM it does not (the launcher treats the
+    master's exit as one more process failure and the others wait on), so the master asks
+    every live worker to STOP without finalizing, then fences the ranks on this host that did
+    not acknowledge (hung ones), by the pid each reported in its READY, and exits."""
     if not transport.fault_tolerant:
         # MPI_Abort ends the ranks, not the commands they run (each in a session of its own):
         # the ranks on this host that may still run one are told to end theirs first.
