@@ -72,6 +72,7 @@ def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
 
 
 def _worker(cfg: RunConfig, transport) -> int:
+    from .transport import StartInterrupted
     from .worker import TEARDOWN_SIGNAL, Sender, serve, torn_down
     # The master decides when the job stops: a terminal's Ctrl-C, or a batch system's SIGTERM
     # when the job is cancelled or out of time, reaches every rank, and the workers go on
@@ -96,6 +97,10 @@ def _worker(cfg: RunConfig, transport) -> int:
             sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
                                                        cfg.inject_log), cfg.max_message_bytes)
         return serve(transport, executor, sender=sender)
+    except StartInterrupted as e:  # nothing of this rank's own went wrong: no traceback
+        _leave_job(transport, f"a rank left the job before this one had the start verdict: "
+                              f"{e}")
+        raise  # not reached
     except BaseException:
         _leave_job(transport)
         raise  # not reached
@@ -110,7 +115,7 @@ def _executor(cfg: RunConfig, argv: list[str] | None = None):
                          max_message_bytes=cfg.max_message_bytes)
 
 
-def _leave_job(transport) -> None:
+def _leave_job(transport, why: str | None = None) -> None:
     """A worker that cannot go on (its executor does not load here, another rank died during
     the start-up broadcast, a bug) must not return into MPI_Finalize: that waits for ranks
     that will never finalize, spinning, and the master is never told. Under ULFM it exits
@@ -118,9 +123,11 @@ def _leave_job(transport) -> None:
     queue, the run goes on with the others; only a zero exit status keeps Open MPI's launcher
     from ending the whole job). Without ULFM a rank's exit ends the job anyway: abort it."""
     # The one line first: it must reach the terminal even if the traceback does not.
-    print(f"coordinator: rank {transport.rank} cannot go on and leaves the job (the master "
-          f"returns any task it held to the queue)", file=sys.stderr, flush=True)
-    traceback.print_exc()
+    print(f"coordinator: rank {transport.rank} cannot go on and leaves the job "
+          + (f"({why}; " if why else "(") + "the master returns any task it held to the queue)",
+          file=sys.stderr, flush=True)
+    if why is None:  # a known cause needs no traceback
+        traceback.print_exc()
     if transport.fault_tolerant:
         _exit_now(0)
     _abort_job(transport, EXIT_INTERNAL)

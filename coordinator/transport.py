@@ -33,6 +33,11 @@ class MasterGone(Exception):
     """The runtime reported rank 0 dead (ULFM): a worker has nobody left to work for."""
 
 
+class StartInterrupted(Exception):
+    """A worker cannot get the start verdict: a rank left the job (died, or was stopped and
+    exited) before this one had it, and the start-up barrier or broadcast ran through it."""
+
+
 class SendFailed(Exception):
     def __init__(self, rank: int, cause: BaseException):
         self.rank, self.cause = rank, cause
@@ -219,14 +224,20 @@ class Transport:
                     raise
                 self._note_failure()
         else:
-            request = self.comm.Ibarrier()
-            backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
-            while not request.Test():  # raises for a rank's death (ULFM)
-                backoff.wait()
+            try:
+                request = self.comm.Ibarrier()
+                backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
+                while not request.Test():  # raises for a rank's death (ULFM)
+                    backoff.wait()
+                return self.comm.bcast(obj, root=0)
+            except MPI.Exception as e:
+                if not is_process_failure(e):
+                    raise
+                raise StartInterrupted(e.Get_error_string()) from None
         try:
             return self.comm.bcast(obj, root=0)
         except MPI.Exception as e:
-            if self.rank != 0 or not is_process_failure(e):
+            if not is_process_failure(e):
                 raise
             self._note_failure()
             return obj
