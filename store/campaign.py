@@ -187,11 +187,15 @@ def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
         os.close(fd)
 
 
+def _lock_path(path: str | os.PathLike[str]) -> Path:
+    return Path(path).with_name(Path(path).name + ".lock")
+
+
 def lock_holder(path: str | os.PathLike[str]) -> tuple[int, str] | None:
     """(pid, host) of the last master that held the campaign's lock, as it wrote them; None
     if none ever did. Whether it still runs is for the caller to find out: read without
     taking the lock, which a master starting at that moment would then be refused."""
-    lock = Path(path).with_name(Path(path).name + ".lock")
+    lock = _lock_path(path)
     try:
         words = lock.read_text(errors="replace").split()
     except OSError:
@@ -204,7 +208,7 @@ def lock_holder(path: str | os.PathLike[str]) -> tuple[int, str] | None:
 def lock_held(path: str | os.PathLike[str]) -> bool | None:
     """Whether a master holds the campaign's lock now, from the kernel's table of locks
     (Linux `/proc/locks`: no pid to be reused, and nothing taken). None if it cannot tell."""
-    lock = Path(path).with_name(Path(path).name + ".lock")
+    lock = _lock_path(path)
     try:
         st = lock.stat()
         table = Path("/proc/locks").read_text()
@@ -219,7 +223,7 @@ def lock_held(path: str | os.PathLike[str]) -> bool | None:
 def _lock_campaign(path: Path) -> int:
     """Hold `PATH.lock` exclusively for the master's life (released when the process ends,
     however it ends). Only one master may run a campaign; readers and `requeue` need no lock."""
-    lock = path.with_name(path.name + ".lock")
+    lock = _lock_path(path)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -74,10 +74,8 @@ class ScriptedRanks:
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 5)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(5)])
         ranks = ScriptedRanks()
         summary = Master(store, ranks, MasterConfig(
             linger_s=0.005, grace_s=1, stop_wait_s=1, stats_file=None)).run()
@@ -143,10 +141,8 @@ def test_the_halves_of_answers_in_separate_batches_join_in_one_round(tmp_path, d
     the same round starts from: every answer commits, every rank gets its next task in the
     round that committed its last one, and nothing is quarantined."""
     n = 6 * len(delays)
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", n)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(n)])
         summary = Master(store, StaggeredRanks(delays), MasterConfig(
             linger_s=0.2, grace_s=1, stop_wait_s=1, stats_file=None)).run()
         with sqlite3.connect(tmp_path / "c.db") as db:
@@ -179,6 +175,19 @@ def _valid_result(token: str) -> bytes:
     return encode(Result(token=token, status="ok", value={"n": 1}))
 
 
+def _answered_after(drains: int):
+    """A ScriptedAnswers script: a valid RESULT and its READY, visible `drains` drains on."""
+    return lambda token: [(drains, TAG_RESULT, _valid_result(token)),
+                          (drains, TAG_READY, bytes(_ready(1, token).data))]
+
+
+def _campaign_of_demo_tasks(path, n: int) -> Store:
+    store = Store.open(path)
+    with store.transaction("import") as tx:
+        enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(n)])
+    return store
+
+
 @pytest.mark.timeout(60)
 def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_that_ready(
         tmp_path):
@@ -187,10 +196,8 @@ def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_tha
     becomes receivable together with the READY, after a poll's RESULT drain and before its
     READY drain. A round that applied that READY and ended without draining RESULT again
     would let the sweep join READY and invalid mark, and roll a good dispatch back."""
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(3)])
         ranks = ScriptedAnswers(1, lambda token: [
             (1, TAG_RESULT, msgspec.msgpack.encode(["not", "a", "mapping"])),
             (4, TAG_RESULT, _valid_result(token)),
@@ -241,12 +248,9 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
     """SPEC, shutdown: STOP only after the worker has shown READY. Rank 1 is still running
     when the grace period ends (its task goes back to the queue); it answers a few polls
     later, and only then is sent its STOP. Meanwhile the database says it is busy, not idle."""
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(3)])
-        ranks = ScriptedAnswers(1, lambda token: [(6, TAG_RESULT, _valid_result(token)),
-                                                  (6, TAG_READY, bytes(_ready(1, token).data))])
+        ranks = ScriptedAnswers(1, _answered_after(6))
         states_at_stop = []
 
         def send_stop(data: bytes, dest: int) -> None:
@@ -296,10 +300,8 @@ def test_no_worker_is_stopped_before_every_worker_has_been_heard_from(tmp_path):
     """A stopped worker leaves MPI; one still in the start-up broadcast can receive it through
     that rank, which under ULFM then fails: a one-task run used to print a traceback. Rank 1
     does the only task; rank 2 is heard from only later: neither gets its STOP before that."""
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(1)])
         ranks = LateStarter(late=40)
         summary = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=1, stop_wait_s=30,
                                                     stats_file=None)).run()
@@ -314,12 +316,9 @@ def test_no_worker_is_stopped_before_every_worker_has_been_heard_from(tmp_path):
 def test_a_rank_busy_at_the_stop_does_not_hold_back_the_stop_of_the_idle_ones(tmp_path):
     """Heard from is enough: a rank still running its task (the usual SymCC case at a stop)
     has passed the start-up broadcast, so the idle ranks are stopped at once."""
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(1)])
-        ranks = ScriptedAnswers(2, lambda token: [(60, TAG_RESULT, _valid_result(token)),
-                                                  (60, TAG_READY, bytes(_ready(1, token).data))])
+        ranks = ScriptedAnswers(2, _answered_after(60))
         stops: list[tuple[int, int]] = []
 
         def send_stop(data: bytes, dest: int) -> None:
@@ -344,10 +343,8 @@ def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tm
     """A convenience copy: its directory vanishing (or a full disk) must not stop the run,
     nor repeat the same complaint every interval."""
     gone = tmp_path / "gone"
-    store = Store.open(tmp_path / "c.db")
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 20)
     try:
-        with store.transaction("import") as tx:
-            enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(20)])
         master = Master(store, ScriptedRanks(), MasterConfig(
             linger_s=0.0, grace_s=1, stop_wait_s=1, stats_interval_s=0.0,
             stats_file=gone / "c.stats"))
