@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .executors import EXECUTOR_KINDS
 from .fault_spec import KINDS, InjectSpecError, parse_inject
-from .runtime import EXIT_STORE, EXIT_USAGE, process_exists
+from .runtime import EXIT_STORE, EXIT_USAGE, exit_status_path, process_exists
 from .config import (
     DEFAULT_DEMO_TASKS,
     ENV_MAX_ATTEMPTS,
@@ -397,6 +397,9 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
         print(f"coordinator: {cmd[0]} exited with status {rc if rc >= 0 else 128 - rc} before "
               f"the master started (see its output above); nothing was changed",
               file=sys.stderr, flush=True)
+    own = _read_number(exit_status_path(pid_file))
+    if own is not None:
+        return own  # the master's, not that of whichever rank mpiexec saw end first
     return rc if rc >= 0 else 128 - rc
 
 
@@ -431,10 +434,14 @@ def _wait_for_start(proc: subprocess.Popen, pid_file: Path, start_timeout_s: flo
 
 
 def _recorded_pid(pid_file: Path) -> int:
+    return _read_number(pid_file) or 0
+
+
+def _read_number(path: Path) -> int | None:
     try:
-        return int(pid_file.read_text().strip() or 0)
+        return int(path.read_text().strip())
     except (OSError, ValueError):
-        return 0
+        return None
 
 
 def _strip_launch_options(args: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ ends every rank with the same clear exit status instead of leaving workers waiti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -240,8 +241,8 @@ def _master(cfg: RunConfig, transport) -> int:
         if store is not None:
             store.close()
         # A write that failed (disk full) is the storage's fault, not the command line's.
-        status = (EXIT_STORE if isinstance(e, StoreWriteError) else
-                  EXIT_USAGE if refused else EXIT_INTERNAL)
+        status = _record_exit(cfg, EXIT_STORE if isinstance(e, StoreWriteError) else
+                              EXIT_USAGE if refused else EXIT_INTERNAL)
         transport.bcast(status)
         if transport.fault_tolerant:
             # MPI_Finalize can hang after a rank's death (ompi#11404), which a worker may
@@ -279,21 +280,21 @@ def _master(cfg: RunConfig, transport) -> int:
         # A failed COMMIT has an unknown outcome: stop, and let restart recovery decide.
         print(f"coordinator: {e}\ncoordinator: stopped; nothing is lost — fix the storage "
               f"and continue with --resume", file=sys.stderr, flush=True)
-        return end_job(transport, master, EXIT_STORE)
+        return end_job(transport, master, _record_exit(cfg, EXIT_STORE))
     except OSError as e:
         # Test cases could not be written (disk full, read-only output): the round that
         # wanted them rolled back, so its task runs again after --resume.
         print(f"coordinator: cannot write output: {e}\ncoordinator: stopped; nothing is lost "
               f"— free space or fix the output directory and continue with --resume",
               file=sys.stderr, flush=True)
-        return end_job(transport, master, EXIT_STORE)
+        return end_job(transport, master, _record_exit(cfg, EXIT_STORE))
     except BaseException:
         # Anything unhandled aborts the job instead of leaving the workers waiting for ever;
         # the database holds every committed transition, so --resume continues from there.
         traceback.print_exc()
         print("coordinator: internal error; the campaign is saved, continue with --resume",
               file=sys.stderr, flush=True)
-        return end_job(transport, master, EXIT_INTERNAL)
+        return end_job(transport, master, _record_exit(cfg, EXIT_INTERNAL))
     with store.reading() as conn:
         s = read_stats(conn)
         by_status = result_statuses(conn)
@@ -334,8 +335,9 @@ def _master(cfg: RunConfig, transport) -> int:
     if summary.unacked_ranks:
         print(f"coordinator: ranks {summary.unacked_ranks} did not acknowledge STOP; "
               f"ending the job (the campaign is saved)", file=sys.stderr, flush=True)
-        return end_job(transport, master, status if summary.stopped_by_signal else
-                       EXIT_UNACKED, stop_first=False)
+        return end_job(transport, master, _record_exit(
+            cfg, status if summary.stopped_by_signal else EXIT_UNACKED), stop_first=False)
+    _record_exit(cfg, status)
     if transport.fault_tolerant or transport.any_failed:
         # Under ULFM, MPI_Finalize can hang every survivor after a failure (ompi#11404);
         # everything is committed and every worker has gone, so leave without it.
@@ -385,6 +387,20 @@ def process_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def exit_status_path(pid_file: Path) -> Path:
+    """Where the master of a self-launched job records the status it ends with, beside its
+    pid. The launcher reports that status, not mpiexec's, which is the first rank's to end
+    abnormally (128 + SIGUSR2 for a hung rank the master ended) or, under ULFM, often 0."""
+    return pid_file.with_name(pid_file.name + ".exit")
+
+
+def _record_exit(cfg: RunConfig, status: int) -> int:
+    if cfg.master_pid_file is not None:
+        with contextlib.suppress(OSError):  # then the launcher reports mpiexec's status
+            replace_text(exit_status_path(cfg.master_pid_file), f"{status}\n")
+    return status
 
 
 def _exit_now(status: int) -> None:

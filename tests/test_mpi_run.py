@@ -673,6 +673,22 @@ def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):
     check_conservation(db, expected_tasks=3000)
 
 
+@pytest.mark.timeout(150)
+def test_a_self_launched_run_exits_with_the_masters_status(tmp_path):
+    """Exit 4 (a rank never acknowledged STOP) used to reach the caller as 140: mpiexec reports
+    the first rank to end abnormally, here the hung rank the master ended with SIGUSR2."""
+    db = tmp_path / "c.db"
+    proc = self_launch(db, "--demo", "1", "--inject", "hang=1", "--watchdog", "1",
+                       "--stop-wait", "2", "--retries", "0", "--max-attempts", "1")
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        end_launch(proc, db)
+    assert "did not acknowledge STOP" in err, err[-3000:]
+    assert proc.returncode == 4, err[-3000:]
+    assert query(db, "SELECT state FROM tasks") == [("failed",)]
+
+
 def test_ctrl_c_before_the_master_starts_says_so(tmp_path):
     """A launch stopped before any master ran (here an `mpiexec` that never starts one) used
     to end with exit 1 and no word; nothing was changed, and the launcher says so."""
