@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
-from .engine import DEFAULT_SYNCHRONOUS, DEFERRED_BEGIN, open_engine, refuse_empty_file, write_tx
+from .engine import DEFAULT_SYNCHRONOUS, open_engine, read_tx, refuse_empty_file, write_tx
 from .errors import CampaignExistsError, CampaignLockedError, NoCampaignYet, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
@@ -120,7 +120,7 @@ class Store:
         refuse_empty_file(path)
         engine = open_engine(path)
         try:
-            with engine.connect() as conn:
+            with engine.connect() as conn, read_tx(conn):
                 check_revision(conn, path)
                 row = conn.execute(select(campaign.c.incarnation, campaign.c.epoch)).first()
         except BaseException:
@@ -152,13 +152,8 @@ class Store:
     def reading(self) -> Iterator[Connection]:
         """A read transaction: a plain BEGIN, so that it never waits for the write lock (held
         by `coordinator requeue`, or a `sqlite3` shell) as a write would."""
-        conn = self._connection()
-        conn.info[DEFERRED_BEGIN] = True
-        try:
-            with conn.begin():
-                yield conn
-        finally:
-            conn.info[DEFERRED_BEGIN] = False
+        with read_tx(self._connection()) as conn:
+            yield conn
 
     def close(self) -> None:
         if self._conn is not None:

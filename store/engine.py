@@ -182,6 +182,19 @@ def read_pragmas(conn: Connection) -> dict[str, object]:
 
 
 @contextlib.contextmanager
+def read_tx(conn: Connection) -> Iterator[Connection]:
+    """A read transaction on a connection of a writing engine: a plain BEGIN, so that it never
+    waits for the write lock (held by a master's round, `coordinator requeue` or a `sqlite3`
+    shell) as a write would."""
+    conn.info[DEFERRED_BEGIN] = True
+    try:
+        with conn.begin():
+            yield conn
+    finally:
+        conn.info[DEFERRED_BEGIN] = False
+
+
+@contextlib.contextmanager
 def write_tx(conn: Connection, operation: str) -> Iterator[Connection]:
     """One write transaction on `conn`; a driver failure becomes `StoreWriteError` (outcome
     unknown)."""

@@ -87,6 +87,26 @@ def test_reads_do_not_wait_for_another_writer(db_path, monkeypatch):
     store.close()
 
 
+def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, monkeypatch,
+                                                                   capsys):
+    """`coordinator requeue` read the schema revision in a write transaction: past the busy
+    timeout it ended in a driver traceback (exit 1), not with the cause (exit 3)."""
+    import store.engine
+    from coordinator.cli import main
+    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    Store.open(db_path).close()
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        assert main(["requeue", "--db", str(db_path)]) == 3
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    err = capsys.readouterr().err
+    assert "database is locked (another process held the campaign's write lock" in err, err
+    assert main(["requeue", "--db", str(db_path)]) == 0
+
+
 def test_read_only_file_is_refused_with_a_clear_error(tmp_path):
     """SQLite cannot switch a read-only file to WAL. As root, file modes do not stop us, so
     the file is made immutable (ext4 `chattr +i`), which binds root too."""
