@@ -257,7 +257,8 @@ results = Table(
     # left and when its current READY was seen (NULL: READY came after the commit).
     Column("sent_at", Float, nullable=True),
     Column("ready_at", Float, nullable=True),
-    # Why a run with a non-ok status failed, clipped (revision 0003); NULL for ok results.
+    # Why a run with a non-ok status failed, clipped (revision 0003); NULL for ok results,
+    # unless the command executor dropped output files over its limits (its note).
     Column("detail", Text, nullable=True),
 )
 # Counts by status and `count(*)` read this narrow index; new entries go to the end of the

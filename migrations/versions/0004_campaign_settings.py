@@ -8,7 +8,7 @@ Create Date: 2026-11-29
 `--afl-out`) used to run the stored tasks through the built-in demo executor, or write an AFL
 campaign's results outside AFL's sync directory, and commit the outcome for good. The first
 run's executor and source are now kept so a resume that would change them is refused. Older
-campaigns have none (NULL), and are not checked.
+campaigns have none (NULL) until their first `--resume`, which records its own.
 """
 
 from __future__ import annotations
