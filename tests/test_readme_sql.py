@@ -91,3 +91,18 @@ def test_query_13_finds_a_token_committed_twice(campaign: Path, tmp_path: Path):
                   "WHERE task_id = 2")
         rows = c.execute(QUERIES["13"]).fetchall()
     assert [r[0] for r in rows] == ["token committed for more than one task"]
+
+
+def test_query_5_shows_a_late_result_of_a_retired_dispatch(campaign: Path, tmp_path: Path):
+    """A RESULT that comes after the watchdog retired its dispatch is `unowned`, with no
+    `expected` token: the history found it only through `expected` and left it out."""
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:
+        c.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank, token) "
+                  "SELECT committed_at + 1, 1, 'result', 'unowned', rank, token FROM results "
+                  "WHERE task_id = 7")
+        rows = c.execute(QUERIES["5"]).fetchall()
+    assert [r[2] for r in rows if r[2].startswith("quarantined")] == \
+        ["quarantined result/unowned"]
