@@ -175,7 +175,7 @@ class Store:
 def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
     """Hold the campaign's lock (as a master does) for a maintenance step that must not run
     under a master, like a schema upgrade; CampaignLockedError while one runs."""
-    fd = _lock_campaign(Path(path))
+    fd = _lock_campaign(Path(path), record=False)  # the file keeps naming the last master
     try:
         yield
     finally:
@@ -215,9 +215,10 @@ def lock_held(path: str | os.PathLike[str]) -> bool | None:
     return any(f.split()[1:2] == ["FLOCK"] and ours in f.split() for f in table.splitlines())
 
 
-def _lock_campaign(path: Path) -> int:
+def _lock_campaign(path: Path, *, record: bool = True) -> int:
     """Hold `PATH.lock` exclusively for the master's life (released when the process ends,
-    however it ends). Only one master may run a campaign; readers and `requeue` need no lock."""
+    however it ends). Only one master may run a campaign; readers and `requeue` need no lock.
+    `record`: write this process's pid and host in it (a master's, which `status` shows)."""
     lock = _lock_path(path)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -226,13 +227,15 @@ def _lock_campaign(path: Path) -> int:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
         os.close(fd)
         raise CampaignLockedError(
-            f"{path} is in use by another master ({holder or 'pid unknown'}); stop it "
-            f"first (its pid is in {lock}), or choose another --db path") from None
+            f"{path} is in use by another master ({holder or 'pid unknown'}) or by a "
+            f"`coordinator db upgrade`; stop it first (the master's pid is in {lock}), or "
+            f"choose another --db path") from None
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    if record:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sqlite3
 import subprocess
 
@@ -268,6 +269,10 @@ def test_db_upgrade_waits_for_no_master(db_path):
     up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
                          str(db_path)], capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and "already at" in up.stdout, up.stderr
+    # The upgrade held the lock without taking the master's place in it: `status` still
+    # names the last master, not the upgrade's pid.
+    from store.campaign import lock_holder
+    assert lock_holder(db_path) == (os.getpid(), socket.gethostname())
 
 
 def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
@@ -330,7 +335,6 @@ def test_status_and_requeue_leave_an_empty_file_empty(db_path):
 def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
     """What `status` reports: from the kernel's lock table, so a reused pid cannot pass for
     a running master."""
-    import socket
 
     from store.campaign import lock_held, lock_holder
     assert (lock_holder(db_path), lock_held(db_path)) == (None, False)  # never run
