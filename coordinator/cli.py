@@ -581,13 +581,30 @@ def _requeue(ns: argparse.Namespace) -> int:
         return EXIT_STORE
     finally:
         store.close()
-    print(f"requeued {len(done)} task(s)" + (f": {', '.join(map(str, done))}" if done else ""))
+    print(f"requeued {len(done)} task(s)" + (f": {id_list(done)}" if done else ""))
     left = sorted(set(ns.ids or ()) - set(done))
     if left:
         wanted = {"all": "failed or deferred", "error": "done with a result that is not ok"}
         print(f"coordinator: not requeued (no such task, or not "
               f"{wanted.get(ns.state, ns.state)}): {', '.join(map(str, left))}", file=sys.stderr)
     return 0
+
+
+def id_list(ids: list[int], whole_up_to: int = 50, runs_shown: int = 20) -> str:
+    """Task ids for a console line: all of them when few, else runs of consecutive ids
+    (`1-5000`), the first `runs_shown` of them (a requeue of 50,000 tasks printed a line
+    of 400 KB)."""
+    if len(ids) <= whole_up_to:
+        return ", ".join(map(str, ids))
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    shown = [f"{a}-{b}" if a != b else str(a) for a, b in runs[:runs_shown]]
+    more = len(runs) - runs_shown
+    return ", ".join(shown) + (f", … and {more} more runs of ids" if more > 0 else "")
 
 
 def _db_upgrade(db: Path) -> int:

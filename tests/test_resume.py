@@ -267,6 +267,24 @@ def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, caps
                        f"{ids[0]}, 9999\n")
 
 
+def test_cli_requeue_of_many_tasks_prints_runs_of_ids_not_every_id(db_path, capsys):
+    """50,000 requeued tasks printed one console line of 400 KB, every id in it."""
+    import sqlite3
+
+    from coordinator.cli import id_list, main
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(60)))
+    farm.close()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
+    assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
+    assert capsys.readouterr().out == f"requeued 60 task(s): {ids[0]}-{ids[-1]}\n"
+    assert id_list([1, 2, 3]) == "1, 2, 3"
+    assert id_list([*range(1, 100, 2), 200, 201, 202], whole_up_to=3, runs_shown=3) == \
+        "1, 3, 5, … and 48 more runs of ids"
+    assert id_list([59, *range(1, 59)], runs_shown=3) == "1-59"
+
+
 def test_status_groups_held_tasks_by_their_reason(db_path, tmp_path):
     from store.stats import held_reasons
     farm = Farm(db_path)
