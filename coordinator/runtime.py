@@ -352,7 +352,7 @@ def _outputs(cfg: RunConfig) -> tuple[list, object]:
     from .output import TestcaseWriter
     from .sources import AflQueueSource
     if cfg.afl_out is not None:
-        return ([AflQueueSource(cfg.afl_out, cfg.fuzzer).poll],
+        return ([AflQueueSource(cfg.afl_out, cfg.fuzzer)],
                 TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True, scan=False,
                                afl_sync=(cfg.afl_out, cfg.name)))
     return [], TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
@@ -361,8 +361,13 @@ def _outputs(cfg: RunConfig) -> tuple[list, object]:
 
 def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object]):
     """The master, built before any work moves (the store holds the campaign's lock)."""
+    from store.tasks import origins_starting_with
+
     from .master import Master, MasterConfig
     sources, writer = outputs
+    for source in sources:
+        with store.reading() as conn:
+            source.remember(origins_starting_with(conn, source.origin_prefix))
     writer.scan()
     if writer.resumed_from_sync is not None:
         instance, counter = writer.resumed_from_sync
@@ -375,7 +380,7 @@ def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object])
         grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
         stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth, feedback=cfg.feedback,
         exit_when_drained=cfg.afl_out is None, progress=cfg.progress,
-    ), sources=sources, writer=writer)
+    ), sources=[s.poll for s in sources], writer=writer)
 
 
 def process_exists(pid: int) -> bool:

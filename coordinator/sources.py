@@ -13,6 +13,7 @@ import pathlib
 import stat
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +62,16 @@ class AflQueueSource:
 
     AFL writes a queue entry in place (no rename), so a file is only taken once it has settled:
     its mtime is at least ``settle_s`` old and its size did not change since the previous poll.
-    Names already handled are remembered, so a poll stats only names it has not finished with;
-    listing a 10,000-entry queue each second is a few milliseconds.
+    Names already handled are remembered, so a poll stats only names it has not finished with.
+    The queue is listed again only when the directory changed (its mtime): listing a
+    40,000-entry queue took 21-30 ms, every second, for ever.
     """
+
+    #: A listing is trusted this long at most, whatever the directory's mtime says.
+    RELIST_S = 60.0
+    #: A directory changed less than this before it was listed may change again within the
+    #: same tick of the filesystem's clock, without a new mtime: its listing is not trusted.
+    QUIET_S = 1.0
 
     def __init__(self, afl_out: pathlib.Path, fuzzer: str, settle_s: float = 0.5) -> None:
         if not fuzzer or "/" in fuzzer or fuzzer in (".", ".."):
@@ -78,6 +86,21 @@ class AflQueueSource:
         self._unsettled: dict[str, tuple[int, int]] = {}
         self._seen_hashes: set[str] = set()
         self._unreadable = ""  # the last reason the queue could not be read, said once
+        # (inode, mtime_ns) of the queue directory when it was last listed, if trusted
+        self._listed: tuple[int, int] | None = None
+        self._relist_at = 0.0
+
+    @property
+    def origin_prefix(self) -> str:
+        """What the `origin` of every task this source made starts with."""
+        return f"afl:{self.fuzzer}/"
+
+    def remember(self, origins: Iterable[str]) -> None:
+        """Names handled in an earlier run (the origins of the tasks they made): after a
+        restart they are neither read nor hashed again (4.4 s for a 40,000-entry queue,
+        before a new entry was dispatched)."""
+        n = len(self.origin_prefix)
+        self._handled.update(o[n:] for o in origins if o.startswith(self.origin_prefix))
 
     def poll(self) -> list[NewInput]:
         names = self._new_names()
@@ -96,6 +119,11 @@ class AflQueueSource:
 
     def _new_names(self) -> list[str] | None:
         try:
+            # Before the listing: a change made during it moves the mtime past this one.
+            st = os.stat(self.queue_dir)
+            now = time.time()
+            if self._listed == (st.st_ino, st.st_mtime_ns) and now < self._relist_at:
+                return list(self._unsettled)  # nothing added or removed since
             with os.scandir(self.queue_dir) as it:
                 names = []
                 for entry in it:
@@ -107,6 +135,9 @@ class AflQueueSource:
                         continue
                     names.append(entry.name)
             self._unreadable = ""  # readable again: a later outage is reported again
+            quiet = now - st.st_mtime_ns / 1e9 >= self.QUIET_S
+            self._listed = (st.st_ino, st.st_mtime_ns) if quiet else None
+            self._relist_at = now + self.RELIST_S
             return names
         except (FileNotFoundError, NotADirectoryError):
             return None  # AFL has not created the queue yet

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import Connection, and_, func, select, update
 
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, LeaseKind, TaskState, results, tasks
@@ -77,6 +77,13 @@ _INSERT_TASK = (
     "INSERT INTO tasks (semantic_id, payload, input_hash, state, queue_pos, depth, parent_id, "
     "origin, created_at, updated_at) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?) "
     "ON CONFLICT (semantic_id) DO NOTHING")
+
+
+def origins_starting_with(conn: Connection, prefix: str) -> list[str]:
+    """The origins of the tasks whose origin starts with `prefix` (one scan of `tasks`, as
+    a source starts)."""
+    return [o for (o,) in conn.exec_driver_sql(
+        "SELECT origin FROM tasks WHERE substr(origin, 1, ?) = ?", (len(prefix), prefix))]
 
 
 def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
