@@ -19,6 +19,7 @@ __all__ = ["TestcaseWriter", "input_id", "sanitize_src"]
 _AFL_ID = re.compile(r"^id:(\d+)")
 _UNSAFE_SRC = re.compile(r"[^A-Za-z0-9._-]")
 _SRC_MAX = 40
+_KEY_BYTES = 16  # of a SHA-256: no two contents of a campaign share them
 # Our temp files are dot files: AFL and our own scan skip them.
 _TMP_PREFIX = ".tcw-tmp-"
 
@@ -39,10 +40,12 @@ def sanitize_src(src: str) -> str:
 class TestcaseWriter:
     """Atomic, content-deduplicated writer of test cases.
 
-    Hashes of every file already in ``out_dir`` are loaded at construction, so a content written
-    before a master restart is not written again. Names never come from a worker: they are
-    ``id:NNNNNN,src:<src>`` (AFL style) or the first 16 hex digits of the content's SHA-256.
-    Single-threaded use (the master loop) is assumed.
+    Names never come from a worker: they are ``id:NNNNNN,src:<src>`` (AFL style) or the first
+    16 hex digits of the content's SHA-256. A plain name says where a content would be, so
+    nothing is held in memory for them. AFL-style names do not: the digests of the files in
+    ``out_dir`` are read when the writer starts (`scan`) and kept, 16 bytes and a name per
+    file, so a content written before a master restart is not written again. Single-threaded
+    use (the master loop) is assumed.
     """
 
     __test__ = False  # the name starts with "Test"; keep pytest from collecting it
@@ -57,7 +60,9 @@ class TestcaseWriter:
         self.out_dir = pathlib.Path(out_dir)
         self.afl_style = afl_style
         self.afl_sync = afl_sync
-        self._paths: dict[str, pathlib.Path] = {}  # content sha256 -> where it is
+        # AFL style: the first 16 bytes of a content's SHA-256 -> the name of its file. (A dict
+        # of hex digest -> Path held 524 bytes per file: 6 GB for a 10-million-file campaign.)
+        self._names: dict[bytes, str] = {}
         self._next_id = 0
         #: (AFL instance, its import counter) when that counter, not our files, set the next id
         self.resumed_from_sync: tuple[str, int] | None = None
@@ -73,10 +78,6 @@ class TestcaseWriter:
                              f"directory; new test cases are written there)")
         if scan:
             self.scan()
-
-    def __len__(self) -> int:
-        """Number of distinct contents in the directory (existing and written)."""
-        return len(self._paths)
 
     def scan(self) -> None:
         if self.out_dir.exists():  # created on the first write: no empty dirs left behind
@@ -98,12 +99,14 @@ class TestcaseWriter:
                 continue
             if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
                 continue
+            if not self.afl_style:
+                continue  # its name says where a content is: nothing to read
             match = _AFL_ID.match(entry.name)
             if match:
                 self._next_id = max(self._next_id, int(match.group(1)) + 1)
             digest = _hash_file(entry.path)
             if digest is not None:
-                self._paths.setdefault(digest, pathlib.Path(entry.path))
+                self._names.setdefault(digest[:_KEY_BYTES], entry.name)
 
     def write(self, content: bytes, src: str) -> pathlib.Path | None:
         """Writes ``content`` once; returns its path, or None if the content is already there."""
@@ -115,21 +118,32 @@ class TestcaseWriter:
         file already holding that content (a master restarted between writing a file and
         committing its result still finds it)."""
         content = bytes(content)
-        digest = hashlib.sha256(content).hexdigest()
-        known = self._paths.get(digest)
-        if known is not None and known.exists():
-            return known, False
+        digest = hashlib.sha256(content).digest()
+        if not self.afl_style:
+            return self._store_plain(content, digest.hex())
+        known = self._names.get(digest[:_KEY_BYTES])
+        if known is not None and (self.out_dir / known).exists():
+            return self.out_dir / known, False
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        target = self._free_name(digest, src)
+        target = self._free_afl_name(src)
         self._write_atomically(target, content)
-        self._paths[digest] = target
+        self._names[digest[:_KEY_BYTES]] = target.name
         return target, True
 
-    def _free_name(self, digest: str, src: str) -> pathlib.Path:
-        if not self.afl_style:
-            target = self.out_dir / digest[:16]
-            # Same 64-bit prefix with different content: astronomically rare, but never clobber.
-            return target if not target.exists() else self.out_dir / digest
+    def _store_plain(self, content: bytes, digest: str) -> tuple[pathlib.Path, bool]:
+        # Same 64-bit prefix with other content: astronomically rare, but never clobbered.
+        for target in (self.out_dir / digest[:16], self.out_dir / digest):
+            try:
+                same = target.stat().st_size == len(content) and target.read_bytes() == content
+            except FileNotFoundError:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                self._write_atomically(target, content)
+                return target, True
+            if same:
+                return target, False
+        raise FileExistsError(f"{target} holds other content than its name says; move it away")
+
+    def _free_afl_name(self, src: str) -> pathlib.Path:
         safe_src = sanitize_src(src)
         while True:
             target = self.out_dir / f"id:{self._next_id:06d},src:{safe_src}"
@@ -187,7 +201,7 @@ def afl_sync_counter(afl_out: pathlib.Path, name: str) -> tuple[str, int] | None
     return best
 
 
-def _hash_file(path: str) -> str | None:
+def _hash_file(path: str) -> bytes | None:
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
@@ -195,7 +209,7 @@ def _hash_file(path: str) -> str | None:
                 h.update(chunk)
     except OSError:
         return None  # vanished or unreadable: it cannot make a new write a duplicate
-    return h.hexdigest()
+    return h.digest()
 
 
 def _create_temp(directory: pathlib.Path) -> tuple[int, str]:

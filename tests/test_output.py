@@ -34,12 +34,33 @@ def test_plain_names_are_the_content_hash(tmp_path):
     assert path.read_bytes() == b"gamma"
 
 
+def test_plain_names_find_a_duplicate_by_name_across_restarts(tmp_path):
+    """Plain names say where a content is: no digest of any file is held or read at start
+    (they cost 524 bytes each, and seconds of hashing at every restart)."""
+    first = TestcaseWriter(tmp_path, afl_style=False)
+    path = first.write(b"delta", "a")
+    again = TestcaseWriter(tmp_path, afl_style=False)
+    assert again.store(b"delta", "b") == (path, False)
+    assert listing(tmp_path) == [path.name]
+
+
+def test_plain_name_taken_by_other_content_is_never_clobbered(tmp_path):
+    digest = hashlib.sha256(b"epsilon").hexdigest()
+    (tmp_path / digest[:16]).write_bytes(b"not epsilon")
+    writer = TestcaseWriter(tmp_path, afl_style=False)
+    assert writer.store(b"epsilon", "a") == (tmp_path / digest, True)
+    assert writer.store(b"epsilon", "a") == (tmp_path / digest, False)
+    assert (tmp_path / digest[:16]).read_bytes() == b"not epsilon"
+    (tmp_path / digest).write_bytes(b"neither")
+    with pytest.raises(FileExistsError, match="other content than its name says"):
+        writer.store(b"epsilon", "a")
+
+
 def test_duplicate_content_is_written_once(tmp_path):
     writer = TestcaseWriter(tmp_path, afl_style=True)
     assert writer.write(b"same", "a") is not None
     assert writer.write(b"same", "b") is None
     assert len(listing(tmp_path)) == 1
-    assert len(writer) == 1
 
 
 def test_dedupe_and_ids_survive_a_new_writer(tmp_path):
