@@ -207,7 +207,7 @@ def _master(cfg: RunConfig, transport) -> int:
                       file=sys.stderr, flush=True)
             # All or nothing: a tasks file is imported in one transaction.
             with store.transaction("import of the initial tasks") as tx:
-                added = enqueue_tasks(tx, [i.as_task() for i in initial])
+                added = enqueue_tasks(tx, (i.as_task() for i in initial))
             if len(added) < len(initial):
                 # A task is its semantic payload: the same payload again (another input_file
                 # with the same path included) is the same task, and is not run twice.

@@ -236,7 +236,7 @@ def test_jsonl_good_file(tmp_path):
             json.dumps({"path": "b", "input_file": str(seed), "schedule_prefix": [1, 2]}),
         ],
     )
-    found = load_tasks_jsonl(tasks)
+    found = list(load_tasks_jsonl(tasks))
     assert [t.payload for t in found] == [
         {"path": "/data/a", "target_branch": 5, "s2f_actions": [[5, "solve"]]},
         {"data": {"n": 3}},
@@ -250,9 +250,10 @@ def test_jsonl_good_file(tmp_path):
             load_tasks_jsonl(write_lines(tmp_path / "empty.jsonl", lines))
 
 
-def test_a_tasks_file_is_encoded_once_per_line_from_parse_to_row(tmp_path, monkeypatch):
-    """The line's check computes the canonical form the import stores: one JSON encoding per
-    line in all (there were four, a fifth of a million-line import), and the same row."""
+def test_a_tasks_file_is_encoded_twice_per_line_from_check_to_row(tmp_path, monkeypatch):
+    """The import's parse computes the canonical form it stores: one JSON encoding per line
+    there (there were four, a fifth of a million-line import), one more in the check that
+    holds nothing (holding the tasks cost 1.5 KB a line), and the same row."""
     from store import semantic
     from store.campaign import Store
     from store.tasks import enqueue_tasks
@@ -265,13 +266,37 @@ def test_a_tasks_file_is_encoded_once_per_line_from_parse_to_row(tmp_path, monke
     store = Store.open(tmp_path / "c.db")
     try:
         with store.transaction() as tx:
-            ids = enqueue_tasks(tx, [i.as_task() for i in found])  # as the runtime does
-        assert len(encoded) == len(lines) == len(ids)
+            ids = enqueue_tasks(tx, (i.as_task() for i in found))  # as the runtime does
+        assert len(encoded) == 2 * len(lines) == 2 * len(ids)
         with store.reading() as conn:
             rows = conn.exec_driver_sql("SELECT semantic_id, payload FROM tasks ORDER BY id")
             assert [tuple(r) for r in rows] == [
                 (semantic.semantic_id(json.loads(line)), real(json.loads(line)))
                 for line in lines]
+    finally:
+        store.close()
+
+
+def test_a_tasks_file_holds_nothing_and_is_checked_again_as_it_is_imported(tmp_path):
+    """The tasks are read from the file as they are imported, not held from the check on: a
+    line made bad in between fails the import's transaction, which then imports nothing."""
+    from store.campaign import Store
+    from store.tasks import enqueue_tasks
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b'{"data": 1}\r{"data": 2}\r\n\n{"data": 3}')  # lines as splitlines() cuts
+    found = load_tasks_jsonl(path)
+    assert len(found) == 3
+    assert [t.origin for t in found] == [f"{path}:1", f"{path}:2", f"{path}:4"]
+    assert [t.payload for t in found] == [{"data": 1}, {"data": 2}, {"data": 3}]  # again
+    path.write_bytes(b'{"data": 1}\n{"data": 2}\n{"data": NaN}\n')
+    store = Store.open(tmp_path / "c.db")
+    try:
+        with pytest.raises(TaskFileError, match=r":3: not valid JSON"), \
+                store.transaction() as tx:
+            enqueue_tasks(tx, (i.as_task() for i in found))
+        with store.reading() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM tasks").scalar() == 0
     finally:
         store.close()
 
