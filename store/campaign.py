@@ -29,7 +29,7 @@ from .engine import DEFAULT_SYNCHRONOUS, open_engine, read_tx, refuse_empty_file
 from .errors import CampaignExistsError, CampaignLockedError, NoCampaignYet, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks
-from .versioning import check_revision, upgrade
+from .versioning import check_revision, current_revision, head_revision, upgrade
 from .workers import forget_incarnation
 
 
@@ -80,7 +80,7 @@ class Store:
         try:
             lock_fd = _lock_campaign(path)
             with engine.connect() as conn:
-                fresh = not inspect(conn).get_table_names()
+                fresh = _no_campaign_yet(conn)
             if fresh:
                 upgrade(path)
             with engine.connect() as conn:
@@ -237,6 +237,18 @@ def _lock_campaign(path: Path, *, record: bool = True) -> int:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     return fd
+
+
+def _no_campaign_yet(conn: Connection) -> bool:
+    """A new file, or one whose schema a start that was stopped left half created (each
+    revision commits on its own): nothing in it to lose, so it is brought to the head here
+    instead of being refused as an older campaign that needs `db upgrade`."""
+    tables = inspect(conn).get_table_names()
+    if not tables:
+        return True
+    if "campaign" not in tables or current_revision(conn) == head_revision():
+        return False  # not ours (refused later, with the reason), or ready
+    return conn.execute(select(func.count()).select_from(campaign)).scalar_one() == 0
 
 
 def _parse_settings(text: str | None) -> dict[str, Any] | None:

@@ -16,8 +16,8 @@ from store.engine import (
     read_pragmas,
 )
 from store.errors import (
-    CampaignExistsError, CampaignLockedError, DatabaseOpenError, StoreWriteError,
-    UnsafeDatabaseError,
+    CampaignExistsError, CampaignLockedError, DatabaseOpenError, SchemaVersionError,
+    StoreWriteError, UnsafeDatabaseError,
 )
 from store.stats import read_stats
 from store.versioning import check_revision, upgrade
@@ -287,6 +287,32 @@ def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
     assert up.returncode == 0, up.stderr
     assert f"upgrading {db_path} from schema 0004 to {versioning.head_revision()}" in up.stderr
     assert f"schema 0004 -> {versioning.head_revision()}" in up.stdout
+
+
+def test_a_schema_a_stopped_start_left_half_created_is_completed_not_refused(db_path):
+    """Each revision commits on its own: a first start stopped while it created the schema
+    left a file at 0004 with no campaign, which every later `run` refused as an older
+    campaign needing `db upgrade`. With no campaign in it there is nothing to lose."""
+    from store import versioning
+    versioning.upgrade(db_path, "0004")
+    store = Store.open(db_path)
+    try:
+        with store.reading() as conn:
+            assert versioning.current_revision(conn) == versioning.head_revision()
+        assert store.incarnation == 1
+    finally:
+        store.close()
+    # An older file with a campaign in it is still left to `db upgrade` (it may be large).
+    from alembic import command
+    engine = open_engine(db_path)
+    with engine.connect() as conn:
+        cfg = versioning.alembic_config()
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0004")
+        conn.commit()
+    engine.dispose()
+    with pytest.raises(SchemaVersionError, match="coordinator db upgrade"):
+        Store.open(db_path, resume=True)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
