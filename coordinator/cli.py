@@ -400,6 +400,12 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
     own = _read_number(exit_status_path(pid_file))
     if own is not None:
         return own  # the master's, not that of whichever rank mpiexec saw end first
+    if ended_by is not None:
+        # The job was ended while the master started (its pid came just after the signal),
+        # and the master did not live to say how it ended.
+        print("coordinator: stopped while the master was starting; run the same command again "
+              "(with --resume if it says the campaign exists)", file=sys.stderr, flush=True)
+        return 128 + ended_by
     return rc if rc >= 0 else 128 - rc
 
 

@@ -711,6 +711,31 @@ def test_ctrl_c_before_the_master_starts_says_so(tmp_path):
     assert not db.exists()
 
 
+def test_ctrl_c_as_the_master_starts_says_so(tmp_path):
+    """The launcher's Ctrl-C found no master yet and ended the job, and the master started
+    just then and was killed with it: the launch ended with mpiexec's status (1) and no word.
+    Here an `mpiexec` that records a master's pid only as it is ended plays that race."""
+    racing = tmp_path / "racing-mpiexec"
+    started = tmp_path / "started"
+    racing.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && exit 0\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --master-pid-file ] && pid_file=$2; shift; done\n'
+        f'trap \'echo $$ > "$pid_file"; exit 1\' TERM\ntouch {started}\n'
+        'while :; do sleep 0.05; done\n')
+    racing.chmod(0o755)
+    db = tmp_path / "c.db"
+    proc = self_launch(db, "--mpiexec", str(racing))
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _, err = ctrl_c(proc, timeout=30)
+    finally:
+        end_launch(proc, db)
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped while the master was starting; run the same command again" in err
+
+
 def test_undecodable_results_are_quarantined_and_the_master_keeps_going(tmp_path):
     db = tmp_path / "c.db"
     done = run(["run", "--db", str(db), "--demo", "60", "--inject", "result_garbage=0.3",
