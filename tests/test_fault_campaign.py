@@ -209,3 +209,21 @@ def test_checker_reports_a_corrupt_file(campaign, tmp_path):
     r = fc.check_campaign(bad, N_TASKS, stats=False)
     assert not r["integrity_ok"]
     assert r["problems"]
+
+
+@pytest.mark.timeout(60)
+def test_a_launcher_that_failed_and_a_fenced_hung_rank_are_not_unusual_exits(tmp_path):
+    """Open MPI's launcher flake (exit 213: nothing ran, the trial goes on) and a hung rank
+    the master ended with SIGUSR2 (mpiexec exits 140) kept trial directories as unusual."""
+    from coordinator.cli import LAUNCHER_FAILED
+    job = fc.run_job(["sh", "-c", 'echo "$0" >&2; exit 213', LAUNCHER_FAILED],
+                     tmp_path / "c.db", tmp_path / "run00", fc.Options(),
+                     fc.KillTrigger(None), 0, False, 1)
+    assert (job.ended_by, job.exit_code) == ("launcher_failed", 213)
+    other = fc.run_job(["sh", "-c", "exit 213"], tmp_path / "c.db", tmp_path / "run01",
+                       fc.Options(), fc.KillTrigger(None), 1, True, 1)
+    assert (other.ended_by, other.exit_code) == ("exit", 213)
+    runs = [{"ended_by": "exit", "exit_code": 140}, {"ended_by": "launcher_failed",
+                                                      "exit_code": 213}]
+    assert fc.unusual_exits({"runs": runs}) == []
+    assert fc.unusual_exits({"runs": [*runs, {"ended_by": "exit", "exit_code": 213}]}) == [213]

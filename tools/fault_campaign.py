@@ -56,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.cli import find_mpiexec, mpiexec_flags  # noqa: E402
+from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
 from store.schema import COUNTED_KIND_SQL, ROLLBACK_EVENTS  # noqa: E402
 
@@ -155,7 +155,7 @@ class JobRun:
     run: int
     resume: bool
     inject_seed: int
-    ended_by: str        # exit | harness_kill | timeout | stall
+    ended_by: str        # exit | harness_kill | timeout | stall | launcher_failed
     exit_code: int | None
     seconds: float
     finished: bool       # the master reported the campaign finished
@@ -368,6 +368,8 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
         kill_everything(proc, db)
         mon.close()
     seconds = time.monotonic() - t0
+    if ended_by == "exit" and LAUNCHER_FAILED in err_path.read_text(errors="replace"):
+        ended_by = "launcher_failed"  # Open MPI's own flake (exit 213): nothing ran; rerun
     finished = FINISHED_MARK in out_path.read_text(errors="replace")
     return JobRun(run, resume, inject_seed, ended_by, proc.returncode, round(seconds, 3),
                   finished, _scalar(db, "SELECT count(*) FROM results"),
@@ -645,8 +647,9 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
 
 
 #: mpiexec exit statuses this harness expects: done, aborted unacknowledged ranks (4), a worker's
-#: injected SIGKILL brought the job down (137).
-EXPECTED_EXITS = (0, 4, 137)
+#: injected SIGKILL brought the job down (137), a hung rank the master ended with SIGUSR2 (140:
+#: mpiexec reports that rank's status, not the master's 4).
+EXPECTED_EXITS = (0, 4, 137, 140)
 
 
 def unusual_exits(t: dict[str, Any]) -> list[int | None]:
@@ -767,8 +770,10 @@ def markdown(report: dict[str, Any]) -> str:
         *[row(f"`{k}`", s) for k, s in report["per_kind"].items()], "",
         "## How jobs ended", "",
         "`exit N`: mpiexec's own exit status (137: a worker's injected SIGKILL took the job "
-        "down; 4: the master aborted ranks that never acknowledged STOP); `harness_kill`, "
-        "`stall` (every worker SIGSTOPped with work left) and `timeout`: killed by this tool.",
+        "down; 4 or 140: the master ended ranks that never acknowledged STOP, 140 being the "
+        "SIGUSR2 status of the hung rank it ended); `harness_kill`, `stall` (every worker "
+        "SIGSTOPped with work left) and `timeout`: killed by this tool; `launcher_failed`: "
+        "Open MPI's launcher did not start (nothing ran; run again).",
         "",
         ", ".join(f"{k}: {v}" for k, v in sorted(report["job_ends"].items())) or "—", "",
         f"Harness kills fired: {report['harness_kills']}; statistics mismatches: "
