@@ -689,24 +689,30 @@ def test_a_self_launched_run_exits_with_the_masters_status(tmp_path):
     assert query(db, "SELECT state FROM tasks") == [("failed",)]
 
 
-def test_ctrl_c_before_the_master_starts_says_so(tmp_path):
-    """A launch stopped before any master ran (here an `mpiexec` that never starts one) used
-    to end with exit 1 and no word; nothing was changed, and the launcher says so."""
-    slow = tmp_path / "slow-mpiexec"
+def ctrl_c_with_fake_mpiexec(tmp_path, body: str) -> tuple[int, str, Path]:
+    """Ctrl-C on a self-launched run whose `mpiexec` is the shell script `body` (which has
+    the launch's arguments in "$@"), once it runs: (exit status, stderr, db)."""
+    fake = tmp_path / "fake-mpiexec"
     started = tmp_path / "started"
-    slow.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\ntouch {started}\n'
-                    f'exec sleep 60\n')
-    slow.chmod(0o755)
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\ntouch {started}\n{body}')
+    fake.chmod(0o755)
     db = tmp_path / "c.db"
-    proc = self_launch(db, "--mpiexec", str(slow))
+    proc = self_launch(db, "--mpiexec", str(fake))
     try:
         deadline = time.monotonic() + 30
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        out, err = ctrl_c(proc, timeout=30)
+        _, err = ctrl_c(proc, timeout=30)
     finally:
         end_launch(proc, db)
-    assert proc.returncode == 130, err[-3000:]
+    return proc.returncode, err, db
+
+
+def test_ctrl_c_before_the_master_starts_says_so(tmp_path):
+    """A launch stopped before any master ran (here an `mpiexec` that never starts one) used
+    to end with exit 1 and no word; nothing was changed, and the launcher says so."""
+    status, err, db = ctrl_c_with_fake_mpiexec(tmp_path, "exec sleep 60\n")
+    assert status == 130, err[-3000:]
     assert "stopped before the master started; nothing was changed" in err
     assert not db.exists()
 
@@ -715,24 +721,11 @@ def test_ctrl_c_as_the_master_starts_says_so(tmp_path):
     """The launcher's Ctrl-C found no master yet and ended the job, and the master started
     just then and was killed with it: the launch ended with mpiexec's status (1) and no word.
     Here an `mpiexec` that records a master's pid only as it is ended plays that race."""
-    racing = tmp_path / "racing-mpiexec"
-    started = tmp_path / "started"
-    racing.write_text(
-        '#!/bin/sh\n[ "$1" = --version ] && exit 0\n'
+    status, err, _ = ctrl_c_with_fake_mpiexec(tmp_path, (
         'while [ $# -gt 0 ]; do [ "$1" = --master-pid-file ] && pid_file=$2; shift; done\n'
-        f'trap \'echo $$ > "$pid_file"; exit 1\' TERM\ntouch {started}\n'
-        'while :; do sleep 0.05; done\n')
-    racing.chmod(0o755)
-    db = tmp_path / "c.db"
-    proc = self_launch(db, "--mpiexec", str(racing))
-    try:
-        deadline = time.monotonic() + 30
-        while not started.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        _, err = ctrl_c(proc, timeout=30)
-    finally:
-        end_launch(proc, db)
-    assert proc.returncode == 130, err[-3000:]
+        'trap \'echo $$ > "$pid_file"; exit 1\' TERM\n'
+        'while :; do sleep 0.05; done\n'))
+    assert status == 130, err[-3000:]
     assert "stopped while the master was starting; run the same command again" in err
 
 
