@@ -79,11 +79,13 @@ class Store:
         lock_fd = None
         try:
             lock_fd = _lock_campaign(path)
-            with engine.connect() as conn:
+            # Reads in a plain BEGIN: a write lock held elsewhere (a `sqlite3` shell) is waited
+            # for by the incarnation's write below, which says so, not by a read.
+            with engine.connect() as conn, read_tx(conn):
                 fresh = _no_campaign_yet(conn)
             if fresh:
                 upgrade(path)
-            with engine.connect() as conn:
+            with engine.connect() as conn, read_tx(conn):
                 check_revision(conn, path)
             now = clock()
             report = ResumeReport()

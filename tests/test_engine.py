@@ -108,6 +108,23 @@ def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, mon
     assert main(["requeue", "--db", str(db_path)]) == 0
 
 
+def test_a_master_starting_under_another_process_s_write_lock_says_why(db_path, monkeypatch):
+    """Store.open read the schema in BEGIN IMMEDIATE: past the busy timeout a raw driver
+    error escaped, which the start took for an internal error (exit 5, a traceback)."""
+    import store.engine
+    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    Store.open(db_path).close()
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreWriteError, match="write lock too long"):
+            Store.open(db_path, resume=True)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    Store.open(db_path, resume=True).close()
+
+
 def test_read_only_file_is_refused_with_a_clear_error(tmp_path):
     """SQLite cannot switch a read-only file to WAL. As root, file modes do not stop us, so
     the file is made immutable (ext4 `chattr +i`), which binds root too."""
