@@ -592,7 +592,7 @@ def _requeue(ns: argparse.Namespace) -> int:
     if left:
         wanted = {"all": "failed or deferred", "error": "done with a result that is not ok"}
         print(f"coordinator: not requeued (no such task, or not "
-              f"{wanted.get(ns.state, ns.state)}): {', '.join(map(str, left))}", file=sys.stderr)
+              f"{wanted.get(ns.state, ns.state)}): {id_list(left)}", file=sys.stderr)
     return 0
 
 
@@ -610,7 +610,8 @@ def id_list(ids: list[int], whole_up_to: int = 50, runs_shown: int = 20) -> str:
             runs.append([i, i])
     shown = [f"{a}-{b}" if a != b else str(a) for a, b in runs[:runs_shown]]
     more = len(runs) - runs_shown
-    return ", ".join(shown) + (f", … and {more} more runs of ids" if more > 0 else "")
+    # ASCII: a console whose encoding cannot show "…" failed the command after its commits.
+    return ", ".join(shown) + (f", ... and {more} more runs of ids" if more > 0 else "")
 
 
 def _db_upgrade(db: Path) -> int:

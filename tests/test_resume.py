@@ -281,7 +281,7 @@ def test_cli_requeue_of_many_tasks_prints_runs_of_ids_not_every_id(db_path, caps
     assert capsys.readouterr().out == f"requeued 60 task(s): {ids[0]}-{ids[-1]}\n"
     assert id_list([1, 2, 3]) == "1, 2, 3"
     assert id_list([*range(1, 100, 2), 200, 201, 202], whole_up_to=3, runs_shown=3) == \
-        "1, 3, 5, … and 48 more runs of ids"
+        "1, 3, 5, ... and 48 more runs of ids"
     assert id_list([59, *range(1, 59)], runs_shown=3) == "1-59"
 
 
