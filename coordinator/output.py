@@ -139,9 +139,12 @@ class TestcaseWriter:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 self._write_atomically(target, content)
                 return target, True
+            except OSError:
+                continue  # a directory, or a file that cannot be read: not this content
             if same:
                 return target, False
-        raise FileExistsError(f"{target} holds other content than its name says; move it away")
+        raise FileExistsError(f"{self.out_dir / digest[:16]} and {target} hold other content "
+                              f"than their names say, or cannot be read; move them away")
 
     def _free_afl_name(self, src: str) -> pathlib.Path:
         safe_src = sanitize_src(src)

@@ -52,8 +52,12 @@ def test_plain_name_taken_by_other_content_is_never_clobbered(tmp_path):
     assert writer.store(b"epsilon", "a") == (tmp_path / digest, False)
     assert (tmp_path / digest[:16]).read_bytes() == b"not epsilon"
     (tmp_path / digest).write_bytes(b"neither")
-    with pytest.raises(FileExistsError, match="other content than its name says"):
+    with pytest.raises(FileExistsError, match="other content than their names say"):
         writer.store(b"epsilon", "a")
+    # Something that cannot be read at a name is not the content either.
+    zeta = hashlib.sha256(b"zeta").hexdigest()
+    (tmp_path / zeta[:16]).mkdir()
+    assert writer.store(b"zeta", "a") == (tmp_path / zeta, True)
 
 
 def test_duplicate_content_is_written_once(tmp_path):
