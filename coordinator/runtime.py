@@ -224,16 +224,18 @@ def _master(cfg: RunConfig, transport) -> int:
         refused = isinstance(e, (StoreError, TaskFileError, ValueError, OSError))
         if refused:
             print(f"coordinator: {e}", file=sys.stderr, flush=True)
+            # Once the store is open the campaign row exists: a plain start would be refused,
+            # and a resume adds only the tasks it is given (no default demo tasks).
+            source = (f" --tasks {cfg.tasks_file}" if cfg.tasks_file is not None else
+                      f" --demo {cfg.demo}" if cfg.demo is not None else "")
+            again = (f" with --resume{source} (tasks already imported are not added twice)"
+                     if store is not None else "")
             if isinstance(e, StoreWriteError):
-                # The campaign row exists by then: a plain start would be refused, and a
-                # resume adds only the tasks it is given (no default demo tasks).
-                source = (f" --tasks {cfg.tasks_file}" if cfg.tasks_file is not None else
-                          f" --demo {cfg.demo}" if cfg.demo is not None else "")
                 print("coordinator: stopped before the run; nothing is lost — fix the storage "
-                      "and start it again" + (f" with --resume{source} (tasks already "
-                                              f"imported are not added twice)"
-                                              if store is not None else ""),
-                      file=sys.stderr, flush=True)
+                      "and start it again" + again, file=sys.stderr, flush=True)
+            elif store is not None:
+                print(f"coordinator: stopped before the run; the campaign is in {cfg.db}: "
+                      f"once fixed, start it again{again}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
             print("coordinator: internal error before the run started", file=sys.stderr,

@@ -321,12 +321,14 @@ def load_tasks_jsonl(path: os.PathLike[str] | str) -> TasksFile:
 class TasksFile:
     """A checked tasks file, read line by line each time it is iterated: holding every task
     of it cost ~1.5 KB a line (773 MiB for 500,000 lines) before the first was imported.
-    Iterating checks each line again (the file may have been edited meanwhile): a bad line
-    raises `TaskFileError` there too, inside the import's transaction, which then imports
-    nothing."""
+    A file changed since its check (a generator still writing it, an edit) is refused when it
+    is read again: its lines are not the ones checked and counted. Iterating checks each line
+    again all the same: a bad line raises `TaskFileError` inside the import's transaction,
+    which then imports nothing."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
+        self._checked: tuple[int, ...] | None = None  # the file as it was checked
         self._count = sum(1 for _ in self._read(check_only=True))
 
     def __len__(self) -> int:
@@ -342,6 +344,13 @@ class TasksFile:
             raise ValueError(f"cannot read tasks file {os.fspath(self.path)!r}: "
                              f"{exc.strerror or exc}") from None
         with f:
+            st = os.fstat(f.fileno())
+            seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if check_only:
+                self._checked = seen
+            elif seen != self._checked:
+                raise ValueError(f"tasks file {os.fspath(self.path)!r} changed after it was "
+                                 f"checked; nothing of it was imported")
             # Lines as bytes.splitlines() cuts them (\n, \r\n and a lone \r), numbered so.
             lines = (line for physical in f for line in physical.splitlines())
             for lineno, raw in enumerate(lines, start=1):
