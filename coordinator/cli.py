@@ -406,7 +406,15 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
         print("coordinator: stopped while the master was starting; run the same command again "
               "(with --resume if it says the campaign exists)", file=sys.stderr, flush=True)
         return 128 + ended_by
-    return rc if rc >= 0 else 128 - rc
+    code = rc if rc >= 0 else 128 - rc
+    master = _recorded_pid(pid_file)
+    if master:
+        # It started and gave no status: killed (the OOM killer, a kill -9). Under ULFM
+        # mpiexec may still exit 0, which would read as "finished".
+        print(f"coordinator: the master (pid {master}) ended without a status (killed?); the "
+              f"campaign is saved: continue it with --resume", file=sys.stderr, flush=True)
+        return code or 1
+    return code
 
 
 #: The status of a self-launched job ended because no master started in time.

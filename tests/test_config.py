@@ -287,10 +287,11 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     hang = tmp_path / "hanging-mpiexec"
     version = '[ "$1" = --version ] && { echo "stand-in"; exit 0; }\n'
     hang.write_text("#!/bin/sh\n" + version + "sleep 600 &\nwait\n")
-    starts = tmp_path / "starting-mpiexec"  # writes the master's pid, then runs for 3 s
+    # Writes the master's pid, runs for 3 s, and records the master's exit status (0).
+    starts = tmp_path / "starting-mpiexec"
     starts.write_text("#!/bin/sh\n" + version + "while [ $# -gt 0 ]; do\n"
-                      "  if [ \"$1\" = --master-pid-file ]; then echo $$ > \"$2\"; fi; shift\n"
-                      "done\nsleep 3\n")
+                      "  if [ \"$1\" = --master-pid-file ]; then echo $$ > \"$2\"; f=$2; fi; shift\n"
+                      "done\nsleep 3\necho 0 > \"$f.exit\"\n")
     for script in (hang, starts):
         script.chmod(0o755)
 
@@ -309,3 +310,8 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     started, _ = launch(starts)
     assert started.returncode == 0, started.stderr
     assert "no master had started" not in started.stderr
+    # A master that started and gave no status was killed, whatever mpiexec says (0 here).
+    starts.write_text(starts.read_text().replace('echo 0 > "$f.exit"', ""))
+    killed, _ = launch(starts)
+    assert killed.returncode == 1, killed.stderr
+    assert "ended without a status (killed?)" in killed.stderr

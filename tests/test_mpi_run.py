@@ -689,6 +689,21 @@ def test_a_self_launched_run_exits_with_the_masters_status(tmp_path):
     assert query(db, "SELECT state FROM tasks") == [("failed",)]
 
 
+@pytest.mark.timeout(200)
+def test_a_self_launched_run_whose_master_is_killed_does_not_exit_0(tmp_path):
+    """Under ULFM mpiexec exits 0 when the master is SIGKILLed (the OOM killer, say) while
+    it imports: the launcher passed that on, and a script read the run as finished."""
+    db = tmp_path / "c.db"
+    proc = self_launch(db, "--demo", "300000")
+    try:
+        os.kill(master_pid(db, timeout=120), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        end_launch(proc, db)
+    assert proc.returncode != 0, err[-3000:]
+    assert "ended without a status (killed?); the campaign is saved" in err, err[-3000:]
+
+
 def ctrl_c_with_fake_mpiexec(tmp_path, body: str) -> tuple[int, str, Path]:
     """Ctrl-C on a self-launched run whose `mpiexec` is the shell script `body` (which has
     the launch's arguments in "$@"), once it runs: (exit status, stderr, db)."""
