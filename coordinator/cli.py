@@ -407,12 +407,14 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
               "(with --resume if it says the campaign exists)", file=sys.stderr, flush=True)
         return 128 + ended_by
     code = rc if rc >= 0 else 128 - rc
-    master = _recorded_pid(pid_file)
-    if master:
-        # It started and gave no status: killed (the OOM killer, a kill -9). Under ULFM
-        # mpiexec may still exit 0, which would read as "finished".
-        print(f"coordinator: the master (pid {master}) ended without a status (killed?); the "
-              f"campaign is saved: continue it with --resume", file=sys.stderr, flush=True)
+    if _recorded_pid(pid_file):
+        # The master started and gave no status: it was killed (the OOM killer, a kill -9),
+        # or without ULFM another rank's death took the job down. Under ULFM mpiexec may
+        # still exit 0, which would read as "finished".
+        print("coordinator: the job ended before the master recorded its status (the master "
+              "or another rank was killed: see the output above); the campaign is saved: run "
+              "the same command again with --resume (tasks already imported are not added "
+              "twice)", file=sys.stderr, flush=True)
         return code or 1
     return code
 

@@ -7,7 +7,6 @@ ends every rank with the same clear exit status instead of leaving workers waiti
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -405,8 +404,11 @@ def exit_status_path(pid_file: Path) -> Path:
 
 def _record_exit(cfg: RunConfig, status: int) -> int:
     if cfg.master_pid_file is not None:
-        with contextlib.suppress(OSError):  # then the launcher reports mpiexec's status
+        try:
             replace_text(exit_status_path(cfg.master_pid_file), f"{status}\n")
+        except OSError as e:  # the launcher will say the master gave no status: say why
+            print(f"coordinator: cannot record the exit status {status} for the launcher "
+                  f"({e})", file=sys.stderr, flush=True)
     return status
 
 

@@ -314,4 +314,4 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     starts.write_text(starts.read_text().replace('echo 0 > "$f.exit"', ""))
     killed, _ = launch(starts)
     assert killed.returncode == 1, killed.stderr
-    assert "ended without a status (killed?)" in killed.stderr
+    assert "ended before the master recorded its status" in killed.stderr

@@ -701,7 +701,8 @@ def test_a_self_launched_run_whose_master_is_killed_does_not_exit_0(tmp_path):
     finally:
         end_launch(proc, db)
     assert proc.returncode != 0, err[-3000:]
-    assert "ended without a status (killed?); the campaign is saved" in err, err[-3000:]
+    assert "ended before the master recorded its status" in err, err[-3000:]
+    assert "run the same command again with --resume" in err
 
 
 def ctrl_c_with_fake_mpiexec(tmp_path, body: str) -> tuple[int, str, Path]:
