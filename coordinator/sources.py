@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from store.semantic import PayloadError, canonical_form
 from store.tasks import NewTask
@@ -337,6 +337,11 @@ class TasksFile:
     def __iter__(self) -> Iterator[NewInput]:
         return (task for task in self._read(check_only=False) if task is not None)
 
+    @staticmethod
+    def _identity(f: IO[bytes]) -> tuple[int, ...]:
+        st = os.fstat(f.fileno())
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
     def _read(self, check_only: bool) -> Iterator[NewInput | None]:
         try:
             f = open(self.path, "rb")  # noqa: SIM115 (closed by the generator's `with`)
@@ -344,8 +349,7 @@ class TasksFile:
             raise ValueError(f"cannot read tasks file {os.fspath(self.path)!r}: "
                              f"{exc.strerror or exc}") from None
         with f:
-            st = os.fstat(f.fileno())
-            seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            seen = self._identity(f)
             if check_only:
                 self._checked = seen
             elif seen != self._checked:
@@ -357,6 +361,10 @@ class TasksFile:
                 task = _parse_line(self.path, lineno, raw, read_input=not check_only)
                 if task is not None:
                     yield task
+            if not check_only and self._identity(f) != self._checked:
+                # Written to while it was imported: the import's one transaction is undone.
+                raise ValueError(f"tasks file {os.fspath(self.path)!r} changed while it was "
+                                 f"imported; nothing of it was imported")
 
 
 # --------------------------------------------------------------------------------------------

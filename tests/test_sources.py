@@ -299,6 +299,20 @@ def test_a_tasks_file_holds_nothing_and_is_refused_if_changed_before_the_import(
             enqueue_tasks(tx, (i.as_task() for i in found))
         with store.reading() as conn:
             assert conn.exec_driver_sql("SELECT count(*) FROM tasks").scalar() == 0
+        # Written to while it is imported: refused at its end, inside the transaction.
+        path.write_bytes(b'{"data": 1}\n{"data": 2}\n')
+        found = load_tasks_jsonl(path)
+        with pytest.raises(ValueError, match=r"changed while it was imported"), \
+                store.transaction() as tx:
+            def appending():
+                for i, task in enumerate(found):
+                    if i == 0:
+                        with path.open("ab") as f:
+                            f.write(b'\n{"data": 5}\n{"data": 6}\n')
+                    yield task.as_task()
+            enqueue_tasks(tx, appending())
+        with store.reading() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM tasks").scalar() == 0
     finally:
         store.close()
 
