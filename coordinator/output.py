@@ -12,6 +12,7 @@ import os
 import pathlib
 import re
 import secrets
+import stat
 import sys
 
 __all__ = ["TestcaseWriter", "input_id", "sanitize_src"]
@@ -134,13 +135,16 @@ class TestcaseWriter:
         # Same 64-bit prefix with other content: astronomically rare, but never clobbered.
         for target in (self.out_dir / digest[:16], self.out_dir / digest):
             try:
-                same = target.stat().st_size == len(content) and target.read_bytes() == content
+                st = target.stat()
+                # Not a regular file (a directory, a FIFO whose read would block): not it.
+                same = (stat.S_ISREG(st.st_mode) and st.st_size == len(content)
+                        and target.read_bytes() == content)
             except FileNotFoundError:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
                 self._write_atomically(target, content)
                 return target, True
             except OSError:
-                continue  # a directory, or a file that cannot be read: not this content
+                continue  # a file that cannot be read: not this content either
             if same:
                 return target, False
         raise FileExistsError(f"{self.out_dir / digest[:16]} and {target} hold other content "

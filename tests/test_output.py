@@ -44,6 +44,7 @@ def test_plain_names_find_a_duplicate_by_name_across_restarts(tmp_path):
     assert listing(tmp_path) == [path.name]
 
 
+@pytest.mark.timeout(30)
 def test_plain_name_taken_by_other_content_is_never_clobbered(tmp_path):
     digest = hashlib.sha256(b"epsilon").hexdigest()
     (tmp_path / digest[:16]).write_bytes(b"not epsilon")
@@ -54,10 +55,14 @@ def test_plain_name_taken_by_other_content_is_never_clobbered(tmp_path):
     (tmp_path / digest).write_bytes(b"neither")
     with pytest.raises(FileExistsError, match="other content than their names say"):
         writer.store(b"epsilon", "a")
-    # Something that cannot be read at a name is not the content either.
+    # Something at a name that is not a regular file is not the content either (reading a
+    # FIFO there would block the master; a directory raised and stopped the run).
     zeta = hashlib.sha256(b"zeta").hexdigest()
     (tmp_path / zeta[:16]).mkdir()
     assert writer.store(b"zeta", "a") == (tmp_path / zeta, True)
+    empty = hashlib.sha256(b"").hexdigest()
+    os.mkfifo(tmp_path / empty[:16])
+    assert writer.store(b"", "a") == (tmp_path / empty, True)
 
 
 def test_duplicate_content_is_written_once(tmp_path):
