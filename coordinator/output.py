@@ -125,7 +125,6 @@ class TestcaseWriter:
         known = self._names.get(digest[:_KEY_BYTES])
         if known is not None and (self.out_dir / known).exists():
             return self.out_dir / known, False
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         target = self._free_afl_name(src)
         self._write_atomically(target, content)
         self._names[digest[:_KEY_BYTES]] = target.name
@@ -140,7 +139,6 @@ class TestcaseWriter:
                 same = (stat.S_ISREG(st.st_mode) and st.st_size == len(content)
                         and target.read_bytes() == content)
             except FileNotFoundError:
-                self.out_dir.mkdir(parents=True, exist_ok=True)
                 self._write_atomically(target, content)
                 return target, True
             except OSError:
@@ -159,6 +157,7 @@ class TestcaseWriter:
                 return target
 
     def _write_atomically(self, target: pathlib.Path, content: bytes) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)  # created on the first write
         fd, tmp = _create_temp(self.out_dir)
         try:
             with os.fdopen(fd, "wb") as f:

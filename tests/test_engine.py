@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sqlite3
@@ -16,8 +17,8 @@ from store.engine import (
     read_pragmas,
 )
 from store.errors import (
-    CampaignExistsError, CampaignLockedError, DatabaseOpenError, SchemaVersionError,
-    StoreWriteError, UnsafeDatabaseError,
+    CampaignExistsError, CampaignLockedError, DatabaseOpenError, StoreWriteError,
+    UnsafeDatabaseError,
 )
 from store.stats import read_stats
 from store.versioning import check_revision, upgrade
@@ -66,23 +67,31 @@ def test_writes_begin_immediate(db_path):
     engine.dispose()
 
 
+@contextlib.contextmanager
+def write_lock_held_elsewhere(db_path, monkeypatch):
+    """Another process's write transaction (a `sqlite3` shell's BEGIN IMMEDIATE) on the file
+    while the block runs, with a busy timeout of 0.1 s for our side."""
+    import store.engine
+    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
 def test_reads_do_not_wait_for_another_writer(db_path, monkeypatch):
     """`reading()` used to BEGIN IMMEDIATE like a write: while `coordinator requeue` (or a
     `sqlite3` shell) held the write lock, the master's progress and stats reads waited for it,
     and failed as "database is locked" past the busy timeout. Writes still wait."""
-    import store.engine
-    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
     store = Store.open(db_path)
-    other = sqlite3.connect(db_path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")
-    try:
+    with write_lock_held_elsewhere(db_path, monkeypatch):
         with store.reading() as conn:
             assert read_stats(conn).incarnation == 1
         with pytest.raises(StoreWriteError, match="locked"), store.transaction("a write"):
             pass
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
     with store.transaction("a write"):  # the flag did not stay behind
         pass
     store.close()
@@ -92,17 +101,10 @@ def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, mon
                                                                    capsys):
     """`coordinator requeue` read the schema revision in a write transaction: past the busy
     timeout it ended in a driver traceback (exit 1), not with the cause (exit 3)."""
-    import store.engine
     from coordinator.cli import main
-    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
     Store.open(db_path).close()
-    other = sqlite3.connect(db_path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")
-    try:
+    with write_lock_held_elsewhere(db_path, monkeypatch):
         assert main(["requeue", "--db", str(db_path)]) == 3
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
     err = capsys.readouterr().err
     assert "database is locked (another process held the campaign's write lock" in err, err
     assert main(["requeue", "--db", str(db_path)]) == 0
@@ -111,17 +113,10 @@ def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, mon
 def test_a_master_starting_under_another_process_s_write_lock_says_why(db_path, monkeypatch):
     """Store.open read the schema in BEGIN IMMEDIATE: past the busy timeout a raw driver
     error escaped, which the start took for an internal error (exit 5, a traceback)."""
-    import store.engine
-    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
     Store.open(db_path).close()
-    other = sqlite3.connect(db_path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")
-    try:
-        with pytest.raises(StoreWriteError, match="write lock too long"):
-            Store.open(db_path, resume=True)
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
+    with write_lock_held_elsewhere(db_path, monkeypatch), \
+            pytest.raises(StoreWriteError, match="write lock too long"):
+        Store.open(db_path, resume=True)
     Store.open(db_path, resume=True).close()
 
 
@@ -304,32 +299,6 @@ def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
     assert up.returncode == 0, up.stderr
     assert f"upgrading {db_path} from schema 0004 to {versioning.head_revision()}" in up.stderr
     assert f"schema 0004 -> {versioning.head_revision()}" in up.stdout
-
-
-def test_a_schema_a_stopped_start_left_half_created_is_completed_not_refused(db_path):
-    """Each revision commits on its own: a first start stopped while it created the schema
-    left a file at 0004 with no campaign, which every later `run` refused as an older
-    campaign needing `db upgrade`. With no campaign in it there is nothing to lose."""
-    from store import versioning
-    versioning.upgrade(db_path, "0004")
-    store = Store.open(db_path)
-    try:
-        with store.reading() as conn:
-            assert versioning.current_revision(conn) == versioning.head_revision()
-        assert store.incarnation == 1
-    finally:
-        store.close()
-    # An older file with a campaign in it is still left to `db upgrade` (it may be large).
-    from alembic import command
-    engine = open_engine(db_path)
-    with engine.connect() as conn:
-        cfg = versioning.alembic_config()
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0004")
-        conn.commit()
-    engine.dispose()
-    with pytest.raises(SchemaVersionError, match="coordinator db upgrade"):
-        Store.open(db_path, resume=True)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
