@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
@@ -121,7 +121,8 @@ class _TailReader(threading.Thread):
         return bytes(self._buf[-self._keep :]).decode("utf-8", errors="replace")
 
 
-def _kill_group(pgid: int) -> None:
+def kill_command(pgid: int) -> None:
+    """SIGKILL a command's whole process group (its id is the command's)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -153,7 +154,40 @@ def kill_running_commands() -> None:
     """Kill every command this process runs, whole groups. A target runs in a session of its
     own, so nothing else ends it when its worker goes: it would outlive the job."""
     for pgid in list(_commands.groups):
-        _kill_group(pgid)
+        kill_command(pgid)
+
+
+def commands_run_by(parents: Collection[int]) -> list[int]:
+    """The commands that the given processes on this host run now: their children that lead
+    a session of their own (the command executor starts each command so), found in /proc;
+    [] where there is none. Each one's id is also its process group's.
+
+    For the master, which must end them itself when it ends their workers: a worker's own
+    teardown handler runs only once the worker is scheduled again, and a launcher that sees
+    another rank end first may SIGKILL it before then (MPICH's does, at once), leaving its
+    command running for as long as the command lasts."""
+    parents = set(parents)
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) < 4:
+            continue
+        pid, ppid, session = int(entry), int(fields[1]), int(fields[3])
+        if ppid in parents and session == pid:
+            found.append(pid)
+    return sorted(found)
 
 
 def teardown_when_safe(teardown: Callable[[], None]) -> None:
@@ -379,7 +413,7 @@ class CommandExecutor:
         tail.start()
         timed_out = not self._wait(proc)
         # Also reaps anything the target left running in its group after a normal exit.
-        _kill_group(proc.pid)
+        kill_command(proc.pid)
         _commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
         returncode = proc.wait()
         # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.

@@ -32,6 +32,7 @@ from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, ranks_in_state, set_workers, where_they_run
 
+from .executors import commands_run_by, kill_command
 from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter, input_id, replace_text
 from .progress import Progress
@@ -531,10 +532,10 @@ class Master:
 
     def fence(self, ranks: list[int], term_wait_s: float = 1.0) -> list[int]:
         """End the given ranks' processes if they run on this host (pid from READY); the only
-        way to end a rank that is hung (stopped) and so never answers MPI. TEARDOWN_SIGNAL
-        (with SIGCONT, for a stopped one) first, so a worker still running a command kills
-        that command's process group on its way out; SIGKILL after `term_wait_s` for the
-        rest."""
+        way to end a rank that is hung (stopped) and so never answers MPI. The commands they
+        run are killed first, each with its process group; then TEARDOWN_SIGNAL (with
+        SIGCONT, for a stopped rank), on which a worker also kills any command it was just
+        starting; SIGKILL after `term_wait_s` for the rest."""
         if not ranks:
             return []
         here = socket.gethostname()
@@ -548,6 +549,9 @@ class Master:
             host, pid = where.get(rank, (None, None))
             if host == here and pid and pid != os.getpid():
                 pids[rank] = pid
+        # Their commands first, by the master itself: see `commands_run_by`.
+        for command in commands_run_by(pids.values()):
+            kill_command(command)
         for sig in (TEARDOWN_SIGNAL, signal.SIGCONT):
             for pid in pids.values():
                 with contextlib.suppress(ProcessLookupError):

@@ -3,13 +3,22 @@ loop itself decides, like when a round that lingers for more answers must end an
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
 import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
 from collections import deque
 
 import msgspec
 import pytest
 from sqlalchemy import func, select
 
+from coordinator.executors import commands_run_by
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import Received
@@ -19,6 +28,9 @@ from coordinator.wire import (
 from store.campaign import Store
 from store.schema import results, tasks
 from store.tasks import NewTask, enqueue_tasks
+from store.workers import accept_versions
+
+from processes import running
 
 
 def _ready(rank: int, token: str) -> Received:
@@ -369,3 +381,54 @@ def test_progress_refreshes_less_often_when_its_read_is_slow():
     p.took(101.0, 0.25)
     assert not p.due(101.0 + Progress.LOAD_FACTOR * 0.25 - 0.01)
     assert p.due(101.0 + Progress.LOAD_FACTOR * 0.25)
+
+
+# A worker whose teardown handler never runs (as when the launcher SIGKILLs it first), running
+# a command in a session of its own, which has a child of its own. It prints the command's pid,
+# the command's child's, and that of a plain child of its own, which is no command.
+UNHANDLED_TEARDOWN_WORKER = textwrap.dedent("""\
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    command = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         f"c = subprocess.Popen({sleep!r}); print(c.pid, flush=True); time.sleep(600)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen(sleep)
+    print(command.pid, command.stdout.readline().strip(), plain.pid, flush=True)
+    time.sleep(600)
+    """)
+
+
+@pytest.mark.timeout(60)
+def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_teardown(
+        tmp_path):
+    """A worker's teardown handler kills its command; under load MPICH's launcher SIGKILLs
+    the other ranks as soon as one of them leaves, before they ran theirs, and their commands
+    ran on after the job (one CI run in a few). The master kills the commands itself."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
+    worker = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
+                              stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in worker.stdout.readline().split()]
+        command, its_child, plain_child = pids
+        assert commands_run_by([worker.pid]) == [command]
+        with store.transaction("test") as tx:
+            accept_versions(tx, 1, 0, "", host=socket.gethostname(), pid=worker.pid)
+        master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
+        assert master.fence([1], term_wait_s=0.2) == [1]
+        assert worker.wait(timeout=10) == -signal.SIGKILL  # it ignored the teardown signal
+        deadline = time.monotonic() + 10
+        while (running(command) or running(its_child)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(command) and not running(its_child)
+        # Only the command's group: the worker's other children are the launcher's business.
+        assert running(plain_child)
+    finally:
+        store.close()
+        worker.kill()
+        worker.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

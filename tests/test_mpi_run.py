@@ -31,6 +31,7 @@ from mpi_jobs import (
     status_json,
     wait_for,
 )
+from processes import running
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -375,14 +376,6 @@ LONG_TARGET = textwrap.dedent("""\
     """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"  # a zombie is gone for our purposes
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("ulfm", [True, False], ids=["ulfm", "no-ulfm"])
 def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
     """Ranks still running their command when the stop's wait runs out are ended by the
@@ -408,18 +401,18 @@ def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
         while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         started = [int(p) for f in pids.iterdir() for p in f.name.split("-")]
-        assert len(started) == 6 and all(map(_alive, started))
+        assert len(started) == 6 and all(map(running, started))
         os.kill(pid, signal.SIGTERM)
         done = finish(proc, timeout=90)
         assert "did not acknowledge STOP" in done.stderr, done.stderr[-3000:]
         deadline = time.monotonic() + 10  # SIGKILLed by now; /proc may take a moment
-        while any(map(_alive, started)) and time.monotonic() < deadline:
+        while any(map(running, started)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [p for p in started if _alive(p)] == []
+        assert [p for p in started if running(p)] == []
     finally:
         kill_job(proc)
         for p in [int(p) for f in pids.iterdir() for p in f.name.split("-")]:
-            if _alive(p):  # never left behind on the machine running the tests
+            if running(p):  # never left behind on the machine running the tests
                 os.kill(p, signal.SIGKILL)
     check_conservation(db, expected_tasks=3)
     assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("queued", 3)]
