@@ -60,19 +60,36 @@ class Done:
 
 def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | None = None,
           env: dict[str, str] | None = None, command: list[str] | None = None,
-          ) -> subprocess.Popen:
+          ) -> Job:
     """`command`: a whole launch line of its own (`split_job_command`) instead of `args`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(command or job_command(args, np, ulfm), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
-    _started.append(proc)
-    return proc
+    job = Job(command or job_command(args, np, ulfm), stdout=subprocess.PIPE,
+              stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
+    _started.append(job)
+    return job
+
+
+class Job:
+    """A started job, with `subprocess.Popen`'s interface. Open MPI's launcher sometimes
+    fails before any rank ran (LAUNCHER_FAILED); `master_pid`, which a test of a started job
+    waits on first, then launches it once more, and the test goes on with the new job."""
+
+    def __init__(self, argv: list[str], **popen_kw) -> None:
+        self._argv, self._popen_kw = argv, popen_kw
+        self.proc = subprocess.Popen(argv, **popen_kw)
+        self.relaunched = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.proc, name)
+
+    def relaunch(self) -> None:
+        self.relaunched += 1
+        self.proc = subprocess.Popen(self._argv, **self._popen_kw)
 
 
 #: Every job started by the current test: a job runs in its own session, so a test that
 #: fails (or hits its pytest-timeout) before `finish` would otherwise leave it running.
-_started: list[subprocess.Popen] = []
+_started: list[Job] = []
 
 
 def kill_leftover_jobs() -> None:
@@ -87,7 +104,7 @@ def kill_leftover_jobs() -> None:
                 pass
 
 
-def finish(proc: subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
+def finish(proc: Job | subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -105,7 +122,7 @@ def run(args: list[str], np: int = 4, timeout: float = JOB_TIMEOUT_S, **kw) -> D
     return done
 
 
-def kill_job(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+def kill_job(proc: Job | subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """The whole job: mpiexec's process group, and any rank that left it."""
     try:
         os.killpg(proc.pid, sig)
@@ -158,8 +175,10 @@ def master_pid(db: Path, timeout: float = 60) -> int:
                 return int(row[0].split("pid=")[1].split()[0])
         except sqlite3.Error:
             pass
+        _unless_the_job_ended(f"no master pid recorded in {db}")
         time.sleep(0.05)
-    raise AssertionError(f"no master pid recorded in {db}")
+    _unless_the_job_ended(f"no master pid recorded in {db} in {timeout} s", end_it=True)
+    raise AssertionError("not reached")
 
 
 def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
@@ -175,7 +194,32 @@ def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
         except sqlite3.Error:
             pass
         time.sleep(0.05)
-    raise AssertionError(f"{sql!r} never satisfied the condition (last value {value!r})")
+    _unless_the_job_ended(f"{sql!r} never satisfied the condition (last value {value!r})",
+                          end_it=True)
+    raise AssertionError("not reached")
+
+
+def _unless_the_job_ended(what: str, end_it: bool = False) -> None:
+    """Fail with `what` and the output of the test's latest job if that job has ended (or,
+    with `end_it`, once it is ended): what a test waiting on its database cannot see."""
+    proc = _started[-1] if _started else None
+    if proc is None:
+        if end_it:
+            raise AssertionError(what)
+        return
+    if proc.poll() is None:
+        if not end_it:
+            return
+        kill_job(proc)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except (subprocess.TimeoutExpired, ValueError):  # ValueError: its output already read
+        out = err = "(not available)"
+    if not end_it and LAUNCHER_FAILED in (err or "") and proc.relaunched < 2:
+        proc.relaunch()  # nothing ran
+        return
+    raise AssertionError(f"{what}; the job ended with status {proc.returncode}\n--- stdout\n"
+                         f"{(out or '')[-2000:]}\n--- stderr\n{(err or '')[-4000:]}")
 
 
 def query(db: Path, sql: str) -> list[tuple]:
