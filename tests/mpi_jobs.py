@@ -131,20 +131,23 @@ def kill_job(proc: Job | subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 def ranks_of(db: Path) -> list[int]:
-    """PIDs of coordinator processes started for the campaign at `db` (scanning /proc)."""
-    pids = []
+    """PIDs of the ranks started for the campaign at `db` (scanning /proc)."""
+    parents = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_bytes()
         except OSError:
             continue
         # ranks only: the launcher's own command line names the db too
         if (cmd and os.path.basename(cmd[0]).startswith(b"python") and b"coordinator" in cmd
                 and str(db).encode() in cmd):
-            pids.append(int(entry.name))
-    return pids
+            parents[int(entry.name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+    # Nor a worker's command between its fork and its exec, which still has the worker's
+    # command line: a SIGTERM meant for the ranks would kill it.
+    return [pid for pid, parent in parents.items() if parent not in parents]
 
 
 def kill_ranks(db: Path, timeout: float = 30) -> None:
