@@ -251,9 +251,10 @@ def find_mpiexec(explicit: str | None = None) -> str | None:
 
 
 #: Open MPI's launcher (prterun) sometimes fails to start its PMIx server when several jobs
-#: start at once on the machine (exit 213, before any rank runs): the tests and the benchmark
-#: launch once more when they see it.
+#: start at once on the machine (exit 213, before any rank runs): `coordinator run`, the tests
+#: and the benchmark launch once more when they see it.
 LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
+LAUNCHER_FAILED_STATUS = 213
 
 
 def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
@@ -344,8 +345,7 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
     front, and the master, whose pid rank 0 writes to `pid_file`, gets the signal instead and
     stops gracefully; pressing Ctrl-C FORCE_AFTER times ends the job at once."""
     sys.stdout.flush()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=_end_with_parent)
+    proc: subprocess.Popen | None = None
     presses = 0
     ended_by: int | None = None  # the signal that ended a launch with no master (yet)
 
@@ -373,12 +373,27 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
                   "--resume)", file=sys.stderr, flush=True)
         else:
             ended_by = ended_by or signum
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        if proc is not None:  # else it is ended as soon as it exists
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
 
+    # Before the job starts: a Ctrl-C then would otherwise end this launcher with a
+    # KeyboardInterrupt, and leave the job (in its own session) to run on.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
-    rc = _wait_for_start(proc, pid_file, start_timeout_s)
+    for launch in (1, 2):
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_end_with_parent)
+        if ended_by is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        rc = _wait_for_start(proc, pid_file, start_timeout_s)
+        if (launch == 2 or rc != LAUNCHER_FAILED_STATUS or ended_by is not None
+                or _recorded_pid(pid_file)):
+            break
+        print(f"coordinator: {cmd[0]} exited with status {rc} before any rank ran (Open MPI's "
+              f"launcher does at times, when jobs start at once: \"{LAUNCHER_FAILED}\"); "
+              f"launching once more", file=sys.stderr, flush=True)
     if rc is None:
         print(f"coordinator: no master had started {start_timeout_s} s after the launch (a "
               f"rank that dies inside MPI_Init leaves Open MPI with ULFM waiting for ever); "

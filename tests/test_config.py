@@ -246,6 +246,47 @@ def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
     assert not (tmp_path / "c.db").exists()
 
 
+def test_a_launch_that_open_mpis_launcher_failed_is_made_once_more(tmp_path):
+    """Open MPI's launcher at times fails before any rank ran (exit 213, LAUNCHER_FAILED):
+    `coordinator run` then launched nothing and failed. It now launches once more, and only
+    once (a stand-in mpiexec that fails on its first launch, or on every one)."""
+    import subprocess
+    import sys
+
+    from coordinator.cli import LAUNCHER_FAILED
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+    launches = tmp_path / "launches"
+    fake = tmp_path / "flaky-mpiexec"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "stand-in"; exit 0; }\n'
+        f'echo launch >> {launches}\n'
+        f'if [ "$(wc -l < {launches})" -le "$FAILURES" ]; then\n'
+        f'  echo "{LAUNCHER_FAILED}" >&2; exit 213\n'
+        "fi\n"
+        "while [ $# -gt 0 ]; do\n"
+        '  if [ "$1" = --master-pid-file ]; then echo $$ > "$2"; f=$2; fi; shift\n'
+        'done\necho 0 > "$f.exit"\n')
+    fake.chmod(0o755)
+
+    def launch(failures: int) -> subprocess.CompletedProcess:
+        launches.write_text("")
+        return subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                               str(tmp_path / "c.db"), "--no-progress", "--mpiexec", str(fake)],
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env={**env, "FAILURES": str(failures)})
+
+    once = launch(1)
+    assert once.returncode == 0, once.stderr
+    assert "status 213 before any rank ran" in once.stderr and "launching once more" in once.stderr
+    assert launches.read_text().count("launch") == 2
+    always = launch(5)
+    assert always.returncode == 213, always.stderr
+    assert always.stderr.count("launching once more") == 1
+    assert "exited with status 213 before the master started" in always.stderr
+    assert launches.read_text().count("launch") == 2
+
+
 def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
     """`coordinator run` keeps its pid files in a temporary directory; a SIGKILLed launcher
     left it behind. The next launch removes those whose launcher is gone, and only those."""
