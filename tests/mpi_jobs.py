@@ -6,6 +6,7 @@ the second CI environment), so the same tests exercise whichever MPI the venv ho
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -16,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from processes import in_session
 
 from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
 from store.schema import COUNTED_KIND_SQL, ROLLBACK_EVENTS
@@ -123,11 +126,13 @@ def run(args: list[str], np: int = 4, timeout: float = JOB_TIMEOUT_S, **kw) -> D
 
 
 def kill_job(proc: Job | subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """The whole job: mpiexec's process group, and any rank that left it."""
-    try:
+    """The whole job: mpiexec's process group, and the ranks, which Open MPI puts in groups
+    of their own in mpiexec's session (they would end only once they noticed mpiexec gone)."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    for pid in in_session(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def ranks_of(db: Path) -> list[int]:

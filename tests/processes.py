@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def running(pid: int) -> bool:
     """The process exists and is not a zombie (an exited one that nobody reaped yet: gone for
@@ -11,3 +13,19 @@ def running(pid: int) -> bool:
             return f.read().split(") ")[-1][:1] != "Z"
     except OSError:
         return False
+
+
+def in_session(sid: int) -> list[int]:
+    """The processes of session `sid` but its leader."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == sid:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(b")") + 2:].split()[3]) == sid:
+            found.append(int(entry))
+    return found

@@ -35,6 +35,7 @@ from coordinator.faults import KINDS
 from mpi_jobs import (
     MPIEXEC,
     Done,
+    Job,
     check_conservation,
     kill_job,
     kill_ranks,
@@ -47,6 +48,7 @@ from mpi_jobs import (
     status_json,
     wait_for,
 )
+from processes import running
 
 pytestmark = [pytest.mark.mpi]
 
@@ -139,14 +141,6 @@ def campaign(tmp_path: Path, inject: str, seed: int, *extra: str, n: int = N,
     return db, fault_log(log_dir), done
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
-
 def finish_after_master(proc: subprocess.Popen, db: Path, timeout: float,
                         grace: float) -> tuple[Done, bool]:
     """For a job whose master ends it with MPI_Abort: wait (bounded) for the master process to
@@ -164,7 +158,7 @@ def finish_after_master(proc: subprocess.Popen, db: Path, timeout: float,
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if not alive(master):
+            if not running(master):
                 try:
                     out, err = proc.communicate(timeout=grace)
                     ended = True
@@ -426,12 +420,13 @@ def test_a_slow_worker_is_waited_for(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     slow = logged(log, kind)
     assert slow
-    # each slow RESULT left 0.2-1 s after its WORK, and still committed
+    # each slow RESULT left 0.2-1 s after its WORK, and still committed (the send is recorded
+    # by the master's next transaction, which may be the one that commits it)
     for token in slow:
         [(took, sent)] = query(db, f"SELECT r.committed_at - d.at, r.sent_at - d.at "
                                    f"FROM results r JOIN events d ON d.token = r.token "
                                    f"AND d.kind = 'dispatched' WHERE r.token = '{token}'")
-        assert took >= 0.2 and 0 <= sent < took
+        assert took >= 0.2 and 0 <= sent <= took
     assert quarantine_rows(db) == []
     assert "watchdog" not in event_counts(db) and "requeued" not in event_counts(db)
     assert_each_task_committed_once(db, N)
@@ -581,7 +576,7 @@ def test_a_worker_stopped_by_sigstop_is_parked_and_recovered_after_sigcont(tmp_p
         assert query(db, f"SELECT state, parked_token FROM workers WHERE rank = {rank}") == \
             [("parked", token)]
         assert query(db, "SELECT count(*) FROM quarantine") == [(0,)]
-        assert alive(master)  # waiting (--stop-wait) for the parked rank's STOP_ACK
+        assert running(master)  # waiting (--stop-wait) for the parked rank's STOP_ACK
 
         os.kill(pid, signal.SIGCONT)
         stopped = None
@@ -688,7 +683,7 @@ STORE_N = 300
 
 
 def start_with_limited_master(tmp_path: Path, args: list[str], limit: int,
-                              np: int = 4) -> subprocess.Popen:
+                              np: int = 4) -> Job:
     wrapper = tmp_path / "limited_master.py"
     wrapper.write_text(LIMITED_MASTER)
     flags = mpiexec_flags(MPIEXEC, np, ulfm=mpi_kind() == "openmpi")
@@ -697,9 +692,7 @@ def start_with_limited_master(tmp_path: Path, args: list[str], limit: int,
     cmd = [MPIEXEC, *global_flags,
            "-n", "1", sys.executable, str(wrapper), str(limit), "coordinator", *args, ":",
            "-n", str(np - 1), sys.executable, "-m", "coordinator", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
+    return start([], command=cmd)
 
 
 @pytest.mark.timeout(150)

@@ -65,7 +65,9 @@ def test_a_second_start_on_a_running_campaign_changes_nothing(tmp_path):
     """Refused by the campaign's lock (exit 2) and touching nothing of the running master's:
     its output directory's temp files are writes in progress, not leftovers to clean up."""
     db = tmp_path / "c.db"
-    args = ["run", "--db", str(db), "--demo", "2000", "--demo-work-ms", "5", "--no-progress"]
+    # Far more work than the test waits for (it ends the job): the first master must still
+    # run when the second one, launched on cores the first one keeps busy, gets to the lock.
+    args = ["run", "--db", str(db), "--demo", "20000", "--demo-work-ms", "5", "--no-progress"]
     first = start(args)
     try:
         wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n))
@@ -73,6 +75,7 @@ def test_a_second_start_on_a_running_campaign_changes_nothing(tmp_path):
         out_dir.mkdir(exist_ok=True)
         live = out_dir / ".tcw-tmp-in-progress"
         live.write_bytes(b"half a test case")
+        assert first.poll() is None
         second = run(args[:1] + ["--resume"] + args[1:], timeout=120)
         assert second.returncode == 2, second.stderr[-2000:]
         assert "in use by another master" in second.stderr
@@ -162,7 +165,7 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     tasks.write_text("\n".join(lines) + "\n")
     db, out = tmp_path / "c.db", tmp_path / "out"
     done = run(["run", "--db", str(db), "--tasks", str(tasks), "--out", str(out),
-                "--max-depth", "1", "--timeout", "1", "--retries", "1", "--no-progress",
+                "--max-depth", "1", "--timeout", "3", "--retries", "1", "--no-progress",
                 "--", sys.executable, str(target), "@@"])
     assert done.returncode == 0, done.stderr
     check_conservation(db)
@@ -186,7 +189,7 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     assert "this input is refused" in shown.stdout
     assert "  deferred, most common reasons: 1 × timeout\n" in shown.stdout, shown.stdout
     assert "1 error: see `coordinator status`" in done.stdout
-    # the hanging input was killed at 1 s each time: requeued once, then deferred
+    # the hanging input was killed at 3 s each time: requeued once, then deferred
     [(state, attempts)] = query(db, "SELECT state, attempts FROM tasks "
                                     "WHERE payload LIKE '%hang%'")
     assert (state, attempts) == ("deferred", 2)
@@ -319,9 +322,10 @@ def test_afl_sync_counter_no_feedback_and_inputs_not_written_back(tmp_path):
 
 def test_sigkill_of_the_whole_job_then_resume_commits_each_task_once(tmp_path):
     db = tmp_path / "c.db"
-    args = ["run", "--db", str(db), "--demo", "400", "--demo-work-ms", "5", "--no-progress"]
+    # Long enough that the job still runs when `status` (a Python start, ~0.5 s) looks.
+    args = ["run", "--db", str(db), "--demo", "400", "--demo-work-ms", "30", "--no-progress"]
     proc = start(args)
-    wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 60)
+    wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 30)
     running = status_json(db)["master"]
     kill_job(proc)
     proc.communicate(timeout=60)
@@ -698,12 +702,14 @@ def test_a_self_launched_run_whose_master_is_killed_does_not_exit_0(tmp_path):
     assert "run the same command again with --resume" in err
 
 
-def ctrl_c_with_fake_mpiexec(tmp_path, body: str) -> tuple[int, str, Path]:
-    """Ctrl-C on a self-launched run whose `mpiexec` is the shell script `body` (which has
-    the launch's arguments in "$@"), once it runs: (exit status, stderr, db)."""
+def ctrl_c_with_fake_mpiexec(tmp_path, body: str, setup: str = "") -> tuple[int, str, Path]:
+    """Ctrl-C on a self-launched run whose `mpiexec` is the shell script `setup` then `body`
+    (which have the launch's arguments in "$@"), once `setup` has run: (exit status, stderr,
+    db)."""
     fake = tmp_path / "fake-mpiexec"
     started = tmp_path / "started"
-    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\ntouch {started}\n{body}')
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\n{setup}touch {started}\n'
+                    f'{body}')
     fake.chmod(0o755)
     db = tmp_path / "c.db"
     proc = self_launch(db, "--mpiexec", str(fake))
@@ -730,10 +736,9 @@ def test_ctrl_c_as_the_master_starts_says_so(tmp_path):
     """The launcher's Ctrl-C found no master yet and ended the job, and the master started
     just then and was killed with it: the launch ended with mpiexec's status (1) and no word.
     Here an `mpiexec` that records a master's pid only as it is ended plays that race."""
-    status, err, _ = ctrl_c_with_fake_mpiexec(tmp_path, (
+    status, err, _ = ctrl_c_with_fake_mpiexec(tmp_path, 'while :; do sleep 0.05; done\n', setup=(
         'while [ $# -gt 0 ]; do [ "$1" = --master-pid-file ] && pid_file=$2; shift; done\n'
-        'trap \'echo $$ > "$pid_file"; exit 1\' TERM\n'
-        'while :; do sleep 0.05; done\n'))
+        'trap \'echo $$ > "$pid_file"; exit 1\' TERM\n'))
     assert status == 130, err[-3000:]
     assert "stopped while the master was starting; run the same command again" in err
 

@@ -35,17 +35,19 @@ WATCHDOG_S = 60  # far longer than the recovery we expect
 
 
 def busy_worker_pid(db, master: int) -> tuple[int, int]:
-    """(rank, pid) of a worker that holds a dispatch right now."""
+    """(rank, pid) of a worker that holds a dispatch right now (the slow /proc scan comes
+    first: a task must not end between the choice and the caller's kill)."""
+    ranks = ranks_of(db)
     rank = wait_for(db, "SELECT rank FROM dispatches ORDER BY rank LIMIT 1",
                     lambda r: r is not None)
     pid = wait_for(db, f"SELECT pid FROM workers WHERE rank = {rank}", lambda p: p)
-    assert pid != master and pid in ranks_of(db)
+    assert pid != master and pid in ranks
     return rank, pid
 
 
 def test_a_killed_worker_is_recovered_at_once_and_the_run_completes(tmp_path):
     db = tmp_path / "c.db"
-    args = ["run", "--db", str(db), "--demo", "120", "--demo-work-ms", "40",
+    args = ["run", "--db", str(db), "--demo", "120", "--demo-work-ms", "150",
             "--watchdog", str(WATCHDOG_S), "--no-progress"]
     ulfm = mpi_kind() == "openmpi"
     proc = start(args, ulfm=ulfm)
