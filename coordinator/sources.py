@@ -370,7 +370,21 @@ class TasksFile:
 # --------------------------------------------------------------------------------------------
 
 
-def demo_tasks(n: int) -> list[NewInput]:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"number of demo tasks must be a non-negative integer, got {n!r}")
-    return [NewInput(payload={"data": {"n": i}}, input_bytes=None, origin="demo") for i in range(n)]
+class DemoTasks:
+    """`--demo N`: N built-in tasks, each made as it is imported (as a list, 200,000 of them
+    held 228 MiB through the import)."""
+
+    def __init__(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"number of demo tasks must be a non-negative integer, got {n!r}")
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[NewInput]:
+        return (NewInput(payload={"data": {"n": i}}, input_bytes=None, origin="demo")
+                for i in range(self.n))
+
+
+demo_tasks = DemoTasks

@@ -394,7 +394,7 @@ def test_demo_tasks():
     tasks = demo_tasks(3)
     assert [t.payload for t in tasks] == [{"data": {"n": 0}}, {"data": {"n": 1}}, {"data": {"n": 2}}]
     assert all(t.input_bytes is None and t.origin == "demo" for t in tasks)
-    assert demo_tasks(0) == []
+    assert len(tasks) == 3 and list(demo_tasks(0)) == []
     with pytest.raises(ValueError):
         demo_tasks(-1)
 
