@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -37,7 +38,7 @@ from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter, input_id, replace_text
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
-from .runtime import process_exists
+from .runtime import CLOCK_SLACK_S, process_exists, process_started_at
 from .sources import NewInput
 from .transport import Backoff, SendFailed, Transport
 from .wire import (
@@ -546,10 +547,17 @@ class Master:
             return []
         pids = {}
         for rank in ranks:
-            host, pid = where.get(rank, (None, None))
-            if host == here and pid and pid != os.getpid():
+            host, pid, seen = where.get(rank, (None, None, None))
+            # A process that started after the rank's last READY has taken a dead rank's pid.
+            if (host == here and pid != os.getpid() and
+                    (process_started_at(pid) or math.inf) <= seen + CLOCK_SLACK_S):
                 pids[rank] = pid
-        # Their commands first, by the master itself: see `commands_run_by`.
+        # Stopped first, so that none of them can reap a command (and free its id for reuse)
+        # between the search for their commands and the kill.
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        # Their commands by the master itself: see `commands_run_by`.
         for command in commands_run_by(pids.values()):
             kill_command(command)
         for sig in (TEARDOWN_SIGNAL, signal.SIGCONT):

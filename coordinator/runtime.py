@@ -384,6 +384,25 @@ def _make_master(cfg: RunConfig, store, transport, outputs: tuple[list, object])
     ), sources=[s.poll for s in sources], writer=writer)
 
 
+#: How far a process's start time read from /proc (whole-second boot time, clock ticks) may
+#: lie past the wall-clock time of something the process did.
+CLOCK_SLACK_S = 2.0
+
+
+def process_started_at(pid: int) -> float | None:
+    """When the process on this host started (wall clock, to CLOCK_SLACK_S); None if it is
+    gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    ticks = int(stat[stat.rfind(b")") + 2:].split()[19])
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def process_exists(pid: int) -> bool:
     """On this host; a process we may not signal exists all the same."""
     try:

@@ -46,9 +46,10 @@ _scratch: list[Path] = []
 def torn_down(signum: int, _frame: object) -> None:
     """TEARDOWN_SIGNAL handler: the running command's whole process group is killed (it runs
     in a session of its own: nothing else would end it, and it outlived the job), and the
-    worker leaves at once without a RESULT: its task was requeued by the master, never
-    committed from a run cut short. A command being started right now is killed as soon as
-    its group is known."""
+    worker leaves at once. The master has killed the command already (`Master.fence`); this
+    one covers a command being started right now, killed as soon as its group is known. A
+    RESULT the worker sent for a command the master killed is never read: its task was
+    requeued, never committed from a run cut short."""
     teardown_when_safe(lambda: _leave_now(signum))
 
 

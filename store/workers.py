@@ -67,10 +67,14 @@ def forget_incarnation(tx: Tx) -> None:
                                            incarnation=tx.incarnation))
 
 
-def where_they_run(conn: Connection) -> dict[int, tuple[str | None, int | None]]:
-    """rank -> (host, pid) as each worker last reported them in its READY."""
-    return {r: (h, p) for r, h, p in conn.execute(
-        select(workers.c.rank, workers.c.host, workers.c.pid))}
+def where_they_run(conn: Connection) -> dict[int, tuple[str, int, float]]:
+    """rank -> (host, pid, when last heard) as each worker reported them in its last READY,
+    for the ranks heard from in this incarnation (an earlier one's pid is another process's
+    by now, or nobody's)."""
+    return {r: (h, p, seen) for r, h, p, seen in conn.execute(
+        select(workers.c.rank, workers.c.host, workers.c.pid, workers.c.last_seen).where(
+            workers.c.state != WorkerState.UNKNOWN.value, workers.c.host.is_not(None),
+            workers.c.pid.is_not(None), workers.c.last_seen.is_not(None)))}
 
 
 def ranks_in_state(conn: Connection, *states: WorkerState) -> set[int]:

@@ -432,3 +432,38 @@ def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_tea
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(tmp_path):
+    """Only a rank's own process is fenced: not the pid an earlier incarnation's READY
+    reported (a resumed master's ranks are new processes), nor a process that started after
+    the rank's last READY (the rank died and its pid went to another process). Either could
+    be anything: a shell server, whose shells the master would kill as 'commands'."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
+    other = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
+                             stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in other.stdout.readline().split()]
+        with store.transaction("test") as tx:
+            for rank in (1, 2):
+                accept_versions(tx, rank, 0, "", host=socket.gethostname(), pid=other.pid)
+        with sqlite3.connect(tmp_path / "c.db") as db:
+            db.execute("UPDATE workers SET state = 'unknown' WHERE rank = 1")
+            db.execute("UPDATE workers SET last_seen = last_seen - 60 WHERE rank = 2")
+        master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
+        assert master.fence([1, 2], term_wait_s=0.2) == []
+        time.sleep(0.3)
+        assert other.poll() is None and all(map(running, pids))
+        with sqlite3.connect(tmp_path / "c.db") as db:  # the rank's own process is fenced
+            db.execute("UPDATE workers SET last_seen = last_seen + 60 WHERE rank = 2")
+        assert master.fence([1, 2], term_wait_s=0.2) == [2]
+        assert other.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        store.close()
+        other.kill()
+        other.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
