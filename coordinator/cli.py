@@ -391,9 +391,13 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
         if (launch == 2 or rc != LAUNCHER_FAILED_STATUS or ended_by is not None
                 or _recorded_pid(pid_file)):
             break
-        print(f"coordinator: {cmd[0]} exited with status {rc} before any rank ran (Open MPI's "
-              f"launcher does at times, when jobs start at once: \"{LAUNCHER_FAILED}\"); "
-              f"launching once more", file=sys.stderr, flush=True)
+        proc = None  # reaped: its id may be another process's by now
+        print(f"coordinator: {cmd[0]} exited with status {rc} before the master started; "
+              f"launching once more (Open MPI's launcher does so at times when jobs start at "
+              f"once, saying \"{LAUNCHER_FAILED}\")", file=sys.stderr, flush=True)
+        if ended_by is not None:  # stopped meanwhile: nothing to launch
+            break
+    proc = None  # (for a signal from here on: the job has ended)
     if rc is None:
         print(f"coordinator: no master had started {start_timeout_s} s after the launch (a "
               f"rank that dies inside MPI_Init leaves Open MPI with ULFM waiting for ever); "

@@ -74,8 +74,9 @@ def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | No
 
 class Job:
     """A started job, with `subprocess.Popen`'s interface. Open MPI's launcher sometimes
-    fails before any rank ran (LAUNCHER_FAILED); `master_pid`, which a test of a started job
-    waits on first, then launches it once more, and the test goes on with the new job."""
+    fails before any rank ran (LAUNCHER_FAILED); `master_pid` then launches it once more, and
+    the test goes on with the new job. (`wait_for` does not: it may wait on a job that ended
+    as it should. A test that waits for rows first waits them out and fails.)"""
 
     def __init__(self, argv: list[str], **popen_kw) -> None:
         self._argv, self._popen_kw = argv, popen_kw
@@ -165,9 +166,12 @@ def kill_ranks(db: Path, timeout: float = 30) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    while ranks_of(db):
+    while left := ranks_of(db):
         if time.monotonic() > deadline:
             raise AssertionError(f"ranks of {db} still running {timeout} s after SIGKILL")
+        for pid in left:  # e.g. a rank's fork that was not one, orphaned by the kill
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
 
 
@@ -208,8 +212,9 @@ def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
 
 
 def _unless_the_job_ended(what: str, end_it: bool = False) -> None:
-    """Fail with `what` and the output of the test's latest job if that job has ended (or,
-    with `end_it`, once it is ended): what a test waiting on its database cannot see."""
+    """Fail with `what` and the output of the test's latest job (the one waited on: tests
+    wait on the job they started last) if that job has ended (or, with `end_it`, once it is
+    ended): what a test waiting on its database cannot see."""
     proc = _started[-1] if _started else None
     if proc is None:
         if end_it:

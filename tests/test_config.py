@@ -278,7 +278,7 @@ def test_a_launch_that_open_mpis_launcher_failed_is_made_once_more(tmp_path):
 
     once = launch(1)
     assert once.returncode == 0, once.stderr
-    assert "status 213 before any rank ran" in once.stderr and "launching once more" in once.stderr
+    assert "status 213 before the master started; launching once more" in once.stderr
     assert launches.read_text().count("launch") == 2
     always = launch(5)
     assert always.returncode == 213, always.stderr
