@@ -173,21 +173,22 @@ def commands_run_by(parents: Collection[int]) -> list[int]:
     except OSError:
         return []
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) < 4:
-            continue
-        pid, ppid, session = int(entry), int(fields[1]), int(fields[3])
-        if ppid in parents and session == pid:
-            found.append(pid)
+        fields = proc_stat(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[1]) in parents and int(fields[3]) == int(entry):
+            found.append(int(entry))  # (fields: state, ppid, pgrp, session, ...)
     return sorted(found)
+
+
+def proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (the state first, so field N of
+    proc(5) is at N - 3); None if the process is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return stat[stat.rfind(b")") + 2:].split()
 
 
 def teardown_when_safe(teardown: Callable[[], None]) -> None:

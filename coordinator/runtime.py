@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from .config import RunConfig
+from .executors import proc_stat
 from .output import replace_text
 
 EXIT_OK = 0
@@ -392,15 +393,15 @@ CLOCK_SLACK_S = 2.0
 def process_started_at(pid: int) -> float | None:
     """When the process on this host started (wall clock, to CLOCK_SLACK_S); None if it is
     gone or there is no /proc."""
+    fields = proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
         with open("/proc/stat", "rb") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
     except (OSError, StopIteration, ValueError):
         return None
-    ticks = int(stat[stat.rfind(b")") + 2:].split()[19])
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    if fields is None:
+        return None
+    return boot + int(fields[22 - 3]) / os.sysconf("SC_CLK_TCK")  # field 22: start time
 
 
 def process_exists(pid: int) -> bool:

@@ -400,18 +400,32 @@ UNHANDLED_TEARDOWN_WORKER = textwrap.dedent("""\
     """)
 
 
+@contextlib.contextmanager
+def unhandled_teardown_worker():
+    """UNHANDLED_TEARDOWN_WORKER running: (its Popen, the pids it printed); all of them
+    killed afterwards, whatever the test did."""
+    worker = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
+                              stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in worker.stdout.readline().split()]
+        yield worker, pids
+    finally:
+        worker.kill()
+        worker.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.timeout(60)
 def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_teardown(
         tmp_path):
     """A worker's teardown handler kills its command; under load MPICH's launcher SIGKILLs
     the other ranks as soon as one of them leaves, before they ran theirs, and their commands
     ran on after the job (one CI run in a few). The master kills the commands itself."""
-    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
-    worker = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
-                              stdout=subprocess.PIPE, text=True)
-    pids: list[int] = []
-    try:
-        pids = [int(p) for p in worker.stdout.readline().split()]
+    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
+          unhandled_teardown_worker() as (worker, pids)):
         command, its_child, plain_child = pids
         assert commands_run_by([worker.pid]) == [command]
         with store.transaction("test") as tx:
@@ -425,13 +439,6 @@ def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_tea
         assert not running(command) and not running(its_child)
         # Only the command's group: the worker's other children are the launcher's business.
         assert running(plain_child)
-    finally:
-        store.close()
-        worker.kill()
-        worker.wait()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)
@@ -440,12 +447,8 @@ def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(tmp_
     reported (a resumed master's ranks are new processes), nor a process that started after
     the rank's last READY (the rank died and its pid went to another process). Either could
     be anything: a shell server, whose shells the master would kill as 'commands'."""
-    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
-    other = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
-                             stdout=subprocess.PIPE, text=True)
-    pids: list[int] = []
-    try:
-        pids = [int(p) for p in other.stdout.readline().split()]
+    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
+          unhandled_teardown_worker() as (other, pids)):
         with store.transaction("test") as tx:
             for rank in (1, 2):
                 accept_versions(tx, rank, 0, "", host=socket.gethostname(), pid=other.pid)
@@ -460,10 +463,3 @@ def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(tmp_
             db.execute("UPDATE workers SET last_seen = last_seen + 60 WHERE rank = 2")
         assert master.fence([1, 2], term_wait_s=0.2) == [2]
         assert other.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        store.close()
-        other.kill()
-        other.wait()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
