@@ -100,7 +100,26 @@ def _normalized(payload: Mapping[str, Any]) -> dict[str, Any]:
         if not all(isinstance(k, str) for k in cont):
             raise PayloadError("continuation keys must be strings")
         out["continuation"] = dict(cont)
+    _check_integers(out)
     return out
+
+
+#: What a message can carry (msgpack): a larger integer was stored, then failed every send
+#: of its task, and took the master down with it.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+
+
+def _check_integers(value: Any) -> None:
+    stack = [value]
+    while stack:  # not recursive: a payload may nest as deep as JSON allows
+        v = stack.pop()
+        if isinstance(v, int) and not isinstance(v, bool) and not INT_MIN <= v <= INT_MAX:
+            raise PayloadError(f"integer {v if abs(v) < 10**30 else '...'} is out of range "
+                               f"(-2**63 to 2**64-1, what a message can carry)")
+        if isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
 
 
 def canonical_json(value: Any) -> str:

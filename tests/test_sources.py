@@ -333,6 +333,10 @@ def test_a_tasks_file_holds_nothing_and_is_refused_if_changed_before_the_import(
         ('{"path": "x", "s2f_actions": [[1, "fly"]]}', "s2f_actions"),
         ('{"data": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
         ('{"data": "\\ud800"}', "surrogate"),
+        # stored, then failing every send of its task (and taking the master down)
+        ('{"data": {"n": 1180591620717411303424}}', "out of range"),
+        ('{"path": "x", "schedule_prefix": [-9223372036854775809]}', "out of range"),
+        ('{"path": "x", "continuation": {"k": [[18446744073709551616]]}}', "out of range"),
     ],
 )
 def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_path, bad_line, reason):
