@@ -167,6 +167,11 @@ class AflQueueSource:
         if not stat.S_ISREG(st.st_mode):
             self._handled.add(name)
             return None
+        if st.st_size > MAX_INPUT_BYTES:
+            self._handled.add(name)
+            print(f"coordinator: AFL queue entry {_as_text(path)} skipped: {_too_big(st)}",
+                  file=sys.stderr, flush=True)
+            return None
         observed = (st.st_size, st.st_mtime_ns)
         previous = self._unsettled.get(name)
         if now - st.st_mtime < self.settle_s or (previous is not None and previous != observed):
@@ -284,6 +289,16 @@ def _parse_line(path: pathlib.Path, lineno: int, raw: bytes,
                     origin=f"{path}:{lineno}", canonical=canonical)
 
 
+#: An input is stored with its task: SQLite refuses a value over 1 GB, and the failed write
+#: stopped the master (a tasks file's import, or every start while such an AFL entry waited).
+MAX_INPUT_BYTES = 256 << 20
+
+
+def _too_big(st: os.stat_result) -> str:
+    return (f"{st.st_size:,} bytes, over the {MAX_INPUT_BYTES >> 20} MiB an input may have "
+            f"(it is stored with its task)")
+
+
 def _read_input_file(path: pathlib.Path, lineno: int, obj: dict,
                      read: bool = True) -> bytes | None:
     if "input_file" not in obj:
@@ -292,9 +307,12 @@ def _read_input_file(path: pathlib.Path, lineno: int, obj: dict,
     if not isinstance(input_file, str) or not input_file:
         raise TaskFileError(path, lineno, "'input_file' must be a non-empty string")
     try:
-        if not stat.S_ISREG(os.stat(input_file).st_mode):
+        st = os.stat(input_file)
+        if not stat.S_ISREG(st.st_mode):
             # A FIFO would block the start for ever, /dev/zero would fill the memory.
             raise TaskFileError(path, lineno, f"input_file {input_file!r} is not a regular file")
+        if st.st_size > MAX_INPUT_BYTES:
+            raise TaskFileError(path, lineno, f"input_file {input_file!r}: {_too_big(st)}")
         if not read:
             with open(input_file, "rb"):  # readable: opened, not read (the import reads it)
                 return b""

@@ -410,3 +410,22 @@ def test_an_input_file_that_is_not_a_regular_file_is_refused(tmp_path):
     tasks = write_lines(tmp_path / "t.jsonl", [json.dumps({"path": "x", "input_file": str(fifo)})])
     with pytest.raises(TaskFileError, match=r"t.jsonl:1: input_file .* is not a regular file"):
         load_tasks_jsonl(tasks)
+
+
+def test_an_input_too_big_to_store_is_refused_by_name_and_the_others_go_on(tmp_path, queue,
+                                                                           capsys):
+    """An input is stored with its task; one over SQLite's 1 GB stopped the master with
+    'database write failed', and again at every start while that AFL entry was there (the
+    entries beside it never became tasks). A sparse file stands for the big one."""
+    from coordinator.sources import MAX_INPUT_BYTES
+    put(queue, "id:000000", b"fine")
+    huge = put(queue, "id:000001", b"")
+    os.truncate(huge, MAX_INPUT_BYTES + 1)
+    os.utime(huge, (time.time() - 100, time.time() - 100))
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
+    assert names(source.poll()) == ["id:000000"]
+    assert "id:000001 skipped: 268,435,457 bytes, over the 256 MiB" in capsys.readouterr().err
+    assert source.poll() == [] and capsys.readouterr().err == ""  # said once
+    tasks = write_lines(tmp_path / "t.jsonl", [json.dumps({"path": "a", "input_file": str(huge)})])
+    with pytest.raises(TaskFileError, match=r"t\.jsonl:1: input_file .*: 268,435,457 bytes, over"):
+        load_tasks_jsonl(tasks)
