@@ -68,6 +68,17 @@ class Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _task_id(text: str) -> int:
+    """A task id: one SQLite can hold (a larger one made `requeue` end in a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid task id: {text!r}") from None
+    if not 1 <= value <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"no task has id {text} (ids run from 1)")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="coordinator",
@@ -187,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="all (default): failed and deferred tasks; error: done tasks whose "
                         "result status is not ok (their result is discarded), e.g. after "
                         "fixing the target or restoring missing inputs")
-    q.add_argument("--id", type=int, action="append", dest="ids", metavar="TASK_ID",
+    q.add_argument("--id", type=_task_id, action="append", dest="ids", metavar="TASK_ID",
                    help="only this task (repeatable)")
 
     d = sub.add_parser("db", help="schema maintenance")

@@ -126,6 +126,13 @@ class RunConfig:
     master_pid_file: Path | None = None
 
 
+def _same_directory(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:  # one of them does not exist (yet): they are not the same one
+        return False
+
+
 def resolve_run(ns: argparse.Namespace) -> RunConfig:
     """Merge flags with the environment and check the combinations (raises ConfigError)."""
     resume = bool(ns.resume) or _env_flag(ENV_RESUME)
@@ -185,6 +192,11 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     if ns.fuzzer and ns.fuzzer == ns.name:
         raise ConfigError(f"--name {ns.name!r} is the fuzzer's own instance; the coordinator "
                           f"must write to its own directory (choose another --name)")
+    if ns.fuzzer and _same_directory(ns.afl_out / ns.name / "queue",
+                                     ns.afl_out / ns.fuzzer / "queue"):
+        raise ConfigError(f"--name {ns.name!r}: {ns.afl_out / ns.name / 'queue'} is the "
+                          f"fuzzer's own queue through a symbolic link; the coordinator would "
+                          f"feed its results back to itself for ever (choose another --name)")
     if ns.tasks is not None and ns.tasks.exists() and not ns.tasks.is_file():
         # stdin, a pipe or a FIFO: the ranks of the job cannot read the launcher's stdin (the
         # master would wait on it for ever), and /dev/fd/N does not exist in them.

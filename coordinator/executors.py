@@ -542,7 +542,9 @@ def _resolve(spec: str) -> Callable[..., Any]:
         module = _import_file(where) if _looks_like_file(where) else importlib.import_module(where)
     except ValueError:
         raise
-    except Exception as exc:  # an import runs arbitrary user code: any failure is a bad spec
+    except (Exception, SystemExit) as exc:
+        # An import runs arbitrary user code: any failure is a bad spec. SystemExit too: a
+        # script's module-level argparse, say, is not the master's own exit.
         raise ValueError(f"cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
     target: Any = module
     for part in attr_path.split("."):

@@ -87,6 +87,31 @@ def test_afl_instance_names_that_afl_would_not_import_from_are_refused(tmp_path)
                 "--", "./target", "@@")
 
 
+def test_a_name_that_links_to_the_fuzzers_queue_is_refused(tmp_path):
+    """symcc/queue -> ../main/queue (or symcc -> main without fuzzer_stats yet) wrote the
+    coordinator's test cases into AFL's own queue, which it reads: each result became a task,
+    for ever."""
+    afl = tmp_path / "afl"
+    (afl / "main" / "queue").mkdir(parents=True)
+    (afl / "symcc").mkdir()
+    (afl / "symcc" / "queue").symlink_to("../main/queue")
+    (afl / "linked").symlink_to("main")
+    args = ("--afl-out", str(afl), "--fuzzer", "main", "--", "./target", "@@")
+    for name in ("symcc", "linked"):
+        with pytest.raises(ConfigError, match="fuzzer's own queue through a symbolic link"):
+            resolve(tmp_path, "--name", name, *args)
+    (afl / "symcc" / "queue").unlink()
+    assert resolve(tmp_path, "--name", "symcc", *args).name == "symcc"
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999999", "0", "-3", "x"])
+def test_requeue_ids_sqlite_cannot_hold_are_usage_errors(value, capsys):
+    """An id past SQLite's integers ended `requeue` in an OverflowError traceback."""
+    with pytest.raises(SystemExit) as ended:
+        _parser().parse_args(["requeue", "--db", "c.db", "--id", value])
+    assert ended.value.code == 2 and "--id" in capsys.readouterr().err
+
+
 def test_feedback_is_on_unless_turned_off(tmp_path):
     assert resolve(tmp_path).feedback is True
     assert resolve(tmp_path, "--no-feedback").feedback is False

@@ -650,3 +650,12 @@ def test_a_long_stderr_keeps_how_the_command_ended_and_its_last_lines(tmp_path, 
     assert "chatter line 000" not in out.detail  # the middle went
     assert failure_detail({"status": "error", "detail": out.detail}) == out.detail.strip()
     assert detail_summary(out.detail) == "target exited with status 1 … target: the real cause"
+
+
+def test_a_callable_whose_import_exits_is_a_bad_spec(tmp_path):
+    """A script with module-level argparse exits while it is imported: that ended the master
+    with a traceback and "internal error" (exit 5) instead of a refused start (exit 2)."""
+    script = tmp_path / "cli_script.py"
+    script.write_text("import sys\nsys.exit(3)\ndef work(x):\n    return x\n")
+    with pytest.raises(ValueError, match=r"cannot import .*SystemExit: 3"):
+        make_executor("python", callable_spec=f"{script}:work")
