@@ -185,7 +185,10 @@ def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
 
 
 def _lock_path(path: str | os.PathLike[str]) -> Path:
-    return Path(path).with_name(Path(path).name + ".lock")
+    # The file's, however it is named: through a symbolic link a second master would
+    # otherwise take a lock of its own on the same campaign.
+    real = Path(os.path.realpath(path))
+    return real.with_name(real.name + ".lock")
 
 
 def lock_holder(path: str | os.PathLike[str]) -> tuple[int, str] | None:

@@ -14,7 +14,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
 
 from .errors import (
     DatabaseOpenError,
@@ -110,7 +110,9 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
     # The default pool keeps the connection open between transactions: opening one costs a
     # file open plus the pragmas above, too much for every round of the master. Only the
     # master process ever opens the database, and it never forks with it open.
-    engine = create_engine(f"sqlite:///{db_path}")
+    # URL.create, not "sqlite:///" + path: a path is no URL ("c?mode=ro.db" opened "c", and
+    # "p%41.db" opened "pA.db", each beside a lock file of the name given).
+    engine = create_engine(URL.create("sqlite", database=str(db_path)))
 
     @event.listens_for(engine, "connect")
     def _set_pragmas(dbapi_conn: sqlite3.Connection, _record: object) -> None:

@@ -358,3 +358,20 @@ def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
         store.close()
     assert lock_held(db_path) is False
     assert lock_holder(db_path) == (os.getpid(), socket.gethostname())  # the last one
+
+
+def test_a_path_is_the_file_it_names_however_it_is_spelled(tmp_path):
+    """The database path went into a URL: "c?mode=ro.db" created "c" and "p%41.db" "pA.db",
+    each beside a lock of the name given, so two spellings made two masters on one file. And
+    a symbolic link to a running campaign took a lock of its own."""
+    for name in ("c?mode=ro.db", "p%41.db"):
+        Store.open(tmp_path / name).close()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [
+        "c?mode=ro.db", "p%41.db"]
+    running = Store.open(tmp_path / "real.db")
+    try:
+        (tmp_path / "link.db").symlink_to("real.db")
+        with pytest.raises(CampaignLockedError, match="in use by another master"):
+            Store.open(tmp_path / "link.db", resume=True)
+    finally:
+        running.close()
