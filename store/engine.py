@@ -41,6 +41,7 @@ JOURNAL_SIZE_LIMIT = 64 << 20
 #: Set in a connection's `info` for a read-only transaction on the write engine: a plain
 #: BEGIN, which takes no lock until it reads (and WAL readers never wait for the writer).
 DEFERRED_BEGIN = "coordinator.deferred_begin"
+WRITING = "coordinator.writing"  # inside write_tx
 
 #: WAL relies on shared memory and POSIX locks that these filesystems do not provide reliably.
 NETWORK_FILESYSTEMS = frozenset(
@@ -150,6 +151,17 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         conn.connection.driver_connection.execute(
             "BEGIN" if conn.info.get(DEFERRED_BEGIN) else begin_sql)
 
+    @event.listens_for(engine, "handle_error")
+    def _damaged(ctx: exc.ExceptionContext) -> None:
+        # A damaged page read by `status`, `requeue`, `db upgrade` or a start was a driver
+        # traceback. A master's write transaction keeps its own outcome (StoreWriteError:
+        # exit 3); a file that is no database at all is said so by `cannot_open`.
+        writing = ctx.connection is not None and ctx.connection.info.get(WRITING)
+        if _is_corrupt(ctx.original_exception) and not writing:
+            raise DatabaseOpenError(
+                f"{db_path} is damaged ({ctx.original_exception}): restore a copy; "
+                f"`sqlite3 {db_path} .recover` may save what is left") from None
+
     # Connect now, so that a path that cannot be a database fails here with a message that
     # says why, not later inside the caller's first transaction as a driver traceback.
     try:
@@ -162,6 +174,13 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         engine.dispose()
         raise
     return engine
+
+
+def _is_corrupt(e: BaseException) -> bool:
+    if not isinstance(e, sqlite3.DatabaseError):
+        return False
+    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
+    return code & 0xFF == 11 if code is not None else "malformed" in str(e)  # SQLITE_CORRUPT
 
 
 def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
@@ -200,6 +219,7 @@ def read_tx(conn: Connection) -> Iterator[Connection]:
 def write_tx(conn: Connection, operation: str) -> Iterator[Connection]:
     """One write transaction on `conn`; a driver failure becomes `StoreWriteError` (outcome
     unknown)."""
+    conn.info[WRITING] = True
     try:
         with conn.begin():
             yield conn
@@ -209,3 +229,5 @@ def write_tx(conn: Connection, operation: str) -> Iterator[Connection]:
         if isinstance(e, sqlite3.IntegrityError):
             raise
         raise StoreWriteError(operation, getattr(e, "orig", None) or e) from e
+    finally:
+        conn.info[WRITING] = False

@@ -375,3 +375,31 @@ def test_a_path_is_the_file_it_names_however_it_is_spelled(tmp_path):
             Store.open(tmp_path / "link.db", resume=True)
     finally:
         running.close()
+
+
+def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
+    """A page overwritten on disk made `status`, `requeue` and `db upgrade` end in a driver
+    traceback (exit 1), a start in "internal error" (exit 5). Each now says the file is
+    damaged and what to do (exit 2)."""
+    import sys
+    db = tmp_path / "c.db"
+    store = Store.open(db)
+    store.close()
+    with sqlite3.connect(db) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        roots = [r for (r,) in conn.execute("SELECT rootpage FROM sqlite_master WHERE name "
+                                            "IN ('campaign', 'alembic_version')")]
+    conn.close()
+    assert len(roots) == 2
+    data = bytearray(db.read_bytes())
+    for root in roots:  # the file opens; what is read from it first is garbage
+        data[(root - 1) * page:root * page] = b"\xff" * page
+    db.write_bytes(bytes(data))
+    for command in (["status"], ["requeue", "--state", "deferred"], ["db", "upgrade"]):
+        done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db", str(db)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert "is damaged (database disk image is malformed): restore a copy" in done.stderr
+        assert "Traceback" not in done.stderr
+    with pytest.raises(DatabaseOpenError, match="is damaged"):
+        Store.open(db, resume=True)
