@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    if value == math.inf:  # a time or an amount: inf made every demo task run for ever
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
     return value
 
 
@@ -241,6 +244,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"{flag} {path}: the directory {where} does not exist")
         if not os.access(where, os.W_OK | os.X_OK):  # a read-only mount too, even as root
             raise ConfigError(f"{flag} {path}: the directory {where} is not writable")
+        if path.is_dir():
+            raise ConfigError(f"{flag} {path} is a directory; it names the file to write")
     return RunConfig(
         db=ns.db, resume=resume, retries=retries,
         max_attempts=max_attempts,

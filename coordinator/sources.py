@@ -141,8 +141,11 @@ class AflQueueSource:
             self._listed = (st.st_ino, st.st_mtime_ns) if quiet else None
             self._relist_at = tick + self.RELIST_S
             return names
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # AFL has not created the queue yet
+        except FileNotFoundError:
+            # AFL has not created the queue yet. (A file where the queue or its instance
+            # directory should be is not "yet": it is said below, once, like an unreadable
+            # queue, instead of a wait for ever without a word.)
+            return None
         except OSError as e:
             # Unreadable (AFL running as another user, an I/O error): say so once, keep
             # looking. Not the master's own output failing, which stops the run.

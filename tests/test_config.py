@@ -221,7 +221,7 @@ def test_a_timeout_that_cannot_be_waited_for_is_refused(tmp_path, monkeypatch, v
     monkeypatch.setenv("SYMCC_TIMEOUT", value)
     with pytest.raises(ConfigError, match="SYMCC_TIMEOUT"):
         resolve(tmp_path, "--", "./target", "@@")
-    if value not in ("-1", "nan"):  # (not a time at all: refused whatever runs)
+    if value not in ("-1", "nan", "inf"):  # (not a time at all: refused whatever runs)
         assert resolve(tmp_path).executor == "demo"  # no command: an inherited value is moot
 
 
@@ -381,3 +381,13 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     killed, _ = launch(starts)
     assert killed.returncode == 1, killed.stderr
     assert "ended before the master recorded its status" in killed.stderr
+
+
+def test_an_endless_time_and_an_end_of_run_file_that_is_a_directory_are_refused(tmp_path):
+    """--demo-work-ms inf ran every demo task for ever; a --stats-file naming a directory was
+    found out only at the end of the run."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["run", "--db", str(tmp_path / "c.db"), "--demo-work-ms", "inf"])
+    for flag in ("--stats-file", "--summary-json"):
+        with pytest.raises(ConfigError, match=f"{flag} .* is a directory"):
+            resolve(tmp_path, flag, str(tmp_path))

@@ -429,3 +429,12 @@ def test_an_input_too_big_to_store_is_refused_by_name_and_the_others_go_on(tmp_p
     tasks = write_lines(tmp_path / "t.jsonl", [json.dumps({"path": "a", "input_file": str(huge)})])
     with pytest.raises(TaskFileError, match=r"t\.jsonl:1: input_file .*: 268,435,457 bytes, over"):
         load_tasks_jsonl(tasks)
+
+
+def test_a_file_where_the_afl_queue_should_be_is_said_once(tmp_path, capsys):
+    """It was taken for a queue AFL had not created yet: the run waited for ever, silent."""
+    (tmp_path / "afl_out" / "main").mkdir(parents=True)
+    (tmp_path / "afl_out" / "main" / "queue").write_text("not a directory")
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
+    assert source.poll() == [] and source.poll() == []
+    assert capsys.readouterr().err.count("cannot read the AFL queue") == 1
