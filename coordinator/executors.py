@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
@@ -167,16 +167,20 @@ def commands_run_by(parents: Collection[int]) -> list[int]:
     another rank end first may SIGKILL it before then (MPICH's does, at once), leaving its
     command running for as long as the command lasts."""
     parents = set(parents)
-    found = []
+    return sorted(pid for pid, fields in proc_stats()  # (fields: state, ppid, pgrp, session)
+                  if int(fields[1]) in parents and int(fields[3]) == pid)
+
+
+def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, `proc_stat(pid)`) for every process on this host; nothing without /proc."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return []
+        return
     for entry in entries:
         fields = proc_stat(int(entry)) if entry.isdigit() else None
-        if fields is not None and int(fields[1]) in parents and int(fields[3]) == int(entry):
-            found.append(int(entry))  # (fields: state, ppid, pgrp, session, ...)
-    return sorted(found)
+        if fields is not None:  # (None: gone meanwhile)
+            yield int(entry), fields
 
 
 def proc_stat(pid: int) -> list[bytes] | None:

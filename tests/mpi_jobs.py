@@ -21,6 +21,7 @@ from pathlib import Path
 from processes import in_session
 
 from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
+from coordinator.executors import proc_stat
 from store.schema import COUNTED_KIND_SQL, ROLLBACK_EVENTS
 
 MPIEXEC = find_mpiexec()
@@ -144,13 +145,12 @@ def ranks_of(db: Path) -> list[int]:
             continue
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_bytes()
         except OSError:
             continue
         # ranks only: the launcher's own command line names the db too
         if (cmd and os.path.basename(cmd[0]).startswith(b"python") and b"coordinator" in cmd
-                and str(db).encode() in cmd):
-            parents[int(entry.name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
+                and str(db).encode() in cmd and (fields := proc_stat(int(entry.name)))):
+            parents[int(entry.name)] = int(fields[1])
     # Nor a worker's command between its fork and its exec, which still has the worker's
     # command line: a SIGTERM meant for the ranks would kill it.
     return [pid for pid, parent in parents.items() if parent not in parents]
