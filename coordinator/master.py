@@ -259,14 +259,21 @@ class Master:
         committed: list[dsp.CommitItem] = []
         retried: list[int] = []
         planned_early = False
-        outstanding = self.transport.size - 1 - len(self._idle) - len(self._failed_ranks)
-        sent_result: set[int] = set()
-        sent_ready: set[int] = set()
-        deadline = None
         # What each batch leaves is what the next one starts from: nothing else writes
         # dispatches or parked ranks between them, so they are not read again.
         active: dict[int, dsp.ActiveDispatch] | None = None
         parked: dict[int, str] | None = None
+        # The answers to wait for are those of the ranks holding a dispatch: a parked rank, or
+        # one never heard from, has none, and counting it (as every rank not idle) made each
+        # round linger its whole `linger_s` for an answer that was not coming. The first
+        # phase reads the active dispatches anyway; reading them here costs nothing more.
+        outstanding = 0
+        if results or readies:
+            active = dsp.active_by_rank(tx)
+            outstanding = len(active)
+        sent_result: set[int] = set()
+        sent_ready: set[int] = set()
+        deadline = None
         any_ready = False
         while True:
             any_ready = any_ready or bool(readies)

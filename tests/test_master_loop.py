@@ -255,6 +255,57 @@ def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
         store.close()
 
 
+class OneSilentRank(StaggeredRanks):
+    """Rank 1 answers each WORK by the next drain. Rank 2 is silent: `never-heard` ranks never
+    send their first READY (a rank stuck starting); `parked` ones send it, take a WORK and never
+    answer, so the watchdog retires the dispatch and parks the rank."""
+
+    def __init__(self, silent: str):
+        super().__init__({1: (0, 0), 2: (0, 0)})
+        if silent == "never-heard":
+            self.first_readies = [_ready(1, "")]
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if dest == 1:
+            super().send_work(data, dest)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", ["never-heard", "parked"])
+def test_a_rank_without_a_dispatch_does_not_hold_the_rounds_open(tmp_path, silent):
+    """The rounds wait (up to linger_s) only for the ranks holding a dispatch: one parked or
+    never heard from has nothing to answer, and waiting for it cost every round its whole
+    linger (here 0.5 s; by default half a millisecond, a third of a no-op task's round)."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 20)
+    try:
+        ranks = OneSilentRank(silent)
+        master = Master(store, ranks, MasterConfig(
+            linger_s=0.5, watchdog_s=0.05 if silent == "parked" else 0.0,
+            exit_when_drained=False, stats_file=None))
+        assert master._round()  # the first READYs: rank 1 (and a `parked` rank 2) get work
+        if silent == "parked":
+            deadline = time.monotonic() + 30
+            while _worker_state(tmp_path / "c.db", 2) != "parked":
+                assert time.monotonic() < deadline, "the watchdog never parked rank 2"
+                time.sleep(0.06)
+                master._round()
+        for _ in range(3):
+            before = ranks.clock
+            assert master._round()  # rank 1's RESULT and READY: commit, next WORK
+            # The RESULT drain, the READY drain, and the RESULT drain after the last READY
+            # (SPEC §3 order); a round lingering for rank 2 polls every 20 µs for 0.5 s.
+            assert ranks.clock - before == 3
+    finally:
+        store.close()
+    assert _worker_state(tmp_path / "c.db", 2) == ("parked" if silent == "parked" else None)
+
+
+def _worker_state(path, rank: int) -> str | None:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        row = db.execute("SELECT state FROM workers WHERE rank = ?", (rank,)).fetchone()
+    return row[0] if row else None
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp_path):
     """SPEC, shutdown: STOP only after the worker has shown READY. Rank 1 is still running
