@@ -177,7 +177,7 @@ class Master:
                 or want_dispatch or died):
             return False
         new_inputs = self._poll_sources() if poll_sources else []
-        plan: list[tuple[dsp.Planned, bytes | None]] = []
+        plan: list[tuple[dsp.Planned, bytes]] = []
         timed_out: list[dsp.Recovery] = []
         with self._tx("master round") as tx:
             self._settle_sends(tx)
@@ -242,7 +242,7 @@ class Master:
         return recovered
 
     def _apply_answers(self, tx: Tx, results: list[Inbound], readies: list[Inbound],
-                       dispatching: bool, plan: list[tuple[dsp.Planned, bytes | None]],
+                       dispatching: bool, plan: list[tuple[dsp.Planned, bytes]],
                        ) -> tuple[list[dsp.CommitItem], list[int], bool]:
         """Phases 1–3 (READY, dispatch to ranks it freed, RESULT) for what was received, then
         again for each answer that arrives while the round is still open, up to `linger_s`
@@ -336,7 +336,7 @@ class Master:
             time.sleep(20e-6)
 
     def _plan(self, tx: Tx, active: dict[int, dsp.ActiveDispatch] | None,
-              ) -> list[tuple[dsp.Planned, bytes | None]]:
+              ) -> list[tuple[dsp.Planned, bytes]]:
         self._refresh_idle(tx)
         if not self._idle:
             return []
@@ -345,12 +345,30 @@ class Master:
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
         self._idle = self._idle[len(planned):]
-        return [(p, task_ops.input_bytes(tx, p.task.input_hash)) for p in planned]
+        # Each WORK is built inside the transaction that records its dispatch, so a task that
+        # cannot be carried is held as failed in it, instead of raising after the COMMIT (at
+        # every --resume again).
+        plan = []
+        for p in planned:
+            try:
+                data = encode(Work(token=p.token, task=p.task.payload,
+                                   input=task_ops.input_bytes(tx, p.task.input_hash)))
+            except (TypeError, ValueError, OverflowError, RecursionError) as e:
+                why = f"{type(e).__name__}: {e}"[:300]
+                log.error("task %d: its WORK message cannot be built (%s); held as failed",
+                          p.task.id, why)
+                dsp.refuse_unsendable(tx, p.rank, p.token, why)
+                if active is not None:
+                    active.pop(p.rank, None)
+                self._idle.append(p.rank)
+                self._may_have_queued = True
+                continue
+            plan.append((p, data))
+        return plan
 
-    def _send_work(self, p: dsp.Planned, data: bytes | None) -> None:
+    def _send_work(self, p: dsp.Planned, data: bytes) -> None:
         try:
-            self.transport.send_work(encode(Work(token=p.token, task=p.task.payload,
-                                                 input=data)), p.rank)
+            self.transport.send_work(data, p.rank)
             self._sent.append(p.token)
         except SendFailed as e:
             log.error("%s", e)

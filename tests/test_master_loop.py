@@ -255,6 +255,37 @@ def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
         store.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on(tmp_path):
+    """A payload the wire format cannot carry (an integer past 2**64, refused at import now but
+    stored by older versions) used to raise after the COMMIT, ending the master, and again at
+    every --resume. Its dispatch is rewound before the send and the task held as failed with the
+    reason; the rank takes the next task."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 4)
+    try:
+        with store.transaction("an older version's row") as tx:
+            tx.db.execute("UPDATE tasks SET payload = ? WHERE id = 2",
+                          (f'{{"data": {{"n": {2**70}}}, "path": "demo:2"}}',))
+        summary = Master(store, ScriptedAnswers(1, _answered_after(0)), MasterConfig(
+            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=None)).run()
+    finally:
+        store.close()
+    assert summary.committed == 3
+    with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
+        states = db.execute("SELECT id, state, dispatches, attempts FROM tasks ORDER BY id"
+                            ).fetchall()
+        reason = db.execute("SELECT reason FROM tasks WHERE id = 2").fetchone()[0]
+        events = db.execute("SELECT kind FROM events WHERE task_id = 2 AND kind NOT IN "
+                            "('enqueued', 'dispatched') ORDER BY id").fetchall()
+        left = db.execute("SELECT count(*) FROM dispatches").fetchone()[0]
+        rank = db.execute("SELECT state FROM workers WHERE rank = 1").fetchone()[0]
+    assert states == [(1, "done", 1, 0), (2, "failed", 0, 0), (3, "done", 1, 0),
+                      (4, "done", 1, 0)]
+    assert reason.startswith("its WORK message cannot be built: OverflowError"), reason
+    assert events == [("send_failed",), ("failed",)]
+    assert (left, rank) == (0, "stopped")
+
+
 class OneSilentRank(StaggeredRanks):
     """Rank 1 answers each WORK by the next drain. Rank 2 is silent: `never-heard` ranks never
     send their first READY (a rank stuck starting); `parked` ones send it, take a WORK and never
