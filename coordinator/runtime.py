@@ -151,7 +151,7 @@ def _master(cfg: RunConfig, transport) -> int:
     from .cli import describe
     from .config import DEFAULT_DEMO_TASKS, campaign_settings, check_resume
     from .master import NO_WORKERS_LEFT
-    from .sources import TaskFileError, demo_tasks, load_tasks_jsonl
+    from .sources import TaskFileError, afl_queue_missing, demo_tasks, load_tasks_jsonl
     from .transport import host_and_pid
 
     started = time.monotonic()
@@ -272,10 +272,8 @@ def _master(cfg: RunConfig, transport) -> int:
               f"gone stay deferred", file=sys.stderr, flush=True)
     for note in notes:
         print(f"coordinator: note: {note}", file=sys.stderr, flush=True)
-    if cfg.afl_out is not None and not (cfg.afl_out / cfg.fuzzer / "queue").is_dir():
-        print(f"coordinator: {cfg.afl_out / cfg.fuzzer / 'queue'} does not exist yet; waiting "
-              f"for it (is AFL running with -o {cfg.afl_out} and -M/-S {cfg.fuzzer}?)",
-              file=sys.stderr, flush=True)
+    if cfg.afl_out is not None and (note := afl_queue_missing(cfg.afl_out, cfg.fuzzer)):
+        print(f"coordinator: {note}", file=sys.stderr, flush=True)
     try:
         summary = master.run()
     except StoreWriteError as e:

@@ -27,6 +27,7 @@ __all__ = [
     "TASK_FILE_FIELDS",
     "TaskFileError",
     "TasksFile",
+    "afl_queue_missing",
     "demo_tasks",
     "load_tasks_jsonl",
 ]
@@ -214,6 +215,17 @@ class AflQueueSource:
 def _as_text(path: str | os.PathLike[str]) -> str:
     """A file name as valid UTF-8 text: bytes that are not UTF-8 become `\\xNN` escapes."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def afl_queue_missing(afl_out: pathlib.Path, fuzzer: str) -> str | None:
+    """The start's note when the queue to watch is not there yet (AFL creates it when it
+    starts): None if something is at that path, even something else, which the source itself
+    reports once rather than being waited for."""
+    queue = afl_out / fuzzer / "queue"
+    if os.path.exists(queue):
+        return None
+    return (f"{queue} does not exist yet; waiting for it (is AFL running with -o {afl_out} "
+            f"and -M/-S {fuzzer}?)")
 
 
 def _is_dir(entry: os.DirEntry) -> bool:

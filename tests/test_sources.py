@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from coordinator.sources import AflQueueSource, NewInput, TaskFileError, demo_tasks, load_tasks_jsonl
+from coordinator.sources import (
+    AflQueueSource, NewInput, TaskFileError, afl_queue_missing, demo_tasks, load_tasks_jsonl,
+)
 from store.campaign import Store
 from store.tasks import enqueue_tasks
 
@@ -163,6 +165,11 @@ def test_afl_symlink_loop_and_unreadable_queue_do_not_stop_the_run(tmp_path, que
     monkeypatch.setattr(os, "scandir", denied)  # a second outage is reported again
     assert source.poll() == []
     assert capsys.readouterr().err.count("cannot read the AFL queue") == 1
+    # ... and the start does not also say it waits for the queue to be created
+    assert afl_queue_missing(tmp_path / "afl_out", "main") is None
+    assert "does not exist yet" in afl_queue_missing(tmp_path / "afl_out", "other")
+    (tmp_path / "afl_out" / "other" / "queue").mkdir(parents=True)
+    assert afl_queue_missing(tmp_path / "afl_out", "other") is None
 
 
 def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
@@ -438,3 +445,8 @@ def test_a_file_where_the_afl_queue_should_be_is_said_once(tmp_path, capsys):
     source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
     assert source.poll() == [] and source.poll() == []
     assert capsys.readouterr().err.count("cannot read the AFL queue") == 1
+    # ... and the start does not also say it waits for the queue to be created
+    assert afl_queue_missing(tmp_path / "afl_out", "main") is None
+    assert "does not exist yet" in afl_queue_missing(tmp_path / "afl_out", "other")
+    (tmp_path / "afl_out" / "other" / "queue").mkdir(parents=True)
+    assert afl_queue_missing(tmp_path / "afl_out", "other") is None
