@@ -145,13 +145,14 @@ def cancel_dispatch(tx: Tx, rank: int, token: str, *,
     return _rewind(tx, rank, token, worker_state, detail) is not None
 
 
-def _rewind(tx: Tx, rank: int, token: str, worker_state: WorkerState,
-            detail: str | None) -> int | None:
-    """`cancel_dispatch`, returning the task's id (None: no such unsent dispatch)."""
+def _rewind(tx: Tx, rank: int, token: str, worker_state: WorkerState, detail: str | None,
+            to: TaskState = TaskState.QUEUED, reason: str | None = None) -> int | None:
+    """`cancel_dispatch`, the task going `to` that state; returns the task's id (None: no
+    such unsent dispatch)."""
     row = _take(tx, rank, token, unsent_only=True)
     if row is None:
         return None
-    if not set_state(tx, row[0], TaskState.ACTIVE, TaskState.QUEUED, dispatches_delta=-1):
+    if not set_state(tx, row[0], TaskState.ACTIVE, to, dispatches_delta=-1, reason=reason):
         raise FenceError(f"task {row[0]} of dispatch {token[:12]} was not active")
     set_workers(tx, [(rank, worker_state)])
     tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=row[0], detail=detail)
@@ -163,12 +164,11 @@ def refuse_unsendable(tx: Tx, rank: int, token: str, why: str) -> bool:
     that the wire format cannot carry): the dispatch is rewound as for a failed send, and the
     task is held as failed with the reason, since every later dispatch would fail the same way
     (and a master that raised here would do so again at each --resume). The rank stays idle."""
-    task_id = _rewind(tx, rank, token, WorkerState.IDLE, f"WORK not built: {why}")
+    reason = f"its WORK message cannot be built: {why}"
+    task_id = _rewind(tx, rank, token, WorkerState.IDLE, f"WORK not built: {why}",
+                      to=TaskState.FAILED, reason=reason)
     if task_id is None:
         return False
-    reason = f"its WORK message cannot be built: {why}"
-    if not set_state(tx, task_id, TaskState.QUEUED, TaskState.FAILED, reason=reason):
-        raise FenceError(f"task {task_id} of dispatch {token[:12]} was not put back")
     tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=reason)
     return True
 

@@ -51,13 +51,15 @@ class TaskState(str, enum.Enum):
     FAILED = "failed"      # past the attempt ceiling; held until `coordinator requeue`
 
 
-#: Allowed task transitions (tested against what the store does).
+#: Allowed task transitions. `tasks.set_state` refuses any other; the tests log every change
+#: of `tasks.state` the store makes, its bulk statements included (dispatch, commit, reclaim,
+#: requeue), and check each against this table (conftest.TRANSITION_LOG).
 TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
     TaskState.QUEUED: frozenset({TaskState.ACTIVE}),
     TaskState.ACTIVE: frozenset(
         {TaskState.DONE, TaskState.QUEUED, TaskState.DEFERRED, TaskState.FAILED}
     ),
-    TaskState.DONE: frozenset(),
+    TaskState.DONE: frozenset({TaskState.QUEUED}),  # `coordinator requeue --state error`
     TaskState.DEFERRED: frozenset({TaskState.QUEUED}),
     TaskState.FAILED: frozenset({TaskState.QUEUED}),
 }

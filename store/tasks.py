@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, func, select, update
 
 from .journal import RetryPolicy, Tx
-from .schema import EventKind, LeaseKind, TaskState, results, tasks
+from .schema import TASK_TRANSITIONS, EventKind, LeaseKind, TaskState, results, tasks
 from .semantic import canonical_form, canonical_json, content_hash, is_self_contained
 
 
@@ -211,7 +211,11 @@ def set_state(tx: Tx, task_id: int, expected: TaskState, new: TaskState, *,
               queue_pos: int | None = None, reason: str | None = None,
               attempts_delta: int = 0, budget_delta: int = 0,
               dispatches_delta: int = 0) -> bool:
-    """The one fenced task transition: changes the row only if it is in `expected`."""
+    """The one fenced task transition: changes the row only if it is in `expected`. A
+    transition outside `TASK_TRANSITIONS` is a bug in the caller, refused before any write."""
+    if new not in TASK_TRANSITIONS[expected]:
+        raise ValueError(f"task {task_id}: {expected.value} -> {new.value} is not a task "
+                         f"transition")
     values: dict[str, Any] = {"state": new.value, "updated_at": tx.now, "reason": reason}
     if queue_pos is not None:
         values["queue_pos"] = queue_pos

@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import text
 
-from conftest import Farm
+from conftest import Farm, assert_task_transitions_allowed, log_task_transitions
 from coordinator.gate import Gate, Inbound, Undecodable
 from store import dispatches as dsp
 from store.campaign import Store
@@ -128,6 +128,8 @@ class GateMachine(RuleBasedStateMachine):
         self.now = 1000.0
         self.store: Store | None = None
         self._open(resume=False)
+        # Every change of a task's state the store makes, by any statement, through restarts.
+        log_task_transitions(self.path)
         # -- the model --
         self.payloads = []
         for name, extra, stored, present in CATALOG:
@@ -711,6 +713,10 @@ class GateMachine(RuleBasedStateMachine):
             self.wstate[r], self.parked[r] = "unknown", None
 
     # -- invariants, by SQL on the file ------------------------------------------------------
+    @invariant()
+    def every_task_transition_is_an_allowed_one(self) -> None:
+        assert_task_transitions_allowed(self.path)
+
     @invariant()
     def the_file_agrees(self) -> None:
         if self.store is None:
