@@ -40,7 +40,7 @@ RUN_EPILOG = f"""\
 environment (a flag wins over its variable):
   {ENV_RESUME}=1                        same as --resume
   {ENV_RETRIES}=N     same as --retries (0..16, default 1)
-  {ENV_MAX_ATTEMPTS}=N        same as --max-attempts (default retries + 4)
+  {ENV_MAX_ATTEMPTS}=N         same as --max-attempts (default retries + 4)
   {ENV_TIMEOUT}=S                       same as --timeout (default 30)
   {ENV_WATCHDOG}=S         same as --watchdog (default max(120, 4 x timeout))
 
