@@ -75,9 +75,8 @@ def start(args: list[str], np: int = 4, ulfm: bool | None = None, cwd: Path | No
 
 class Job:
     """A started job, with `subprocess.Popen`'s interface. Open MPI's launcher sometimes
-    fails before any rank ran (LAUNCHER_FAILED); `master_pid` then launches it once more, and
-    the test goes on with the new job. (`wait_for` does not: it may wait on a job that ended
-    as it should. A test that waits for rows first waits them out and fails.)"""
+    fails before any rank ran (LAUNCHER_FAILED); `master_pid` and `wait_for` then launch it
+    once more, and the test goes on with the new job."""
 
     def __init__(self, argv: list[str], **popen_kw) -> None:
         self._argv, self._popen_kw = argv, popen_kw
@@ -194,21 +193,35 @@ def master_pid(db: Path, timeout: float = 60) -> int:
 
 
 def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
+    """Poll `sql`'s first value until `predicate` holds. If the test's latest job ends first,
+    the file will not change any more: fail at once, with the job's output, unless its
+    launcher failed before any rank ran (LAUNCHER_FAILED): then it is launched once more."""
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
-        try:
-            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
-                row = c.execute(sql).fetchone()
-            value = row[0] if row else None  # no row yet: keep polling
-            if predicate(value):
-                return value
-        except sqlite3.Error:
-            pass
+        job = _started[-1] if _started else None
+        ended = job is not None and job.poll() is not None
+        value, holds = _value_if(db, sql, predicate)
+        if holds:
+            return value
+        if ended:  # (checked before the read: that read saw all the job wrote)
+            _unless_the_job_ended(f"{sql!r} never satisfied the condition (last value "
+                                  f"{value!r})")
         time.sleep(0.05)
     _unless_the_job_ended(f"{sql!r} never satisfied the condition (last value {value!r})",
                           end_it=True)
     raise AssertionError("not reached")
+
+
+def _value_if(db: Path, sql: str, predicate) -> tuple[object, bool]:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True,
+                                                timeout=5)) as c:
+            row = c.execute(sql).fetchone()
+    except sqlite3.Error:
+        return None, False
+    value = row[0] if row else None  # no row yet: keep polling
+    return value, bool(predicate(value))
 
 
 def _unless_the_job_ended(what: str, end_it: bool = False) -> None:
