@@ -36,6 +36,22 @@ def test_resume_flag_wins_over_a_no_in_the_environment(tmp_path, monkeypatch):
     assert resolve(tmp_path, "--resume").resume is True
 
 
+def test_the_retry_budget_defaults_to_1_and_allows_0_to_16(tmp_path, monkeypatch):
+    """SPEC R7: SYMCC_DISPATCH_PROTOCOL_RETRIES, default 1, range 0-16."""
+    monkeypatch.delenv("SYMCC_DISPATCH_PROTOCOL_RETRIES", raising=False)
+    assert resolve(tmp_path).retries == 1
+    for value in ("0", "16"):
+        monkeypatch.setenv("SYMCC_DISPATCH_PROTOCOL_RETRIES", value)
+        assert resolve(tmp_path).retries == int(value)
+    for value in ("17", "-1"):
+        monkeypatch.setenv("SYMCC_DISPATCH_PROTOCOL_RETRIES", value)
+        with pytest.raises(ConfigError, match=r"SYMCC_DISPATCH_PROTOCOL_RETRIES.*0\.\.16"):
+            resolve(tmp_path)
+    monkeypatch.delenv("SYMCC_DISPATCH_PROTOCOL_RETRIES")
+    with pytest.raises(SystemExit):
+        resolve(tmp_path, "--retries", "17")
+
+
 def test_command_executor_on_demo_tasks_is_refused(tmp_path):
     """Demo tasks carry no input file: every run would end in an error result."""
     with pytest.raises(ConfigError, match="--demo tasks have none"):

@@ -659,3 +659,65 @@ def test_a_callable_whose_import_exits_is_a_bad_spec(tmp_path):
     script.write_text("import sys\nsys.exit(3)\ndef work(x):\n    return x\n")
     with pytest.raises(ValueError, match=r"cannot import .*SystemExit: 3"):
         make_executor("python", callable_spec=f"{script}:work")
+
+
+class _WorkerSide:
+    """The part of `Transport` a worker uses: a script of messages from the master, and what
+    the worker sent back."""
+
+    rank, fault_tolerant = 1, False
+
+    def __init__(self, messages):
+        from collections import deque
+        self.inbox = deque(messages)
+        self.results: list[dict] = []
+        self.readies: list[dict] = []
+
+    def wait_for_master(self, backoff, timeout_s):
+        return self.inbox.popleft() if self.inbox else None
+
+    def send_result(self, data: bytes) -> None:
+        import msgspec
+        self.results.append(msgspec.msgpack.decode(data))
+
+    def send_ready(self, data: bytes) -> None:
+        import msgspec
+        self.readies.append(msgspec.msgpack.decode(data))
+
+    def send_stop_ack(self, data: bytes) -> None:
+        pass
+
+
+class _Counting:
+    needs_workdir = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, task, input_bytes, workdir):
+        from coordinator.executors import ExecOutcome
+        self.calls += 1
+        return ExecOutcome("ok", value={"token": "f" * 64, "echo": task})
+
+
+def test_the_worker_runs_no_work_whose_token_is_not_canonical(tmp_path):
+    """SPEC R1: a WORK whose token is not canonical is a protocol error on the worker: nothing
+    runs and no RESULT is sent (there is no token to echo). A canonical one runs, and its
+    RESULT carries the WORK's token, whatever the value holds (the single sender overwrites it),
+    then READY echoes that token."""
+    from coordinator.transport import Received
+    from coordinator.wire import TAG_STOP, TAG_WORK, Stop, Work, encode
+    from coordinator.worker import _serve
+    good = "a" * 64
+    side = _WorkerSide([
+        Received(0, TAG_WORK, encode(Work(token=good.upper(), task={"data": 1}))),
+        Received(0, TAG_WORK, encode(Work(token=good[:-1], task={"data": 2}))),
+        Received(0, TAG_WORK, encode(Work(token=good, task={"data": 3}))),
+        Received(0, TAG_STOP, encode(Stop(token="b" * 64))),
+    ])
+    executor = _Counting()
+    assert _serve(side, executor, tmp_path, None) == 0
+    assert executor.calls == 1
+    assert [r["token"] for r in side.results] == [good]
+    assert side.results[0]["value"] == {"token": "f" * 64, "echo": {"data": 3}}
+    assert [r["completed_dispatch_token"] for r in side.readies] == ["", good]

@@ -281,6 +281,7 @@ def test_ceiling_holds_the_task_as_failed_with_its_reason(db_path):
     assert outcomes == [TaskState.QUEUED, TaskState.QUEUED, TaskState.FAILED]
     t = rows(farm, tasks, tasks.c.id == tid)[0]
     assert t.state == "failed" and "3 failed attempts" in t.reason
+    assert (t.attempts, t.budget_used) == (3, 3)  # the last failure is charged like the others
     farm.close()
 
 
@@ -420,6 +421,12 @@ def test_identity_ignores_key_order_and_tokens_and_defaults(farm):
     assert semantic_id({"path": "p", "target_branch": 0}) == semantic_id({"path": "p"})
     assert semantic_id({"path": "p", "target_branch": 2**64}) == semantic_id({"path": "p"})
     assert farm.enqueue(FULL, reordered) == [1]  # the same payload twice is one task
+    # ... at every depth: a continuation or data mapping in another key order too
+    nested = {"path": "p", "continuation": {"a": 1, "b": {"x": 2, "y": 3}},
+              "data": {"m": 1, "n": 2}}
+    renested = {"data": {"n": 2, "m": 1}, "continuation": {"b": {"y": 3, "x": 2}, "a": 1},
+                "path": "p"}
+    assert semantic_id(renested) == semantic_id(nested)
     farm.ready(1, "")
     assert farm.dispatch(1)  # a token now exists for it; the stored identity is unchanged
     assert rows(farm, tasks)[0].semantic_id == semantic_id(FULL)
@@ -464,6 +471,19 @@ def test_stats_text_labels(farm):
     assert "Protocol-requeued dispatches: 1\n" in text
     assert "Protocol-deferred dispatches: 0\n" in text
     assert "Dispatch watchdog timeouts: 0\n" in text
+
+
+def test_stats_text_sorts_the_reasons_whatever_order_they_come_in():
+    """R10: reasons sorted, joined by commas without spaces (the store's GROUP BY happens to
+    return them sorted through its index; the text must not depend on that)."""
+    from store.stats import Stats
+    s = Stats(tasks={}, results=0, quarantine={"result": {"stale": 1, "malformed": 2},
+                                               "ready": {"unowned": 3, "missing": 4}},
+              requeued=0, deferred=0, watchdog_timeouts=0, watchdog_recoveries=0,
+              incarnation=1, schema_revision=None)
+    text = stats_text(s)
+    assert "Quarantined worker results: 3 (malformed=2,stale=1)\n" in text
+    assert "Quarantined worker ready messages: 7 (missing=4,unowned=3)\n" in text
 
 
 def test_with_ready_mark_changes_only_the_mark():

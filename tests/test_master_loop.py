@@ -286,6 +286,42 @@ def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on
     assert (left, rank) == (0, "stopped")
 
 
+@pytest.mark.timeout(60)
+def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_path):
+    """Pre-send compensation (SPEC R6): the WORK never left, so nothing is charged: the task
+    keeps its queue place and its counts, the event is `send_failed` (no requeue, no
+    recovery), and the rank that could not be reached is marked failed and left alone."""
+    from coordinator.transport import SendFailed
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 4)
+    try:
+        ranks = ScriptedAnswers(2, _answered_after(0))
+        answer = ranks.send_work
+
+        def send_work(data: bytes, dest: int) -> None:
+            if dest == 2:
+                raise SendFailed(2, OSError("connection reset"))
+            answer(data, dest)
+
+        ranks.send_work = send_work
+        summary = Master(store, ranks, MasterConfig(
+            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=None)).run()
+    finally:
+        store.close()
+    assert summary.committed == 4
+    with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
+        failed_on = db.execute("SELECT task_id FROM events WHERE kind = 'send_failed'"
+                               ).fetchall()
+        kinds = {k for (k,) in db.execute("SELECT kind FROM events")}
+        counts = db.execute("SELECT id, attempts, budget_used, dispatches FROM tasks "
+                            "ORDER BY id").fetchall()
+        rank_2 = db.execute("SELECT state FROM workers WHERE rank = 2").fetchone()[0]
+        by_rank = db.execute("SELECT DISTINCT rank FROM results").fetchall()
+    assert failed_on == [(2,)]  # rank 1 took task 1; task 2 went to rank 2 and stayed first
+    assert not kinds & {"requeued", "recovered", "deferred", "failed"}
+    assert counts == [(i, 0, 0, 1) for i in range(1, 5)]  # the failed send left no count
+    assert (rank_2, by_rank) == ("failed", [(1,)])
+
+
 class OneSilentRank(StaggeredRanks):
     """Rank 1 answers each WORK by the next drain. Rank 2 is silent: `never-heard` ranks never
     send their first READY (a rank stuck starting); `parked` ones send it, take a WORK and never
