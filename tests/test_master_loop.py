@@ -255,21 +255,31 @@ def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
         store.close()
 
 
+def _run_demo_tasks(tmp_path, n: int, ranks, prepare=None):
+    """A whole run of the master over n demo tasks in tmp_path/c.db (after `prepare(store)`),
+    with no linger; its Summary."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", n)
+    try:
+        if prepare is not None:
+            prepare(store)
+        return Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=1, stop_wait_s=1,
+                                                 stats_file=None)).run()
+    finally:
+        store.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on(tmp_path):
     """A payload the wire format cannot carry (an integer past 2**64, refused at import now but
     stored by older versions) used to raise after the COMMIT, ending the master, and again at
     every --resume. Its dispatch is rewound before the send and the task held as failed with the
     reason; the rank takes the next task."""
-    store = _campaign_of_demo_tasks(tmp_path / "c.db", 4)
-    try:
+    def older_row(store: Store) -> None:
         with store.transaction("an older version's row") as tx:
             tx.db.execute("UPDATE tasks SET payload = ? WHERE id = 2",
                           (f'{{"data": {{"n": {2**70}}}, "path": "demo:2"}}',))
-        summary = Master(store, ScriptedAnswers(1, _answered_after(0)), MasterConfig(
-            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=None)).run()
-    finally:
-        store.close()
+
+    summary = _run_demo_tasks(tmp_path, 4, ScriptedAnswers(1, _answered_after(0)), older_row)
     assert summary.committed == 3
     with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
         states = db.execute("SELECT id, state, dispatches, attempts FROM tasks ORDER BY id"
@@ -292,22 +302,16 @@ def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_pat
     keeps its queue place and its counts, the event is `send_failed` (no requeue, no
     recovery), and the rank that could not be reached is marked failed and left alone."""
     from coordinator.transport import SendFailed
-    store = _campaign_of_demo_tasks(tmp_path / "c.db", 4)
-    try:
-        ranks = ScriptedAnswers(2, _answered_after(0))
-        answer = ranks.send_work
+    ranks = ScriptedAnswers(2, _answered_after(0))
+    answer = ranks.send_work
 
-        def send_work(data: bytes, dest: int) -> None:
-            if dest == 2:
-                raise SendFailed(2, OSError("connection reset"))
-            answer(data, dest)
+    def send_work(data: bytes, dest: int) -> None:
+        if dest == 2:
+            raise SendFailed(2, OSError("connection reset"))
+        answer(data, dest)
 
-        ranks.send_work = send_work
-        summary = Master(store, ranks, MasterConfig(
-            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=None)).run()
-    finally:
-        store.close()
-    assert summary.committed == 4
+    ranks.send_work = send_work
+    assert _run_demo_tasks(tmp_path, 4, ranks).committed == 4
     with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
         failed_on = db.execute("SELECT task_id FROM events WHERE kind = 'send_failed'"
                                ).fetchall()
