@@ -43,6 +43,7 @@ from .sources import NewInput
 from .transport import Backoff, SendFailed, Transport
 from .wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    ENCODE_ERRORS,
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
@@ -353,7 +354,7 @@ class Master:
             try:
                 data = encode(Work(token=p.token, task=p.task.payload,
                                    input=task_ops.input_bytes(tx, p.task.input_hash)))
-            except (TypeError, ValueError, OverflowError, RecursionError) as e:
+            except ENCODE_ERRORS as e:
                 why = f"{type(e).__name__}: {e}"[:300]
                 log.error("task %d: its WORK message cannot be built (%s); held as failed",
                           p.task.id, why)

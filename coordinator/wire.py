@@ -75,6 +75,12 @@ def encode(msg: msgspec.Struct | dict[str, Any]) -> bytes:
     return _encoder.encode(msg)
 
 
+#: What `encode` raises for a value no message can carry: an integer out of msgpack's range
+#: (OverflowError), a type it does not know (TypeError), a string that is not Unicode
+#: (UnicodeError, a ValueError), nesting past the recursion limit.
+ENCODE_ERRORS = (msgspec.EncodeError, TypeError, ValueError, OverflowError, RecursionError)
+
+
 def decode_inbound(data: bytes | bytearray | memoryview, max_bytes: int) -> object:
     """Master side: bytes from a worker -> a plain value, or `Undecodable` with the reason."""
     if len(data) > max_bytes:

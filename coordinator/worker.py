@@ -24,7 +24,16 @@ import msgspec
 from .executors import ExecOutcome, Executor, kill_running_commands, teardown_when_safe
 from .protocol import is_token
 from .transport import Backoff, MasterGone, SendFailed, Transport, host_and_pid
-from .wire import TAG_STOP, Ready, Result, Stop, decode_stop, decode_work, encode
+from .wire import (
+    ENCODE_ERRORS,
+    TAG_STOP,
+    Ready,
+    Result,
+    Stop,
+    decode_stop,
+    decode_work,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +95,7 @@ class Sender:
         that dies on every try or a message quarantined on every retry."""
         try:
             data = encode(self.result_message(token, outcome))
-        except (UnicodeError, msgspec.EncodeError, TypeError, ValueError, OverflowError) as e:
+        except ENCODE_ERRORS as e:
             why = f"the result cannot be sent: {type(e).__name__}: {e}"
         else:
             if self.max_message_bytes is None or len(data) <= self.max_message_bytes:
