@@ -193,7 +193,7 @@ class Gate:
                 detail = _detail(m.body)
                 if status is ReadyStatus.UNOWNED:
                     detail = (f"ownership rows disagree for dispatch {a.token if a else None}: "
-                              f"task not active or work lease missing")
+                              f"its task is not active")
                     log.error("rank %d: %s", m.rank, detail)
                 tx.quarantine(Channel.READY, QuarantineReason(status.value), m.rank,
                               token=token, expected=expected, detail=detail)

@@ -35,7 +35,7 @@ class ActiveDispatch:
     ready: bool
     invalid_reason: str | None
     deadline: float | None
-    #: False when the rows disagree about who owns what (task not active, work lease gone):
+    #: False when the rows disagree about who owns what (the dispatch's task is not active):
     #: an internal invariant is broken, and READY from this rank is classified `unowned`.
     consistent: bool
 
@@ -83,22 +83,22 @@ class Recovery:
 
 _ACTIVE = """
 SELECT d.token, d.rank, d.task_id, d.incarnation, d.sent_at, d.ready_at, d.invalid_reason,
-       d.deadline, t.state,
-       EXISTS (SELECT 1 FROM leases l WHERE l.token = d.token AND l.kind = 'work')
-FROM dispatches d JOIN tasks t ON t.id = d.task_id
+       d.deadline, t.state = 'active'
+FROM dispatches d LEFT JOIN tasks t ON t.id = d.task_id
 """
 
 
 def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
     """Every active dispatch with its ownership check, in one query."""
     return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3], r[4] is not None, r[5] is not None,
-                                 r[6], r[7], consistent=r[8] == "active" and bool(r[9]))
+                                 r[6], r[7], consistent=r[8] == 1)
             for r in tx.db.execute(_ACTIVE)}
 
 
 def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
-    """Before the send: task active, a dispatch row with its fresh token, one lease per
-    reservation, the rank busy. The caller commits, then sends."""
+    """Before the send: task active, a dispatch row with its fresh token, one lease per side
+    reservation, the rank busy. The caller commits, then sends. No event: the dispatch row is
+    the record while it is active, then its results row or its `dispatched` event (`_take`)."""
     if not plan:
         return
     db = tx.db
@@ -116,8 +116,6 @@ def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
     db.executemany("INSERT INTO leases (token, kind, key) VALUES (?, ?, ?)",
                    [(p.token, kind.value, key) for p in plan for kind, key in p.task.lease_keys()])
     set_workers(tx, [(p.rank, WorkerState.BUSY) for p in plan])
-    for p in plan:
-        tx.event(EventKind.DISPATCHED, rank=p.rank, token=p.token, task_id=p.task.id)
 
 
 def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
@@ -130,11 +128,20 @@ def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
 
 def _take(tx: Tx, rank: int, token: str, *, unsent_only: bool = False) -> Any | None:
     """Delete the dispatch (rank, token) and return (task_id, sent_at, ready_at); None if it
-    is not current. Its leases go with it (ON DELETE CASCADE)."""
+    is not current. Its leases go with it (ON DELETE CASCADE).
+
+    A dispatch that ends here ends without a result, so its `dispatched` event is written now,
+    with the time and incarnation it was recorded in: the record a committed dispatch has in
+    its results row. A pre-send rewind (`unsent_only`) is a dispatch that never was: none."""
     sql = "DELETE FROM dispatches WHERE rank = ? AND token = ?"
     if unsent_only:
         sql += " AND sent_at IS NULL"
-    return tx.db.execute(sql + " RETURNING task_id, sent_at, ready_at", (rank, token)).fetchone()
+    row = tx.db.execute(sql + " RETURNING task_id, sent_at, ready_at, created_at, incarnation",
+                        (rank, token)).fetchone()
+    if row is not None and not unsent_only:
+        tx.event(EventKind.DISPATCHED, rank=rank, token=token, task_id=row[0], at=row[3],
+                 incarnation=row[4])
+    return row
 
 
 def cancel_dispatch(tx: Tx, rank: int, token: str, *,
@@ -202,12 +209,14 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
         if a is None or a.token != it.token:
             raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
     db = tx.db
-    # The result row is the record of the commit (no separate event): it takes the task, the
-    # token and the send/READY times from the dispatch row, which must still be there.
+    # The result row is the record of the commit and of its dispatch (no event for either): it
+    # takes the task, the token and the dispatch/send/READY times from the dispatch row,
+    # which must still be there.
     n = db.executemany(
         "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
-        "testcases, new_tasks, detail, sent_at, ready_at) SELECT task_id, token, rank, ?, ?, "
-        "?, ?, ?, ?, ?, sent_at, ready_at FROM dispatches WHERE rank = ? AND token = ?",
+        "testcases, new_tasks, detail, sent_at, ready_at, dispatched_at) SELECT task_id, token, "
+        "rank, ?, ?, ?, ?, ?, ?, ?, sent_at, ready_at, created_at FROM dispatches "
+        "WHERE rank = ? AND token = ?",
         [(tx.incarnation, tx.now, it.status, it.value_json, it.testcases, it.new_tasks,
           it.detail, it.rank, it.token) for it in items]).rowcount
     if n == len(items):

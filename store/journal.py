@@ -60,9 +60,13 @@ class Tx:
     _db: sqlite3.Connection | None = None
 
     def event(self, kind: EventKind, *, rank: int | None = None, token: str | None = None,
-              task_id: int | None = None, detail: str | None = None) -> None:
-        self._events.append((self.now, self.incarnation, kind.value, rank, token, task_id,
-                             detail))
+              task_id: int | None = None, detail: str | None = None, at: float | None = None,
+              incarnation: int | None = None) -> None:
+        """`at` and `incarnation` default to this transaction's; a `dispatched` event, written
+        when its dispatch ends, gives the dispatch's own."""
+        self._events.append((self.now if at is None else at,
+                             self.incarnation if incarnation is None else incarnation,
+                             kind.value, rank, token, task_id, detail))
 
     def quarantine(self, channel: Channel, reason: QuarantineReason, rank: int, *,
                    token: object = None, expected: str | None = None,

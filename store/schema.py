@@ -2,10 +2,11 @@
 
 The database refuses what the code must never do:
 
-- one active dispatch per rank and per task (UNIQUE `dispatches.rank`, `dispatches.task_id`);
+- one active dispatch per rank and per task (UNIQUE `dispatches.rank`, `dispatches.task_id`):
+  the dispatch row is itself the task's reservation (its work lease);
 - at most one committed result per task (`results.task_id` is the primary key);
-- a lease is owned by its dispatch and removed with it (FK ... ON DELETE CASCADE), and a
-  resource is leased at most once (UNIQUE (kind, key));
+- a side-table lease is owned by its dispatch and removed with it (FK ... ON DELETE CASCADE),
+  and a resource is leased at most once (UNIQUE (kind, key));
 - every state is a small lowercase enum with a CHECK constraint;
 - a token is 64 lowercase hex characters (CHECK).
 
@@ -88,6 +89,9 @@ class QuarantineReason(str, enum.Enum):
 
 
 class LeaseKind(str, enum.Enum):
+    # Written before revision 0007 only: the dispatch row (UNIQUE task_id) is the task's own
+    # reservation, and a row per dispatch in a third table cost the master ~3 written pages
+    # per commit. Kept so that older files stay valid (the order is the CHECK constraint's).
     WORK = "work"        # the task itself (semantic id)
     TARGET = "target"    # a target branch being solved
     CONTENT = "content"  # the input's content hash
@@ -97,7 +101,11 @@ class LeaseKind(str, enum.Enum):
 class EventKind(str, enum.Enum):
     CAMPAIGN = "campaign"            # an incarnation started (detail: resume or new)
     ENQUEUED = "enqueued"
-    DISPATCHED = "dispatched"        # dispatch row recorded (before the send)
+    # A dispatch that ended without its result (rolled back, requeued, interrupted, or its
+    # result discarded by `requeue --state error`), written as it ends with `at` = when the
+    # dispatch was recorded. A committed dispatch's record is its results row (revision 0007:
+    # `results.dispatched_at`); before 0007 this was written for every dispatch.
+    DISPATCHED = "dispatched"
     SEND_FAILED = "send_failed"      # pre-send compensation: rewound exactly
     # READY and COMMITTED are not written since revision 0002 (the results row holds both
     # facts; each event cost the master ~20 µs per task on its critical path); kept so that
@@ -190,8 +198,18 @@ tasks = Table(
     CheckConstraint(TOKEN_CHECK.format(c="semantic_id"), name="semantic_id_hex"),
     CheckConstraint("attempts >= 0 AND dispatches >= 0", name="counts"),
 )
-Index("ix_tasks_queue", tasks.c.queue_pos, tasks.c.id, sqlite_where=tasks.c.state == "queued")
-Index("ix_tasks_state", tasks.c.state)
+# `state` is in the queue index (revision 0007) only so that counting the queued tasks reads
+# the index alone: SQLite reads each row for a column the index lacks, even for the term that
+# is the partial index's own condition.
+Index("ix_tasks_queue", tasks.c.queue_pos, tasks.c.id, tasks.c.state,
+      sqlite_where=tasks.c.state == "queued")
+#: The held states, as literal SQL: a query must repeat this very term for SQLite to read
+#: `ix_tasks_held`. Only held tasks are in it (revision 0007): an index of every task's state
+#: had each dispatch and each commit move an entry, ~3 written pages per commit. The other
+#: counts come from the rows that define those states: `ix_tasks_queue` (queued), one
+#: `dispatches` row per active task, one `results` row per done task (`count_by_state`).
+HELD_STATES_SQL = "state IN ('deferred', 'failed')"
+Index("ix_tasks_held", tasks.c.state, sqlite_where=text(HELD_STATES_SQL))
 
 dispatches = Table(
     "dispatches",
@@ -262,6 +280,10 @@ results = Table(
     # Why a run with a non-ok status failed, clipped (revision 0003); NULL for ok results,
     # unless the command executor dropped output files over its limits (its note).
     Column("detail", Text, nullable=True),
+    # When the committed dispatch was recorded (its row's `created_at`; revision 0007): with
+    # token, rank and incarnation, the record of the dispatch itself, in place of the
+    # `dispatched` event each dispatch had before (two written pages per commit).
+    Column("dispatched_at", Float, nullable=True),
 )
 # Counts by status and `count(*)` read this narrow index; new entries go to the end of the
 # `ok` run, so a commit writes one of its pages, not one per result (revision 0005).

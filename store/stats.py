@@ -12,6 +12,7 @@ from sqlalchemy import Connection, func, select, text
 
 from .schema import (
     COUNTED_KIND_SQL,
+    HELD_STATES_SQL,
     Channel,
     EventKind,
     TaskState,
@@ -100,11 +101,12 @@ def recent_failures(conn: Connection, limit: int = 5) -> list[tuple[int, int, st
 
 def held_reasons(conn: Connection, limit: int = 3) -> dict[str, list[tuple[str, int]]]:
     """For deferred and failed tasks: their most common reasons, with counts (state ->
-    [(reason, n)], most common first). Read through ix_tasks_state: held tasks only."""
+    [(reason, n)], most common first). Read through ix_tasks_held: held tasks only."""
     held: dict[str, list[tuple[str, int]]] = {}
     for state in (TaskState.DEFERRED.value, TaskState.FAILED.value):
         rows = conn.execute(
-            select(tasks.c.reason, func.count()).where(tasks.c.state == state)
+            select(tasks.c.reason, func.count()).where(text(HELD_STATES_SQL),
+                                                       tasks.c.state == state)
             .group_by(tasks.c.reason).order_by(func.count().desc(), tasks.c.reason)
             .limit(limit)).all()
         if rows:

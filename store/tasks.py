@@ -8,10 +8,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, select, update
+from sqlalchemy import Connection, and_, exists, func, select, text, update
 
 from .journal import RetryPolicy, Tx
-from .schema import TASK_TRANSITIONS, EventKind, LeaseKind, TaskState, results, tasks
+from .schema import (
+    HELD_STATES_SQL,
+    TASK_TRANSITIONS,
+    EventKind,
+    LeaseKind,
+    TaskState,
+    events,
+    results,
+    tasks,
+)
 from .semantic import canonical_form, canonical_json, content_hash, is_self_contained
 
 
@@ -28,8 +37,9 @@ class TaskRecord:
     reason: str | None
 
     def lease_keys(self) -> list[tuple[LeaseKind, str]]:
-        """Every side-table reservation a dispatch of this task holds (one lease row each)."""
-        keys = [(LeaseKind.WORK, self.semantic_id)]
+        """Every side-table reservation a dispatch of this task holds (one lease row each).
+        The task itself is reserved by the dispatch row (UNIQUE task_id), not by a lease."""
+        keys = []
         if self.payload.get("target_branch"):
             keys.append((LeaseKind.TARGET, str(self.payload["target_branch"])))
         if self.input_hash:
@@ -43,6 +53,10 @@ _TASK_COLUMNS = (tasks.c.id, tasks.c.semantic_id, tasks.c.payload, tasks.c.input
                  tasks.c.state, tasks.c.attempts, tasks.c.dispatches, tasks.c.depth,
                  tasks.c.reason)
 
+
+#: `ix_tasks_held`'s condition, for a query SQLite should read that index for (it uses a
+#: partial index only when the query repeats the index's own term).
+_HELD = text(HELD_STATES_SQL)
 
 def _record(row: Any) -> TaskRecord:
     return TaskRecord(row.id, row.semantic_id, json.loads(row.payload), row.input_hash,
@@ -148,8 +162,7 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
     if n <= 0:
         return []
     db = tx.db
-    held = {(LeaseKind(k), key) for k, key in db.execute(
-        "SELECT kind, key FROM leases WHERE kind != 'work'")}
+    held = {(LeaseKind(k), key) for k, key in db.execute("SELECT kind, key FROM leases")}
     sql = _QUEUED_FREE if held else _QUEUED_ALL
     picked: list[TaskRecord] = []
     window = max(4 * n, 16)
@@ -164,7 +177,7 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
                 after = (row[9], row[0])
                 rec = TaskRecord(row[0], row[1], json.loads(row[2]), row[3],
                                  TaskState(row[4]), row[5], row[6], row[7], row[8])
-                keys = [k for k in rec.lease_keys() if k[0] is not LeaseKind.WORK]
+                keys = rec.lease_keys()
                 if any(k in held for k in keys):
                     continue
                 held.update(keys)
@@ -245,7 +258,7 @@ def reclaim_deferred(tx: Tx, available: Callable[[Mapping[str, Any]], bool] = in
     with the reason (never deleted). Returns (reclaimed ids, refused ids).
     """
     rows = tx.conn.execute(
-        select(*_TASK_COLUMNS).where(tasks.c.state == TaskState.DEFERRED.value)
+        select(*_TASK_COLUMNS).where(_HELD, tasks.c.state == TaskState.DEFERRED.value)
         .order_by(tasks.c.updated_at, tasks.c.id)
     ).all()
     admitted: list[TaskRecord] = []
@@ -285,7 +298,7 @@ def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
     order from `after_id` on, at most `limit` of them (the caller's next chunk starts after the
     last id returned)."""
     allowed = [s.value for s in states if s in (TaskState.FAILED, TaskState.DEFERRED)]
-    q = select(tasks.c.id, tasks.c.state).where(tasks.c.state.in_(allowed),
+    q = select(tasks.c.id, tasks.c.state).where(_HELD, tasks.c.state.in_(allowed),
                                                  tasks.c.id > after_id)
     if ids is not None:
         q = q.where(tasks.c.id.in_(list(ids)))
@@ -309,7 +322,12 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
     back to the tail with a fresh attempt budget. Only `done` tasks are touched, never a
     dispatched one, so it is safe while a master runs. `after_id` and `limit` as in
     `requeue_tasks`."""
-    q = (select(results.c.task_id, results.c.token, results.c.status, results.c.detail)
+    recorded = exists().where(events.c.task_id == results.c.task_id,
+                              events.c.token == results.c.token,
+                              events.c.kind == EventKind.DISPATCHED.value)
+    q = (select(results.c.task_id, results.c.token, results.c.status, results.c.detail,
+                results.c.rank, results.c.incarnation, results.c.dispatched_at,
+                recorded.label("recorded"))
          .join(tasks, tasks.c.id == results.c.task_id)
          .where(results.c.status != "ok", tasks.c.state == TaskState.DONE.value,
                 results.c.task_id > after_id))
@@ -323,6 +341,11 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
         "reason = NULL, updated_at = ? WHERE id = ? AND state = 'done'",
         [(pos + i, tx.now, r.task_id) for i, r in enumerate(rows)])
     for r in rows:
+        if r.dispatched_at is not None and not r.recorded:
+            # The discarded result was its dispatch's record: the dispatch now ends without
+            # one, so it gets its `dispatched` event, as every such dispatch does.
+            tx.event(EventKind.DISPATCHED, rank=r.rank, token=r.token, task_id=r.task_id,
+                     at=r.dispatched_at, incarnation=r.incarnation)
         why = (r.detail or "").strip().splitlines()
         tx.event(EventKind.MANUAL_REQUEUE, task_id=r.task_id, token=r.token,
                  detail=f"from done: its {r.status} result discarded"
@@ -330,9 +353,23 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
     return [r.task_id for r in rows]
 
 
+_COUNT_QUEUED = "SELECT count(*) FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued'"
+_COUNT_HELD = f"SELECT state, count(*) FROM tasks WHERE {HELD_STATES_SQL} GROUP BY state"
+
+
 def count_by_state(tx_or_conn: Any) -> dict[str, int]:
+    """Tasks by state, each counted from the rows that define it, through narrow indexes (the
+    live progress reads this twice a second, on campaigns of millions of tasks): queued ones
+    in `ix_tasks_queue`, active ones as their `dispatches` rows (one each, UNIQUE task_id),
+    done ones as their `results` rows (one each, the primary key), held ones in
+    `ix_tasks_held`. README query 13 and the audits check that the rows agree."""
     conn = getattr(tx_or_conn, "conn", tx_or_conn)
     counts = {s.value: 0 for s in TaskState}
-    for state, n in conn.execute(select(tasks.c.state, func.count()).group_by(tasks.c.state)):
+    counts[TaskState.QUEUED.value] = conn.exec_driver_sql(_COUNT_QUEUED).scalar_one()
+    counts[TaskState.ACTIVE.value] = conn.exec_driver_sql(
+        "SELECT count(*) FROM dispatches").scalar_one()
+    counts[TaskState.DONE.value] = conn.exec_driver_sql(
+        "SELECT count(*) FROM results").scalar_one()
+    for state, n in conn.exec_driver_sql(_COUNT_HELD):
         counts[state] = n
     return counts

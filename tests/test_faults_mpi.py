@@ -99,9 +99,13 @@ def quarantine_rows(db: Path) -> list[tuple]:
 
 
 def dispatched_to(db: Path, rank: int) -> list[str]:
-    """Tokens of every dispatch to `rank`, in dispatch order."""
-    return [t for (t,) in query(db, f"SELECT token FROM events WHERE kind = 'dispatched' "
-                                    f"AND rank = {rank} ORDER BY id")]
+    """Tokens of every dispatch to `rank`, in dispatch order: each is recorded by its result
+    (committed), its `dispatched` event (ended otherwise) or its dispatch row (in flight)."""
+    return [t for (t,) in query(db, f"SELECT token FROM (SELECT token, at AS t FROM events "
+                                    f"WHERE kind = 'dispatched' AND rank = {rank} UNION ALL "
+                                    f"SELECT token, dispatched_at FROM results WHERE rank = "
+                                    f"{rank} UNION ALL SELECT token, created_at FROM dispatches "
+                                    f"WHERE rank = {rank}) ORDER BY t")]
 
 
 def assert_status_agrees(db: Path) -> dict:
@@ -423,9 +427,9 @@ def test_a_slow_worker_is_waited_for(tmp_path):
     # each slow RESULT left 0.2-1 s after its WORK, and still committed (the send is recorded
     # by the master's next transaction, which may be the one that commits it)
     for token in slow:
-        [(took, sent)] = query(db, f"SELECT r.committed_at - d.at, r.sent_at - d.at "
-                                   f"FROM results r JOIN events d ON d.token = r.token "
-                                   f"AND d.kind = 'dispatched' WHERE r.token = '{token}'")
+        [(took, sent)] = query(db, f"SELECT committed_at - dispatched_at, "
+                                   f"sent_at - dispatched_at FROM results "
+                                   f"WHERE token = '{token}'")
         assert took >= 0.2 and 0 <= sent <= took
     assert quarantine_rows(db) == []
     assert "watchdog" not in event_counts(db) and "requeued" not in event_counts(db)

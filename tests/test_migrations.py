@@ -24,6 +24,7 @@ from store.campaign import Store
 from store.engine import open_engine
 from store.errors import DatabaseOpenError, SchemaVersionError, StoreWriteError
 from store.schema import (
+    HELD_STATES_SQL,
     Channel,
     EventKind,
     LeaseKind,
@@ -32,6 +33,7 @@ from store.schema import (
     WorkerState,
     metadata,
 )
+from store import tasks as task_ops
 from store.tasks import NewTask, enqueue_tasks
 
 with warnings.catch_warnings():
@@ -497,6 +499,79 @@ def test_0006_starts_each_budget_at_what_it_read_before_and_goes_back(tmp_path: 
     assert _dump(db)["rows"] == before  # every row, the stamp (0005) included
 
 
+def _at_0006_with_a_dispatch_in_flight(db: Path) -> None:
+    """A file written by 0006 code: a task of each state, a dispatch in flight with its `work`
+    and `target` leases, a committed result; a `dispatched` event for each dispatch."""
+    versioning.upgrade(db, "0006")
+    active, done = "a" * 64, "d" * 64
+    with sqlite3.connect(db) as conn:
+        for i, state in enumerate(["queued", "active", "done", "deferred", "failed"], start=1):
+            conn.execute("INSERT INTO tasks (id, semantic_id, payload, state, queue_pos, "
+                         "created_at, updated_at) VALUES (?, ?, '{}', ?, ?, 0, 0)",
+                         (i, f"{i:064x}", state, i))
+        conn.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at, "
+                     "sent_at) VALUES (?, 1, 2, 1, 10.5, 10.6)", (active,))
+        conn.execute("INSERT INTO leases (token, kind, key) VALUES (?, 'work', ?), "
+                     "(?, 'target', '7')", (active, f"{2:064x}", active))
+        conn.execute("INSERT INTO results (task_id, token, rank, incarnation, committed_at, "
+                     "status, sent_at) VALUES (3, ?, 2, 1, 9.0, 'ok', 8.6)", (done,))
+        conn.execute("INSERT INTO events (at, incarnation, kind, rank, token, task_id) VALUES "
+                     "(8.5, 1, 'dispatched', 2, ?, 3), (10.5, 1, 'dispatched', 1, ?, 2)",
+                     (done, active))
+
+
+def test_0007_drops_the_work_leases_fills_dispatched_at_and_goes_back(tmp_path: Path):
+    """0007 deletes the `work` leases (the dispatch row is the reservation), replaces the
+    state index by one of the held tasks, and gives each result the time of its `dispatched`
+    event; every other row is kept. A downgrade gives 0006 code what it expects: a `work`
+    lease per dispatch in flight, a `dispatched` event per dispatch, the state index."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    before = _dump(db)["rows"]
+    assert versioning.upgrade(db, "0007") == ("0006", "0007")
+    after = _dump(db)["rows"]
+    with sqlite3.connect(db) as conn:
+        leases = conn.execute("SELECT kind, key FROM leases").fetchall()
+        dispatched_at = conn.execute("SELECT task_id, dispatched_at FROM results").fetchall()
+        indexes = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE "
+                                              "type = 'index' AND tbl_name = 'tasks'")}
+    assert leases == [("target", "7")]
+    assert dispatched_at == [(3, 8.5)]
+    assert "ix_tasks_held" in indexes and "ix_tasks_state" not in indexes
+    for table in ("tasks", "dispatches", "events", "blobs", "workers", "quarantine"):
+        assert after[table] == before[table], table
+
+    _run_alembic(db, "downgrade", "0006")
+    got = _dump(db)["rows"]
+    assert {t: got[t] for t in got if t != "leases"} == {
+        t: before[t] for t in before if t != "leases"}
+    assert sorted(r[1:] for r in got["leases"]) == sorted(r[1:] for r in before["leases"])
+
+
+def test_0007_downgrade_records_the_dispatches_0007_wrote_no_event_for(tmp_path: Path):
+    """A result and a dispatch in flight written at 0007 have no `dispatched` event (their
+    rows are the record): the downgrade writes one for each, with their own times."""
+    db = tmp_path / "new.db"
+    versioning.upgrade(db, "0007")
+    with sqlite3.connect(db) as conn:
+        for i, state in ((1, "done"), (2, "active")):
+            conn.execute("INSERT INTO tasks (id, semantic_id, payload, state, queue_pos, "
+                         "created_at, updated_at) VALUES (?, ?, '{}', ?, ?, 0, 0)",
+                         (i, f"{i:064x}", state, i))
+        conn.execute("INSERT INTO results (task_id, token, rank, incarnation, committed_at, "
+                     "status, dispatched_at) VALUES (1, ?, 3, 2, 9.0, 'ok', 8.0)", ("1" * 64,))
+        conn.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at) "
+                     "VALUES (?, 1, 2, 2, 12.0)", ("2" * 64,))
+    _run_alembic(db, "downgrade", "0006")
+    with sqlite3.connect(db) as conn:
+        events = conn.execute("SELECT at, incarnation, kind, rank, token, task_id FROM events "
+                              "ORDER BY task_id").fetchall()
+        leases = conn.execute("SELECT token, kind, key FROM leases").fetchall()
+    assert events == [(8.0, 2, "dispatched", 3, "1" * 64, 1),
+                      (12.0, 2, "dispatched", 1, "2" * 64, 2)]
+    assert leases == [("2" * 64, "work", f"{2:064x}")]
+
+
 def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):
     """What keeps `status` and the live progress cheap on a million tasks: the counts read
     `ix_results_status` and the partial `ix_events_counted_kind`, never the rows. A query
@@ -506,10 +581,17 @@ def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):
     db = tmp_path / "plans.db"
     versioning.upgrade(db)
     plans = _plans(db, str(stats._COUNT_EVENTS), "SELECT count(*) FROM results",
-                   "SELECT status, count(*) FROM results GROUP BY status")
+                   "SELECT status, count(*) FROM results GROUP BY status",
+                   task_ops._COUNT_QUEUED, task_ops._COUNT_HELD,
+                   f"SELECT reason, count(*) FROM tasks WHERE {HELD_STATES_SQL} "
+                   f"AND state = 'failed' GROUP BY reason")
     assert plans == ["SCAN events USING COVERING INDEX ix_events_counted_kind",
                      "SCAN results USING COVERING INDEX ix_results_status",
-                     "SCAN results USING COVERING INDEX ix_results_status"]
+                     "SCAN results USING COVERING INDEX ix_results_status",
+                     "SCAN tasks USING COVERING INDEX ix_tasks_queue",
+                     "SEARCH tasks USING COVERING INDEX ix_tasks_held (state=?)",
+                     "SEARCH tasks USING INDEX ix_tasks_held (state=?) / "
+                     "USE TEMP B-TREE FOR GROUP BY"]
     engine = open_engine(db)
     try:
         with engine.connect() as conn:

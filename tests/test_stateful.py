@@ -146,10 +146,12 @@ class GateMachine(RuleBasedStateMachine):
         self.bitmap: dict[int, int | None] = {r: None for r in RANKS}
         self.issued: dict[int, list[str]] = {r: [] for r in RANKS}
         self.committed: dict[int, tuple[str, int]] = {}  # task id -> (token, rank)
+        self.committed_created: dict[int, float] = {}  # task id -> its dispatch's time
         self.committed_ready: dict[int, bool] = {}  # task id -> its READY was seen first
         self.committed_as_current: set[str] = set()
         self.quarantine: Counter[tuple[str, str]] = Counter()
         self.events: Counter[str] = Counter(campaign=1)
+        self.retired: list[tuple[str, int, int, float]] = []  # dispatched events, in order
         self.defer_blocked = False
         self.incarnation = 1
         self.stopping = False  # SIGTERM seen: no more dispatching in this incarnation
@@ -207,8 +209,15 @@ class GateMachine(RuleBasedStateMachine):
             t.refused_said = False
             self.events["deferred" if protocol else "task_deferred"] += 1
 
-    def _recover(self, d: MDispatch, *, protocol: bool = True) -> None:
+    def _ended_without_result(self, d: MDispatch) -> None:
+        """A dispatch that ends any way but its commit is recorded by its `dispatched` event,
+        written then (a committed one by its results row)."""
         del self.active[d.rank]
+        self.events["dispatched"] += 1
+        self.retired.append((d.token, d.rank, d.task_id, d.created))
+
+    def _recover(self, d: MDispatch, *, protocol: bool = True) -> None:
+        self._ended_without_result(d)
         self._retry(d, protocol=protocol)
 
     def _quarantine(self, channel: str, reason: str) -> None:
@@ -401,7 +410,6 @@ class GateMachine(RuleBasedStateMachine):
         for p, t in zip(plan, picks):
             assert _is_token(p.token) and p.token not in all_issued
             self.issued[p.rank].append(p.token)
-            self.events["dispatched"] += 1
             if p.rank in unsent:  # the task keeps its queue place; nothing is counted
                 self.events["send_failed"] += 1
                 continue
@@ -502,6 +510,7 @@ class GateMachine(RuleBasedStateMachine):
             self.committed_as_current.add(d.token)
             self.committed[d.task_id] = (d.token, d.rank)
             self.committed_ready[d.task_id] = d.ready
+            self.committed_created[d.task_id] = d.created
             self.tasks[d.task_id].state = "done"
             del self.active[d.rank]
             self.wstate[d.rank] = "idle" if d.ready else "busy"
@@ -658,7 +667,7 @@ class GateMachine(RuleBasedStateMachine):
         assert requeued == [d.task_id for d in reversed(order)]  # oldest first, as queued
         self.stopping = True
         for d in order:
-            del self.active[d.rank]
+            self._ended_without_result(d)
             self._to_head(self.tasks[d.task_id])
             if d.ready:
                 self.wstate[d.rank] = "idle"
@@ -683,7 +692,7 @@ class GateMachine(RuleBasedStateMachine):
         interrupted = sorted(self.active.values(), key=lambda d: (d.created, d.rank),
                              reverse=True)
         for d in interrupted:
-            del self.active[d.rank]
+            self._ended_without_result(d)
             t = self.tasks[d.task_id]
             t.attempts += 1
             self.events["interrupted"] += 1
@@ -740,7 +749,8 @@ class GateMachine(RuleBasedStateMachine):
                     assert rows[tid].queue_pos == t.pos, (tid, rows[tid], t)
 
             # Results: one per task, only for done tasks, only from a token that was current.
-            res = q("SELECT task_id, token, rank, ready_at IS NOT NULL AS ready FROM results")
+            res = q("SELECT task_id, token, rank, ready_at IS NOT NULL AS ready, dispatched_at "
+                    "FROM results")
             assert len({r.task_id for r in res}) == len(res)
             assert len({r.token for r in res}) == len(res)
             for r in res:
@@ -748,6 +758,12 @@ class GateMachine(RuleBasedStateMachine):
                 assert rows[r.task_id].state == "done"
             assert {r.task_id: (r.token, r.rank) for r in res} == self.committed
             assert {r.task_id: bool(r.ready) for r in res} == self.committed_ready
+            assert {r.task_id: r.dispatched_at for r in res} == self.committed_created
+            # ... and every other dispatch that ended, by its `dispatched` event: the time and
+            # incarnation it was recorded in, not those of the transaction that ended it.
+            assert [tuple(e) for e in q(
+                "SELECT token, rank, task_id, at FROM events WHERE kind = 'dispatched' "
+                "ORDER BY id")] == self.retired
             assert {tid for tid, r in rows.items() if r.state == "done"} == set(self.committed)
 
             # Dispatches <-> active tasks, one per rank and per task, matching the model.
@@ -766,16 +782,14 @@ class GateMachine(RuleBasedStateMachine):
                 assert d.sent_at is not None
             assert not set(self.committed_as_current) & {d.token for d in disp}
 
-            # Leases: none without its dispatch, exactly one `work` lease per dispatch, and
-            # exactly the side-table reservations the task names.
+            # Leases: none without its dispatch, and exactly the side-table reservations the
+            # task names (the task itself is reserved by its dispatch row: no `work` lease).
             leases = q("SELECT token, kind, key FROM leases")
             tokens = {d.token for d in disp}
             assert all(lease.token in tokens for lease in leases)
-            work = Counter(lease.token for lease in leases if lease.kind == "work")
-            assert work == Counter(tokens)
+            assert not [lease for lease in leases if lease.kind == "work"]
             for d in disp:
-                side = {(lease.kind, lease.key) for lease in leases
-                        if lease.token == d.token and lease.kind != "work"}
+                side = {(lease.kind, lease.key) for lease in leases if lease.token == d.token}
                 assert side == set(self.tasks[d.task_id].keys)
 
             # Workers.

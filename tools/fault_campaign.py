@@ -21,8 +21,9 @@ with one seed every incarnation would replay the same faults in the same places)
 `--same-inject-seed` keeps the seed fixed instead.
 
 After a trial, read-only from the database (plus the inject logs): every one of the T tasks
-exists and is done, deferred or failed, none active, no dispatch or lease rows; every result
-comes from a token dispatched for its task and never rolled back (no recovered / watchdog /
+exists and is done, deferred or failed, none active, no dispatch or lease rows; every dispatch
+has one record (its results row, or a `dispatched` event if it ended without a result); every
+result comes from a token dispatched for its task and never rolled back (no recovered / watchdog /
 interrupted / stop_requeued / task_failed / send_failed / worker_failed event), carries its own
 task's value, and is not a token whose RESULT was never validly sent (a breaking fault fired on
 it); one result per task (the schema allows no other), only for done tasks;
@@ -503,11 +504,30 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
 
     # -- wrong commits -----------------------------------------------------------------------
     wrong: dict[str, list[str]] = defaultdict(list)
+    # Every dispatch leaves one record: its dispatch row while active, its results row once
+    # committed, a `dispatched` event if it ended any other way (a pre-send rewind takes
+    # back its count). A result from a token never dispatched for its task is one record
+    # too many.
     for task_id, token in q(
-            "SELECT r.task_id, r.token FROM results r WHERE NOT EXISTS (SELECT 1 FROM events e "
-            "WHERE e.kind = 'dispatched' AND e.token = r.token AND e.task_id = r.task_id)"):
-        wrong[token].append(f"task {task_id}: result token {token[:12]} was never "
-                            f"dispatched for it")
+            "SELECT r.task_id, r.token FROM results r JOIN tasks t ON t.id = r.task_id "
+            "WHERE t.dispatches < 1 + (SELECT count(*) FROM events e WHERE e.task_id = t.id "
+            "AND e.kind = 'dispatched') + (SELECT count(*) FROM dispatches d "
+            "WHERE d.task_id = t.id)"):
+        wrong[token].append(f"task {task_id}: result token {token[:12]} is one more record "
+                            f"than the task's dispatches (never dispatched for it)")
+    for task_id, token in q(
+            "SELECT r.task_id, r.token FROM results r JOIN events e ON e.task_id = r.task_id "
+            "AND e.token = r.token AND e.kind = 'dispatched'"):
+        wrong[token].append(f"task {task_id}: committed from token {token[:12]} whose "
+                            f"dispatch ended without a result")
+    unrecorded = q("SELECT t.id, t.dispatches, (SELECT count(*) FROM results r WHERE "
+                   "r.task_id = t.id) + (SELECT count(*) FROM events e WHERE e.task_id = t.id "
+                   "AND e.kind = 'dispatched') + (SELECT count(*) FROM dispatches d "
+                   "WHERE d.task_id = t.id) AS records FROM tasks t "
+                   "WHERE t.dispatches > records")
+    if unrecorded:
+        problems.append(f"{len(unrecorded)} tasks have dispatches without a record (id, "
+                        f"dispatches, records): {unrecorded[:10]}")
     marks = ",".join(f"'{k}'" for k in ROLLBACK_KINDS)
     for task_id, token, kind in q(
             f"SELECT r.task_id, r.token, e.kind FROM results r JOIN events e "
