@@ -149,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
     r.add_argument("--stop-wait", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="bounded wait for each worker's STOP_ACK (default 10)")
+    r.add_argument("--worker-spin-ms", action=Once, type=non_negative_float, default=None,
+                   metavar="MS",
+                   help="after each answer an idle worker polls for its next WORK without "
+                        "sleeping (yielding the CPU between polls) this long, then sleeps "
+                        "between polls (default 50 under Open MPI, 0 under other MPIs)")
     r.add_argument("--max-message-bytes", action=Once, type=int_range(1024), default=64 << 20,
                    help="larger worker messages are quarantined as malformed (default 64 MiB)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

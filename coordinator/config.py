@@ -121,6 +121,7 @@ class RunConfig:
     stop_wait_s: float
     max_message_bytes: int
     demo_work_ms: float
+    worker_spin_ms: float | None  # None: by the MPI library (transport.worker_spin_default)
     progress: bool
     inject: dict[str, float] | None = None
     inject_seed: int = 0
@@ -255,7 +256,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file,
         stats_interval_s=ns.stats_interval,
         grace_s=ns.grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
-        demo_work_ms=ns.demo_work_ms, progress=bool(ns.progress),
+        demo_work_ms=ns.demo_work_ms, worker_spin_ms=ns.worker_spin_ms,
+        progress=bool(ns.progress),
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
         summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )

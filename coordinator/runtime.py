@@ -73,7 +73,7 @@ def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
 
 
 def _worker(cfg: RunConfig, transport) -> int:
-    from .transport import StartInterrupted
+    from .transport import StartInterrupted, worker_spin_default
     from .worker import TEARDOWN_SIGNAL, Sender, serve, torn_down
     # The master decides when the job stops: a terminal's Ctrl-C, or a batch system's SIGTERM
     # when the job is cancelled or out of time, reaches every rank, and the workers go on
@@ -97,7 +97,9 @@ def _worker(cfg: RunConfig, transport) -> int:
             from .faults import FaultPlan, FaultySender
             sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
                                                        cfg.inject_log), cfg.max_message_bytes)
-        return serve(transport, executor, sender=sender)
+        spin_s = (cfg.worker_spin_ms / 1000 if cfg.worker_spin_ms is not None
+                  else worker_spin_default())
+        return serve(transport, executor, sender=sender, spin_s=spin_s)
     except StartInterrupted as e:  # nothing of this rank's own went wrong: no traceback
         _leave_job(transport, f"a rank left the job before this one had the start verdict: "
                               f"{e}")

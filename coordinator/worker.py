@@ -133,11 +133,14 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
 
 
 def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
-          sender: Sender | None = None) -> int:
+          sender: Sender | None = None, spin_s: float = 0.0) -> int:
     """Run until STOP; returns the process exit status. If the master dies (ULFM reports
-    it), exit at once: its database already holds everything, and --resume continues."""
+    it), exit at once: its database already holds everything, and --resume continues.
+
+    `spin_s`: after each answer, poll for the next WORK this long without sleeping (yielding
+    the CPU between polls), then sleep between polls (`--worker-spin-ms`)."""
     try:
-        return _serve(transport, executor, scratch, sender)
+        return _serve(transport, executor, scratch, sender, spin_s)
     except (MasterGone, SendFailed) as e:
         print(f"rank {transport.rank}: the master is gone ({e}); exiting", file=sys.stderr,
               flush=True)
@@ -145,12 +148,12 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
 
 
 def _serve(transport: Transport, executor: Executor, scratch: Path | None,
-           sender: Sender | None) -> int:
+           sender: Sender | None, spin_s: float) -> int:
     sender = sender or Sender(transport)
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
     _scratch.append(scratch_dir)
-    backoff = Backoff()
+    backoff = Backoff(yield_window=spin_s)
     completed = ""  # R1: empty in the first READY
     last_completed = ""
     try:

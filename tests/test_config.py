@@ -407,3 +407,12 @@ def test_an_endless_time_and_an_end_of_run_file_that_is_a_directory_are_refused(
     for flag in ("--stats-file", "--summary-json"):
         with pytest.raises(ConfigError, match=f"{flag} .* is a directory"):
             resolve(tmp_path, flag, str(tmp_path))
+
+
+def test_worker_spin_is_left_to_the_mpi_library_unless_given(tmp_path, capsys):
+    assert resolve(tmp_path).worker_spin_ms is None
+    assert resolve(tmp_path, "--worker-spin-ms", "0").worker_spin_ms == 0.0
+    assert resolve(tmp_path, "--worker-spin-ms", "12.5").worker_spin_ms == 12.5
+    for bad in ("-1", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            resolve(tmp_path, "--worker-spin-ms", bad)

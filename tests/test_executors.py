@@ -672,8 +672,10 @@ class _WorkerSide:
         self.inbox = deque(messages)
         self.results: list[dict] = []
         self.readies: list[dict] = []
+        self.backoffs: list = []
 
     def wait_for_master(self, backoff, timeout_s):
+        self.backoffs.append(backoff)
         return self.inbox.popleft() if self.inbox else None
 
     def send_result(self, data: bytes) -> None:
@@ -716,8 +718,19 @@ def test_the_worker_runs_no_work_whose_token_is_not_canonical(tmp_path):
         Received(0, TAG_STOP, encode(Stop(token="b" * 64))),
     ])
     executor = _Counting()
-    assert _serve(side, executor, tmp_path, None) == 0
+    assert _serve(side, executor, tmp_path, None, 0.0) == 0
     assert executor.calls == 1
     assert [r["token"] for r in side.results] == [good]
     assert side.results[0]["value"] == {"token": "f" * 64, "echo": {"data": 3}}
     assert [r["completed_dispatch_token"] for r in side.readies] == ["", good]
+
+
+def test_the_worker_waits_for_work_with_the_spin_window_it_was_given(tmp_path):
+    """`--worker-spin-ms` reaches the worker's wait for WORK as its backoff's yield window."""
+    from coordinator.transport import Received
+    from coordinator.wire import TAG_STOP, TAG_WORK, Stop, Work, encode
+    from coordinator.worker import serve
+    side = _WorkerSide([Received(0, TAG_WORK, encode(Work(token="a" * 64, task={"data": 1}))),
+                        Received(0, TAG_STOP, encode(Stop(token="b" * 64)))])
+    assert serve(side, _Counting(), tmp_path, spin_s=0.025) == 0
+    assert [b.yield_window for b in side.backoffs] == [0.025, 0.025]

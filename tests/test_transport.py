@@ -1,4 +1,5 @@
-"""Polling without MPI traffic: the timer slack that decides how long a backoff sleep lasts."""
+"""Polling without MPI traffic: the timer slack that decides how long a backoff sleep lasts,
+and when a backoff yields the CPU instead of sleeping."""
 
 from __future__ import annotations
 
@@ -27,3 +28,71 @@ def test_a_transport_tightens_its_process_timer_slack():
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split())
     assert (before, after) == (77_777, 1_000)
+
+
+class _Clock:
+    def __init__(self):
+        self.now, self.slept, self.yields = 100.0, [], 0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += s
+
+    def sched_yield(self):
+        self.yields += 1
+        self.now += 1e-3
+
+
+def test_a_backoff_yields_instead_of_sleeping_within_its_yield_window(monkeypatch):
+    """Pure logic: the first `spins` waits return at once, then each wait yields the CPU
+    until `yield_window` has passed since the last reset, then the sleeps start from `start`
+    and double; a reset starts the window again."""
+    from coordinator import transport
+    clock = _Clock()
+    monkeypatch.setattr(transport.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(transport.time, "sleep", clock.sleep)
+    monkeypatch.setattr(transport.os, "sched_yield", clock.sched_yield)
+    b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=2, yield_window=0.005)
+    for _ in range(2 + 5):
+        b.wait()
+    assert (clock.yields, clock.slept) == (5, [])
+    for _ in range(4):
+        b.wait()
+    assert clock.yields == 5 and clock.slept == [10e-6, 20e-6, 40e-6, 40e-6]
+    b.reset()
+    for _ in range(3):
+        b.wait()
+    assert clock.yields == 6 and len(clock.slept) == 4
+
+
+def test_a_backoff_without_a_yield_window_never_yields(monkeypatch):
+    from coordinator import transport
+    clock = _Clock()
+    monkeypatch.setattr(transport.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(transport.time, "sleep", clock.sleep)
+    monkeypatch.setattr(transport.os, "sched_yield", clock.sched_yield)
+    b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=1)
+    for _ in range(4):
+        b.wait()
+    assert clock.yields == 0 and clock.slept == [10e-6, 20e-6, 40e-6]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_workers_spin_by_default_only_under_open_mpi():
+    """Measured (README, Performance): workers that poll and yield after an answer were faster
+    under Open MPI and slower, unsteadily, under MPICH. Run in a child, which initialises the
+    MPI library of this environment (the MPICH one in CI's second environment)."""
+    code = ("from mpi4py import MPI\n"
+            "from coordinator.transport import WORKER_SPIN_S, worker_spin_default\n"
+            "print(MPI.Get_library_version().split()[0], worker_spin_default() == WORKER_SPIN_S,"
+            " worker_spin_default())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == 0, out.stderr
+    library, spins, value = out.stdout.split()
+    assert (spins == "True") == (library == "Open"), out.stdout
+    assert (float(value) > 0) == (library == "Open"), out.stdout
