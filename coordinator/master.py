@@ -376,8 +376,8 @@ class Master:
             self._unsent.append((p.rank, p.token, str(e.cause)[:300]))
 
     def _settle_sends(self, tx: Tx) -> None:
-        dsp.mark_sent(tx, self._sent)
-        self._sent = []
+        # The failed sends first: rewound now, before any answer is classified. The marks of
+        # the sends that left are written with this round's commits (`dispatches._Pending`).
         for rank, token, why in self._unsent:
             dsp.cancel_dispatch(tx, rank, token, worker_state=WorkerState.FAILED,
                                 detail=f"send failed: {why}")
@@ -385,6 +385,8 @@ class Master:
         if self._unsent:
             self._may_have_queued = True
         self._unsent = []
+        dsp.mark_sent(tx, self._sent)
+        self._sent = []
 
     def _refresh_idle(self, tx: Tx) -> None:
         self._idle = [r for r in idle_ranks(tx) if r not in self._failed_ranks]

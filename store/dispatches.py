@@ -89,10 +89,18 @@ FROM dispatches d LEFT JOIN tasks t ON t.id = d.task_id
 
 
 def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
-    """Every active dispatch with its ownership check, in one query."""
-    return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3], r[4] is not None, r[5] is not None,
-                                 r[6], r[7], consistent=r[8] == 1)
-            for r in tx.db.execute(_ACTIVE)}
+    """Every active dispatch with its ownership check, in one query. Pending row changes
+    (`_Pending`) are taken into account, not written: the sends marked at the start of a
+    round then reach the rows with the commits of its answers, in the same statements."""
+    pending = tx.pending()
+    if not isinstance(pending, _Pending) or not (pending.ready or pending.commits):
+        sent = pending.sent if isinstance(pending, _Pending) else {}
+        return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3],
+                                     r[4] is not None or r[0] in sent, r[5] is not None,
+                                     r[6], r[7], consistent=r[8] == 1)
+                for r in tx.raw_db.execute(_ACTIVE)}
+    tx.write_pending()  # (not in the master's round: marks and commits come after this read)
+    return active_by_rank(tx)
 
 
 def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
@@ -113,17 +121,53 @@ def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
     if cur.rowcount != len(plan):
         raise FenceError(f"{len(plan) - cur.rowcount} of {len(plan)} planned tasks were no "
                          f"longer queued")
-    db.executemany("INSERT INTO leases (token, kind, key) VALUES (?, ?, ?)",
-                   [(p.token, kind.value, key) for p in plan for kind, key in p.task.lease_keys()])
+    held = [(p.token, kind.value, key) for p in plan for kind, key in p.task.lease_keys()]
+    if held:
+        db.executemany("INSERT INTO leases (token, kind, key) VALUES (?, ?, ?)", held)
     set_workers(tx, [(p.rank, WorkerState.BUSY) for p in plan])
 
 
+class _Pending:
+    """The row changes a master round's answers make, left pending (`Tx.write_behind`) and
+    written together: the sends marked, the current READYs' marks, the commits. A commit
+    takes its dispatch's pending send and READY times into its result row, so a dispatch
+    whose WORK left last round and whose answers came in this one is written once, by its
+    commit, instead of by three UPDATEs first; and the commits of all the batches of answers
+    a round applies go in one statement of each kind, not in one per batch."""
+
+    __slots__ = ("sent", "ready", "commits")
+
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}                 # token -> when marked
+        self.ready: dict[tuple[int, str], float] = {}    # (rank, token) -> when seen
+        self.commits: list[tuple[CommitItem, int, bool]] = []  # item, task id, READY seen
+
+    def write(self, tx: Tx) -> None:
+        db = tx.db  # (no longer pending: the transaction let go of it before this call)
+        if self.commits:
+            _write_commits(tx, self)
+        if self.sent:
+            db.executemany("UPDATE dispatches SET sent_at = ? WHERE token = ? "
+                           "AND sent_at IS NULL", [(at, t) for t, at in self.sent.items()])
+        if self.ready:
+            db.executemany("UPDATE dispatches SET ready_at = ? WHERE rank = ? AND token = ? "
+                           "AND ready_at IS NULL",
+                           [(at, r, t) for (r, t), at in self.ready.items()])
+
+
+def _pending(tx: Tx) -> _Pending:
+    pending = tx.write_behind(_Pending)
+    assert isinstance(pending, _Pending)
+    return pending
+
+
 def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
-    """WORK left the master: from now on a rollback is post-send (the attempt counts)."""
-    params = [(tx.now, t) for t in tokens]
-    if params:
-        tx.db.executemany("UPDATE dispatches SET sent_at = ? WHERE token = ? AND sent_at IS NULL",
-                          params)
+    """WORK left the master: from now on a rollback is post-send (the attempt counts).
+    Written with the transaction's next statement of another kind, or by the commit of the
+    dispatch's result in this transaction (`_Pending`)."""
+    sent = _pending(tx).sent
+    for t in tokens:
+        sent.setdefault(t, tx.now)
 
 
 def _take(tx: Tx, rank: int, token: str, *, unsent_only: bool = False) -> Any | None:
@@ -180,12 +224,12 @@ def refuse_unsendable(tx: Tx, rank: int, token: str, why: str) -> bool:
     return True
 
 
-def set_ready_mark(tx: Tx, rank: int, token: str) -> bool:
-    """R2: the current READY for (rank, token) was observed. False if already set or stale."""
+def set_ready_mark(tx: Tx, rank: int, token: str) -> None:
+    """R2: the current READY for (rank, token) was observed. Written, fenced by rank, token and
+    no mark yet, with the transaction's next statement of another kind, or by the commit of
+    the dispatch's result in this transaction (`_Pending`)."""
     # No event: the mark is a column, and the committed result keeps its time (ready_at).
-    n = tx.db.execute("UPDATE dispatches SET ready_at = ? WHERE rank = ? AND token = ? "
-                      "AND ready_at IS NULL", (tx.now, rank, token)).rowcount
-    return n == 1
+    _pending(tx).ready.setdefault((rank, token), tx.now)
 
 
 def set_invalid_mark(tx: Tx, rank: int, token: str, reason: str) -> bool:
@@ -201,37 +245,48 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
                    active: dict[int, ActiveDispatch]) -> None:
     """Only a current RESULT commits (R3): result row, task done, dispatch and its leases gone
     (a later valid RESULT also clears an earlier invalid mark, R5). The rank becomes idle only
-    if its current READY was already seen; otherwise it waits for that READY."""
+    if its current READY was already seen; otherwise it waits for that READY. `active` is the
+    dispatches as the caller classified the RESULTs against (ready marks included).
+
+    Written, fenced by rank and token, with the transaction's next statement of another kind
+    (`_Pending`): a FenceError for a dispatch that vanished surfaces there."""
     if not items:
         return
     for it in items:
         a = active.get(it.rank)
         if a is None or a.token != it.token:
             raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
-    db = tx.db
+    _pending(tx).commits.extend((it, active[it.rank].task_id, active[it.rank].ready)
+                                for it in items)
+
+
+def _write_commits(tx: Tx, pending: _Pending) -> None:
+    db, items = tx.db, pending.commits
     # The result row is the record of the commit and of its dispatch (no event for either): it
-    # takes the task, the token and the dispatch/send/READY times from the dispatch row,
-    # which must still be there.
+    # takes the task, the token and the dispatch/send/READY times from the dispatch row, which
+    # must still be there, or from the marks pending with it.
     n = db.executemany(
         "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
         "testcases, new_tasks, detail, sent_at, ready_at, dispatched_at) SELECT task_id, token, "
-        "rank, ?, ?, ?, ?, ?, ?, ?, sent_at, ready_at, created_at FROM dispatches "
-        "WHERE rank = ? AND token = ?",
+        "rank, ?, ?, ?, ?, ?, ?, ?, coalesce(sent_at, ?), coalesce(ready_at, ?), created_at "
+        "FROM dispatches WHERE rank = ? AND token = ?",
         [(tx.incarnation, tx.now, it.status, it.value_json, it.testcases, it.new_tasks,
-          it.detail, it.rank, it.token) for it in items]).rowcount
+          it.detail, pending.sent.pop(it.token, None),
+          pending.ready.pop((it.rank, it.token), None), it.rank, it.token)
+         for it, _, _ in items]).rowcount
     if n == len(items):
         n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
-                           [(it.rank, it.token) for it in items]).rowcount
+                           [(it.rank, it.token) for it, _, _ in items]).rowcount
     if n != len(items):
         raise FenceError(f"{len(items) - n} dispatches vanished before their commit")
     n = db.executemany(
         "UPDATE tasks SET state = 'done', updated_at = ?, reason = NULL "
         "WHERE id = ? AND state = 'active'",
-        [(tx.now, active[it.rank].task_id) for it in items]).rowcount
+        [(tx.now, task_id) for _, task_id, _ in items]).rowcount
     if n != len(items):
         raise FenceError("a committed task was not active")
-    set_workers(tx, [(it.rank, WorkerState.IDLE if active[it.rank].ready else WorkerState.BUSY)
-                     for it in items])
+    set_workers(tx, [(it.rank, WorkerState.IDLE if ready else WorkerState.BUSY)
+                     for it, _, ready in items])
 
 
 def find_joined(tx: Tx) -> list[tuple[int, str]]:

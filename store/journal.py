@@ -3,15 +3,20 @@
 A `Tx` is one write transaction. Transitions append their event and quarantine rows to it;
 the rows are inserted with one `executemany` per table when the transaction ends, so a master
 round that applies many messages costs a few statements, not one per message.
+
+A transition may also leave its row changes pending (`write_behind`), to be written together
+with those of the batches of answers after it: they are written before the transaction's next
+statement of any other kind (every statement goes through `conn` or `db`, which write them
+first) and before the COMMIT, so no statement ever sees the rows without them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import Connection
 
@@ -49,15 +54,40 @@ class RetryPolicy:
             raise ValueError(f"max_attempts must be an integer >= 1, not {self.max_attempts!r}")
 
 
+class WriteBehind(Protocol):
+    """Row changes left pending in a transaction (`Tx.write_behind`)."""
+
+    def write(self, tx: Tx) -> None: ...
+
+
 @dataclass
 class Tx:
-    conn: Connection
+    _conn: Connection
     incarnation: int
     now: float
     policy: RetryPolicy
     _events: list[tuple[Any, ...]] = field(default_factory=list)
     _quarantine: list[dict[str, Any]] = field(default_factory=list)
     _db: sqlite3.Connection | None = None
+    _behind: WriteBehind | None = None
+
+    @property
+    def conn(self) -> Connection:
+        """The SQLAlchemy connection, with every pending row change written."""
+        self.write_pending()
+        return self._conn
+
+    def write_behind(self, make: Callable[[], WriteBehind]) -> WriteBehind:
+        """The transaction's pending row changes, made by `make` if there are none yet. The
+        caller adds to it; `write_pending` (called by `conn`, `db` and `flush`) writes them."""
+        if self._behind is None:
+            self._behind = make()
+        return self._behind
+
+    def write_pending(self) -> None:
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.write(self)
 
     def event(self, kind: EventKind, *, rank: int | None = None, token: str | None = None,
               task_id: int | None = None, detail: str | None = None, at: float | None = None,
@@ -83,16 +113,29 @@ class Tx:
 
     @property
     def db(self) -> sqlite3.Connection:
-        """The DBAPI connection under `conn`, inside the same transaction.
+        """The DBAPI connection under `conn`, inside the same transaction, with every pending
+        row change written.
 
         The per-round statements run here as prepared SQL text: building and caching a Core
         statement costs 20-200 µs, ten to fifty times what SQLite needs to run it, and the
         master runs a dozen of them per task (see README, "What one task costs")."""
+        self.write_pending()
+        return self.raw_db
+
+    @property
+    def raw_db(self) -> sqlite3.Connection:
+        """The DBAPI connection without writing the pending row changes first: only for a
+        read that accounts for them itself (`dispatches.active_by_rank`)."""
         if self._db is None:
-            self._db = self.conn.connection.driver_connection
+            self._db = self._conn.connection.driver_connection
         return self._db
 
+    def pending(self) -> WriteBehind | None:
+        """The pending row changes, if any (for a read that accounts for them itself)."""
+        return self._behind
+
     def flush(self) -> None:
+        self.write_pending()
         if self._events:
             self.db.executemany(_INSERT_EVENT, self._events)
             self._events = []
@@ -104,11 +147,13 @@ class Tx:
     def savepoint(self) -> Iterator[None]:
         """A nested transaction whose journal rows vanish with it if it rolls back."""
         n_events, n_quarantine = len(self._events), len(self._quarantine)
-        nested = self.conn.begin_nested()
+        nested = self.conn.begin_nested()  # (nothing is pending from before it, then)
         try:
             yield
         except BaseException:
+            self._behind = None  # row changes made inside it and not yet written vanish too
             nested.rollback()
             del self._events[n_events:], self._quarantine[n_quarantine:]
             raise
+        self.write_pending()
         nested.commit()

@@ -49,8 +49,12 @@ def accept_versions(tx: Tx, rank: int, bitmap_version: int, profile_version: str
 
 
 def parked_tokens(tx: Tx) -> dict[int, str]:
-    """Parked ranks and the retired token each must echo to be given work again."""
-    return dict(tx.db.execute(
+    """Parked ranks and the retired token each must echo to be given work again.
+
+    Read without writing the transaction's pending row changes first (`Tx.raw_db`): they are
+    marks and commits of dispatches, and a parked rank holds none, so none of them can park
+    or unpark a rank; writing them here would split a round's changes in two statements."""
+    return dict(tx.raw_db.execute(
         "SELECT rank, parked_token FROM workers WHERE state = 'parked'").fetchall())
 
 
