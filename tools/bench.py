@@ -93,6 +93,16 @@ def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
         return json.loads(summary.read_text())
 
 
+def _runtime_name(version: str) -> str:
+    """`mpiexec --version`'s first line, or MPICH's version (Hydra's first line names none)."""
+    lines = version.splitlines()
+    if lines[0].startswith("HYDRA"):
+        for line in lines:
+            if line.strip().startswith("Version:"):
+                return f"mpiexec (MPICH Hydra) {line.split(':', 1)[1].strip()}"
+    return lines[0]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=10_000, help="tasks per run (default 10,000)")
@@ -116,7 +126,7 @@ def main() -> int:
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
     print(f"# {args.tasks} tasks ({args.workload}), {args.workers} workers, "
-          f"{version.splitlines()[0] if version else mpiexec}"
+          f"{_runtime_name(version) if version else mpiexec}"
           f"{' with --with-ft ulfm' if args.ulfm and 'Open MPI' in version else ''}, "
           f"{time.strftime('%Y-%m-%d')}")
 
