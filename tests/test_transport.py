@@ -12,6 +12,15 @@ import pytest
 SLACK = Path("/proc/self/timerslack_ns")
 
 
+def in_a_child(code: str) -> list[str]:
+    """Run `code` in a fresh Python, which initialises this environment's MPI library by
+    itself; the words it printed."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 @pytest.mark.skipif(not SLACK.exists(), reason="needs Linux >= 4.6 (/proc/self/timerslack_ns)")
 def test_a_transport_tightens_its_process_timer_slack():
     # In a child, so the slack of the test process itself is left alone; the Transport does
@@ -23,10 +32,7 @@ def test_a_transport_tightens_its_process_timer_slack():
             "from coordinator.transport import Transport\n"
             "Transport()\n"
             "print(before, int(Path('/proc/self/timerslack_ns').read_text()))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    before, after = map(int, out.stdout.split())
+    before, after = map(int, in_a_child(code))
     assert (before, after) == (77_777, 1_000)
 
 
@@ -46,15 +52,22 @@ class _Clock:
         self.now += 1e-3
 
 
-def test_a_backoff_yields_instead_of_sleeping_within_its_yield_window(monkeypatch):
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    """The backoff's clock, sleep and yield, recorded instead of spent."""
+    from coordinator import transport
+    c = _Clock()
+    monkeypatch.setattr(transport.time, "monotonic", c.monotonic)
+    monkeypatch.setattr(transport.time, "sleep", c.sleep)
+    monkeypatch.setattr(transport.os, "sched_yield", c.sched_yield)
+    return c
+
+
+def test_a_backoff_yields_instead_of_sleeping_within_its_yield_window(clock):
     """Pure logic: the first `spins` waits return at once, then each wait yields the CPU
     until `yield_window` has passed since the last reset, then the sleeps start from `start`
     and double; a reset starts the window again."""
     from coordinator import transport
-    clock = _Clock()
-    monkeypatch.setattr(transport.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(transport.time, "sleep", clock.sleep)
-    monkeypatch.setattr(transport.os, "sched_yield", clock.sched_yield)
     b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=2, yield_window=0.005)
     for _ in range(2 + 5):
         b.wait()
@@ -68,12 +81,8 @@ def test_a_backoff_yields_instead_of_sleeping_within_its_yield_window(monkeypatc
     assert clock.yields == 6 and len(clock.slept) == 4
 
 
-def test_a_backoff_without_a_yield_window_never_yields(monkeypatch):
+def test_a_backoff_without_a_yield_window_never_yields(clock):
     from coordinator import transport
-    clock = _Clock()
-    monkeypatch.setattr(transport.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(transport.time, "sleep", clock.sleep)
-    monkeypatch.setattr(transport.os, "sched_yield", clock.sched_yield)
     b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=1)
     for _ in range(4):
         b.wait()
@@ -86,13 +95,9 @@ def test_workers_spin_by_default_only_under_open_mpi():
     """Measured (README, Performance): workers that poll and yield after an answer were faster
     under Open MPI and slower, unsteadily, under MPICH. Run in a child, which initialises the
     MPI library of this environment (the MPICH one in CI's second environment)."""
-    code = ("from mpi4py import MPI\n"
-            "from coordinator.transport import WORKER_SPIN_S, worker_spin_default\n"
-            "print(MPI.Get_library_version().split()[0], worker_spin_default() == WORKER_SPIN_S,"
-            " worker_spin_default())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=50)
-    assert out.returncode == 0, out.stderr
-    library, spins, value = out.stdout.split()
-    assert (spins == "True") == (library == "Open"), out.stdout
-    assert (float(value) > 0) == (library == "Open"), out.stdout
+    library, spins, value = in_a_child(
+        "from mpi4py import MPI\n"
+        "from coordinator.transport import WORKER_SPIN_S, worker_spin_default\n"
+        "print(MPI.Get_library_version().split()[0], worker_spin_default() == WORKER_SPIN_S,"
+        " worker_spin_default())\n")
+    assert (spins == "True") == (library == "Open") == (float(value) > 0), (library, value)
