@@ -530,3 +530,88 @@ def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm, field,
         active = {r.task_id for r in conn.execute(select(dispatches.c.task_id))}
     assert active == {held, *free[:2]}
     assert all(task_state(farm, t) == "queued" for t in waiting + free[2:])
+
+
+# -- one round's row changes, written together (dispatches._Pending) ----------------------------
+
+def _ready_body(rank: int, token: str) -> dict:
+    return {"rank": rank, "bitmap_version": 0, "empirical_profile_version": "",
+            "completed_dispatch_token": token}
+
+
+def _statements(farm: Farm, round_) -> list[str]:
+    """The SQL one master round (`round_(tx)`, one transaction) sends to SQLite."""
+    sent: list[str] = []
+    with farm.store.transaction() as tx:
+        raw = tx.raw_db
+        raw.set_trace_callback(sent.append)
+        try:
+            round_(tx)
+            tx.flush()
+        finally:
+            raw.set_trace_callback(None)
+    return sent
+
+
+def test_a_round_writes_its_sends_marks_and_commits_in_one_statement_each(farm):
+    """Two ranks, each with its WORK sent last round, answer in two batches (READY then
+    RESULT, as the master applies them): their commits are written together, carrying the
+    send and READY times into the results rows; no UPDATE marks a dispatch the round deletes."""
+    farm.enqueue({"path": "/seed/a"}, {"path": "/seed/b"})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    toks = farm.dispatch(1, 2)
+
+    def round_(tx):
+        dsp.mark_sent(tx, toks.values())
+        active = None
+        for rank in (1, 2):  # one batch per rank
+            ready = farm.gate.apply_ready(tx, [Inbound(rank, _ready_body(rank, toks[rank]))],
+                                          active=active)
+            assert ready.statuses == [(rank, ReadyStatus.CURRENT)]
+            active = farm.gate.apply_results(tx, [Inbound(rank, {"token": toks[rank],
+                                                                 "status": "ok"})],
+                                             active=ready.active).active
+
+    sql = _statements(farm, round_)
+    assert [s.split(" (")[0] for s in sql if s.startswith("INSERT INTO results")] == \
+        ["INSERT INTO results"] * 2  # (one executemany: one trace line per row)
+    assert not [s for s in sql if s.startswith("UPDATE dispatches")]
+    rs = rows(farm, results)
+    assert {r.token for r in rs} == set(toks.values())
+    assert all(r.sent_at is not None and r.ready_at is not None and r.dispatched_at
+               for r in rs)
+    assert rows(farm, dispatches) == []
+    assert (worker_state(farm, 1), worker_state(farm, 2)) == ("idle", "idle")
+
+
+def test_a_ready_after_its_result_in_the_same_round_still_frees_the_rank(farm):
+    """The commit is pending when the READY comes (classified idle: the dispatch is gone);
+    the rank's `busy` from the commit is written before the READY's `idle`, not after."""
+    _, tok = started(farm)
+
+    def round_(tx):
+        rr = farm.gate.apply_results(tx, [Inbound(1, {"token": tok, "status": "ok"})])
+        ready = farm.gate.apply_ready(tx, [Inbound(1, _ready_body(1, tok))], active=rr.active)
+        assert ready.statuses == [(1, ReadyStatus.IDLE)]
+
+    _statements(farm, round_)
+    [r] = rows(farm, results)
+    assert r.token == tok and r.ready_at is None  # READY came after the commit
+    assert worker_state(farm, 1) == "idle"
+
+
+def test_a_rollback_in_the_round_sees_the_pending_ready_mark(farm):
+    """A READY's mark still pending when the same round rolls its dispatch back (an invalid
+    RESULT, then the sweep): the rollback reads it (the rank is free, not parked)."""
+    _, tok = started(farm)
+
+    def round_(tx):
+        ready = farm.gate.apply_ready(tx, [Inbound(1, _ready_body(1, tok))])
+        farm.gate.apply_results(tx, [Inbound(1, {"token": None, "status": "ok"})],
+                                active=ready.active)
+        [rec] = farm.gate.sweep(tx)
+        assert rec.ready_seen and rec.token == tok
+
+    _statements(farm, round_)
+    assert rows(farm, dispatches) == [] and worker_state(farm, 1) == "idle"
