@@ -93,14 +93,14 @@ def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
     (`_Pending`) are taken into account, not written: the sends marked at the start of a
     round then reach the rows with the commits of its answers, in the same statements."""
     pending = tx.pending()
-    if not isinstance(pending, _Pending) or not (pending.ready or pending.commits):
-        sent = pending.sent if isinstance(pending, _Pending) else {}
-        return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3],
-                                     r[4] is not None or r[0] in sent, r[5] is not None,
-                                     r[6], r[7], consistent=r[8] == 1)
-                for r in tx.raw_db.execute(_ACTIVE)}
-    tx.write_pending()  # (not in the master's round: marks and commits come after this read)
-    return active_by_rank(tx)
+    if isinstance(pending, _Pending) and (pending.ready or pending.commits):
+        # (Not in the master's round, where marks and commits come after this read.)
+        tx.write_pending()
+        pending = None
+    sent = pending.sent if isinstance(pending, _Pending) else {}
+    return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3], r[4] is not None or r[0] in sent,
+                                 r[5] is not None, r[6], r[7], consistent=r[8] == 1)
+            for r in tx.raw_db.execute(_ACTIVE)}
 
 
 def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:

@@ -209,6 +209,15 @@ Index("ix_tasks_queue", tasks.c.queue_pos, tasks.c.id, tasks.c.state,
 #: counts come from the rows that define those states: `ix_tasks_queue` (queued), one
 #: `dispatches` row per active task, one `results` row per done task (`count_by_state`).
 HELD_STATES_SQL = "state IN ('deferred', 'failed')"
+#: The records of a task's dispatches, as an SQL expression over `tasks t`: its result (a
+#: committed dispatch), its `dispatched` events (ended without a result) and its dispatch row
+#: (in flight). Each dispatch has exactly one since revision 0007, so on a campaign begun
+#: there this equals `t.dispatches` (a pre-send rewind takes back its count); the audits
+#: check it.
+DISPATCH_RECORDS_SQL = (
+    "((SELECT count(*) FROM results r WHERE r.task_id = t.id) + "
+    "(SELECT count(*) FROM events e WHERE e.task_id = t.id AND e.kind = 'dispatched') + "
+    "(SELECT count(*) FROM dispatches d WHERE d.task_id = t.id))")
 Index("ix_tasks_held", tasks.c.state, sqlite_where=text(HELD_STATES_SQL))
 
 dispatches = Table(

@@ -12,7 +12,6 @@ from sqlalchemy import Connection, func, select, text
 
 from .schema import (
     COUNTED_KIND_SQL,
-    HELD_STATES_SQL,
     Channel,
     EventKind,
     TaskState,
@@ -21,7 +20,7 @@ from .schema import (
     results,
     tasks,
 )
-from .tasks import count_by_state
+from .tasks import HELD_TERM, count_by_state
 from .versioning import current_revision
 
 
@@ -105,8 +104,7 @@ def held_reasons(conn: Connection, limit: int = 3) -> dict[str, list[tuple[str, 
     held: dict[str, list[tuple[str, int]]] = {}
     for state in (TaskState.DEFERRED.value, TaskState.FAILED.value):
         rows = conn.execute(
-            select(tasks.c.reason, func.count()).where(text(HELD_STATES_SQL),
-                                                       tasks.c.state == state)
+            select(tasks.c.reason, func.count()).where(HELD_TERM, tasks.c.state == state)
             .group_by(tasks.c.reason).order_by(func.count().desc(), tasks.c.reason)
             .limit(limit)).all()
         if rows:

@@ -56,7 +56,8 @@ _TASK_COLUMNS = (tasks.c.id, tasks.c.semantic_id, tasks.c.payload, tasks.c.input
 
 #: `ix_tasks_held`'s condition, for a query SQLite should read that index for (it uses a
 #: partial index only when the query repeats the index's own term).
-_HELD = text(HELD_STATES_SQL)
+HELD_TERM = text(HELD_STATES_SQL)
+
 
 def _record(row: Any) -> TaskRecord:
     return TaskRecord(row.id, row.semantic_id, json.loads(row.payload), row.input_hash,
@@ -258,7 +259,7 @@ def reclaim_deferred(tx: Tx, available: Callable[[Mapping[str, Any]], bool] = in
     with the reason (never deleted). Returns (reclaimed ids, refused ids).
     """
     rows = tx.conn.execute(
-        select(*_TASK_COLUMNS).where(_HELD, tasks.c.state == TaskState.DEFERRED.value)
+        select(*_TASK_COLUMNS).where(HELD_TERM, tasks.c.state == TaskState.DEFERRED.value)
         .order_by(tasks.c.updated_at, tasks.c.id)
     ).all()
     admitted: list[TaskRecord] = []
@@ -298,7 +299,7 @@ def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
     order from `after_id` on, at most `limit` of them (the caller's next chunk starts after the
     last id returned)."""
     allowed = [s.value for s in states if s in (TaskState.FAILED, TaskState.DEFERRED)]
-    q = select(tasks.c.id, tasks.c.state).where(_HELD, tasks.c.state.in_(allowed),
+    q = select(tasks.c.id, tasks.c.state).where(HELD_TERM, tasks.c.state.in_(allowed),
                                                  tasks.c.id > after_id)
     if ids is not None:
         q = q.where(tasks.c.id.in_(list(ids)))

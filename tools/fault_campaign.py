@@ -59,7 +59,11 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
-from store.schema import COUNTED_KIND_SQL, ROLLBACK_EVENTS  # noqa: E402
+from store.schema import (  # noqa: E402
+    COUNTED_KIND_SQL,
+    DISPATCH_RECORDS_SQL,
+    ROLLBACK_EVENTS,
+)
 
 ALL_KINDS: tuple[str, ...] = tuple(KINDS)
 
@@ -504,27 +508,23 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
 
     # -- wrong commits -----------------------------------------------------------------------
     wrong: dict[str, list[str]] = defaultdict(list)
-    # Every dispatch leaves one record: its dispatch row while active, its results row once
-    # committed, a `dispatched` event if it ended any other way (a pre-send rewind takes
-    # back its count). A result from a token never dispatched for its task is one record
-    # too many.
-    for task_id, token in q(
-            "SELECT r.task_id, r.token FROM results r JOIN tasks t ON t.id = r.task_id "
-            "WHERE t.dispatches < 1 + (SELECT count(*) FROM events e WHERE e.task_id = t.id "
-            "AND e.kind = 'dispatched') + (SELECT count(*) FROM dispatches d "
-            "WHERE d.task_id = t.id)"):
-        wrong[token].append(f"task {task_id}: result token {token[:12]} is one more record "
-                            f"than the task's dispatches (never dispatched for it)")
+    # Every dispatch leaves one record (DISPATCH_RECORDS_SQL). A result from a token never
+    # dispatched for its task is one record too many; a dispatch with none vanished.
+    unrecorded = []
+    for task_id, n, n_records, token in q(
+            f"SELECT t.id, t.dispatches, {DISPATCH_RECORDS_SQL}, r.token FROM tasks t "
+            f"LEFT JOIN results r ON r.task_id = t.id "
+            f"WHERE t.dispatches != {DISPATCH_RECORDS_SQL}"):
+        if n_records > n and token is not None:
+            wrong[token].append(f"task {task_id}: result token {token[:12]} is one more "
+                                f"record than the task's dispatches (never dispatched for it)")
+        elif n_records < n:
+            unrecorded.append((task_id, n, n_records))
     for task_id, token in q(
             "SELECT r.task_id, r.token FROM results r JOIN events e ON e.task_id = r.task_id "
             "AND e.token = r.token AND e.kind = 'dispatched'"):
         wrong[token].append(f"task {task_id}: committed from token {token[:12]} whose "
                             f"dispatch ended without a result")
-    unrecorded = q("SELECT t.id, t.dispatches, (SELECT count(*) FROM results r WHERE "
-                   "r.task_id = t.id) + (SELECT count(*) FROM events e WHERE e.task_id = t.id "
-                   "AND e.kind = 'dispatched') + (SELECT count(*) FROM dispatches d "
-                   "WHERE d.task_id = t.id) AS records FROM tasks t "
-                   "WHERE t.dispatches > records")
     if unrecorded:
         problems.append(f"{len(unrecorded)} tasks have dispatches without a record (id, "
                         f"dispatches, records): {unrecorded[:10]}")
