@@ -230,3 +230,23 @@ def test_a_launcher_that_failed_and_a_fenced_hung_rank_are_not_unusual_exits(tmp
                                                       "exit_code": 213}]
     assert fc.unusual_exits({"runs": runs}) == []
     assert fc.unusual_exits({"runs": [*runs, {"ended_by": "exit", "exit_code": 213}]}) == [213]
+
+
+def test_checker_reports_a_result_the_dispatch_count_does_not_cover(campaign):
+    """One record per dispatch: a result on a task with no dispatch left unrecorded for it
+    is a commit from a dispatch that never was."""
+    db, _, good = campaign
+    _write(db, "UPDATE tasks SET dispatches = dispatches - 1 WHERE id = "
+               "(SELECT task_id FROM results WHERE token = ?)", params=(good,))
+    r = _check(db)
+    assert r["wrong_commits"] == 1
+    assert any("never dispatched for it" in p for p in r["problems"])
+
+
+def test_checker_reports_a_dispatch_without_a_record(campaign):
+    db, recovered, _ = campaign
+    _write(db, "DELETE FROM events WHERE token = ? AND kind = 'dispatched'",
+           params=(recovered,))
+    r = _check(db)
+    assert r["wrong_commits"] == 0
+    assert any("dispatches without a record" in p for p in r["problems"])
