@@ -135,8 +135,9 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
     return created
 
 
-# INDEXED BY: without ANALYZE statistics SQLite prefers ix_tasks_state and then sorts every
-# queued row on each call; the partial index yields them already in queue order. Paged by key
+# INDEXED BY: without ANALYZE statistics SQLite preferred an index on state (ix_tasks_state,
+# before revision 0007) and then sorted every queued row on each call; the partial index
+# yields them already in queue order, whatever index on state a later revision adds. Paged by key
 # ((queue_pos, id) past the last row seen), not OFFSET, which walked every earlier row again
 # for each window: quadratic when many queued tasks wait on a held lease.
 _QUEUED = ("SELECT id, semantic_id, payload, input_hash, state, attempts, dispatches, depth, "
