@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UsageError
+
 ENV_RESUME = "SYMCC_RESUME"
 ENV_RETRIES = "SYMCC_DISPATCH_PROTOCOL_RETRIES"
 ENV_MAX_ATTEMPTS = "SYMCC_DISPATCH_MAX_ATTEMPTS"
@@ -18,7 +20,7 @@ DEFAULT_DEMO_TASKS = 300
 DEFAULT_TIMEOUT_S = 30.0
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A setting the user gave that cannot be used; the message names it."""
 
 
@@ -328,3 +330,12 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
                      f"now go to {cfg.afl_out / str(given['name']) / 'queue'} and it reads "
                      f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}")
     return notes
+
+
+def describe(cfg: RunConfig) -> str:
+    """The run's task source and executor, for the master's first line."""
+    src = (f"{cfg.demo} demo tasks" if cfg.demo is not None else
+           f"tasks from {cfg.tasks_file}" if cfg.tasks_file else
+           f"AFL queue {cfg.afl_out}/{cfg.fuzzer}/queue" if cfg.afl_out is not None else
+           "the campaign's stored tasks")
+    return f"{src}, {cfg.executor} executor"

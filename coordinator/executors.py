@@ -14,19 +14,22 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import os
 import pathlib
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, runtime_checkable
+
+from .config import RunConfig
+from .errors import UsageError
+from .processes import kill_command, running_commands, wait_exit_unreaped
+from .wire import clip_detail
 
 __all__ = [
     "CommandExecutor",
@@ -46,8 +49,6 @@ STATUS_ERROR = "error"
 
 # Enough of a crashing target's stderr to see the reason, small enough for one RESULT message.
 DETAIL_MAX_BYTES = 2048
-#: What a result's explanation keeps (the master keeps no more either).
-DETAIL_MAX_CHARS = 2000
 
 EXECUTOR_KINDS = ("command", "python", "demo")
 
@@ -65,20 +66,6 @@ class ExecOutcome:
 @runtime_checkable
 class Executor(Protocol):
     def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome: ...
-
-
-def clip_detail(text: str, limit: int = DETAIL_MAX_CHARS) -> str:
-    """At most `limit` characters of a run's explanation: its first line (how the command
-    ended, the exception) and its tail (the last lines of a failing run say why, and the notes
-    on dropped output files come last); the middle goes."""
-    if len(text) <= limit:
-        return text
-    first, newline, rest = text.partition("\n")
-    marker = "\n…\n"
-    if not newline or len(first) > limit // 2:
-        return text[-limit:]
-    return first + marker + rest[-(limit - len(first) - len(marker)):]
-
 
 
 def _join_detail(*parts: str) -> str:
@@ -121,123 +108,6 @@ class _TailReader(threading.Thread):
         return bytes(self._buf[-self._keep :]).decode("utf-8", errors="replace")
 
 
-def kill_command(pgid: int) -> None:
-    """SIGKILL a command's whole process group (its id is the command's)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # group already empty
-
-
-class _RunningCommands:
-    """The process groups of the commands this process runs now (their leaders unreaped, so
-    each id is still theirs): what a worker torn down by a signal must not leave behind."""
-
-    def __init__(self) -> None:
-        self.groups: set[int] = set()
-        self.spawning = False  # a command is being started: its group is not known yet
-        self.deferred: list[Callable[[], None]] = []
-
-    def spawned(self, pgid: int | None) -> None:
-        """The command being started has its group (None: it did not start)."""
-        if pgid is not None:
-            self.groups.add(pgid)
-        self.spawning = False
-        if self.deferred:
-            self.deferred.pop()()
-
-
-_commands = _RunningCommands()
-
-
-def kill_running_commands() -> None:
-    """Kill every command this process runs, whole groups. A target runs in a session of its
-    own, so nothing else ends it when its worker goes: it would outlive the job."""
-    for pgid in list(_commands.groups):
-        kill_command(pgid)
-
-
-def commands_run_by(parents: Collection[int]) -> list[int]:
-    """The commands that the given processes on this host run now: their children that lead
-    a session of their own (the command executor starts each command so), found in /proc;
-    [] where there is none. Each one's id is also its process group's.
-
-    For the master, which must end them itself when it ends their workers: a worker's own
-    teardown handler runs only once the worker is scheduled again, and a launcher that sees
-    another rank end first may SIGKILL it before then (MPICH's does, at once), leaving its
-    command running for as long as the command lasts."""
-    parents = set(parents)
-    return sorted(pid for pid, fields in proc_stats()  # (fields: state, ppid, pgrp, session)
-                  if int(fields[1]) in parents and int(fields[3]) == pid)
-
-
-def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
-    """(pid, `proc_stat(pid)`) for every process on this host; nothing without /proc."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return
-    for entry in entries:
-        fields = proc_stat(int(entry)) if entry.isdigit() else None
-        if fields is not None:  # (None: gone meanwhile)
-            yield int(entry), fields
-
-
-def proc_stat(pid: int) -> list[bytes] | None:
-    """The fields of /proc/<pid>/stat after the command name (the state first, so field N of
-    proc(5) is at N - 3); None if the process is gone or there is no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-    return stat[stat.rfind(b")") + 2:].split()
-
-
-def teardown_when_safe(teardown: Callable[[], None]) -> None:
-    """From a signal handler: run `teardown` now, or, if a command is being started, as soon
-    as its process group is registered (else it would escape `kill_running_commands`)."""
-    if _commands.spawning:
-        _commands.deferred.append(teardown)
-    else:
-        teardown()
-
-
-def _wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait until the child exits *without reaping it*; True if it exited in time.
-
-    While the leader is an unreaped zombie its pid (= the process-group id) cannot be reused,
-    so a following killpg() can only hit the target's own leftovers, never an unrelated group.
-    """
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except OSError:  # kernel older than 5.3: fall back to polling
-            pass
-        else:
-            try:
-                poller = select.poll()
-                poller.register(pidfd, select.POLLIN)
-                return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
-            finally:
-                os.close(pidfd)
-    deadline = time.monotonic() + timeout_s
-    delay = 0.001
-    while True:
-        try:
-            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if info is not None:
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, 0.05)
-
-
 #: What the command executor keeps of a run's output files (the rest is dropped, and noted).
 DEFAULT_MAX_FILES = 1000
 DEFAULT_MAX_FILE_BYTES = 1 << 20
@@ -251,13 +121,13 @@ RESULT_PER_FILE_BYTES = 300
 def output_limits(max_message_bytes: int) -> tuple[int, int, int]:
     """(max_files, max_file_bytes, max_total_bytes) for RESULTs that stay under the master's
     bound: the defaults, cut down for a small bound (at most half of it goes to the files'
-    names and headers). ValueError if even one file cannot fit."""
+    names and headers). UsageError if even one file cannot fit."""
     files = min(DEFAULT_MAX_FILES,
                 (max_message_bytes // 2 - RESULT_FIXED_BYTES) // RESULT_PER_FILE_BYTES)
     total = min(DEFAULT_MAX_TOTAL_BYTES, max_message_bytes - RESULT_FIXED_BYTES
                 - RESULT_PER_FILE_BYTES * max(files, 0))
     if files < 1 or total < 1:
-        raise ValueError(f"--max-message-bytes {max_message_bytes} leaves no room for test "
+        raise UsageError(f"--max-message-bytes {max_message_bytes} leaves no room for test "
                          f"cases with the command executor (it needs at least "
                          f"{2 * (RESULT_FIXED_BYTES + RESULT_PER_FILE_BYTES)} bytes)")
     return files, min(DEFAULT_MAX_FILE_BYTES, total), total
@@ -271,22 +141,22 @@ def resolve_program(program: str) -> str:
     program that is missing or not executable is refused now (the run does not start) rather
     than failing every task with "cannot start"."""
     if not program:
-        raise ValueError("the command after -- is empty (give the program, e.g. -- ./target @@)")
+        raise UsageError("the command after -- is empty (give the program, e.g. -- ./target @@)")
     if "@@" in program:
-        raise ValueError(f"command {program!r}: `@@` (the input file) cannot be the program; "
+        raise UsageError(f"command {program!r}: `@@` (the input file) cannot be the program; "
                          f"put the program first, e.g. -- ./target @@")
     if os.sep in program or (os.altsep and os.altsep in program):
         path = os.path.abspath(program)
         if os.path.isdir(path):
-            raise ValueError(f"command {program!r} is a directory ({path}), not a program")
+            raise UsageError(f"command {program!r} is a directory ({path}), not a program")
         if not os.path.isfile(path):
-            raise ValueError(f"command {program!r}: no such file ({path})")
+            raise UsageError(f"command {program!r}: no such file ({path})")
         if not os.access(path, os.X_OK):
-            raise ValueError(f"command {program!r} is not executable (chmod +x {path})")
+            raise UsageError(f"command {program!r} is not executable (chmod +x {path})")
         return path
     found = shutil.which(program)
     if found is None:
-        raise ValueError(f"command {program!r} is not on PATH (give its path, e.g. "
+        raise UsageError(f"command {program!r} is not on PATH (give its path, e.g. "
                          f"./{program})")
     return os.path.abspath(found)
 
@@ -314,18 +184,18 @@ class CommandExecutor:
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     ) -> None:
         if isinstance(argv, (str, bytes)) or not argv:
-            raise ValueError("command executor needs a non-empty argv list, e.g. ['./target', '@@']")
+            raise UsageError("command executor needs a non-empty argv list, e.g. ['./target', '@@']")
         if not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"command argv must be a list of strings, got {list(argv)!r}")
+            raise UsageError(f"command argv must be a list of strings, got {list(argv)!r}")
         if not timeout_s > 0:
-            raise ValueError(f"command timeout must be > 0 seconds, got {timeout_s!r}")
+            raise UsageError(f"command timeout must be > 0 seconds, got {timeout_s!r}")
         for name, limit in (
             ("max_files", max_files),
             ("max_file_bytes", max_file_bytes),
             ("max_total_bytes", max_total_bytes),
         ):
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-                raise ValueError(f"{name} must be a positive integer, got {limit!r}")
+                raise UsageError(f"{name} must be a positive integer, got {limit!r}")
         self.argv = [resolve_program(argv[0]), *argv[1:]]
         self.timeout_s = float(timeout_s)
         self.max_files = max_files
@@ -392,7 +262,7 @@ class CommandExecutor:
             stdin_file = None if self.uses_file_arg else open(input_path, "rb")
         except OSError as exc:
             return ExecOutcome(status=STATUS_ERROR, detail=clip_detail(f"cannot open input for stdin: {exc}"))
-        _commands.spawning = True
+        running_commands.spawning = True
         try:
             proc = subprocess.Popen(
                 argv,
@@ -405,21 +275,21 @@ class CommandExecutor:
                 close_fds=True,
             )
         except OSError as exc:
-            _commands.spawned(None)
+            running_commands.spawned(None)
             return ExecOutcome(status=STATUS_ERROR, detail=clip_detail(f"cannot start {argv[0]!r}: {exc}"))
         except BaseException:
-            _commands.spawned(None)
+            running_commands.spawned(None)
             raise
         finally:
             if stdin_file is not None:
                 stdin_file.close()
-        _commands.spawned(proc.pid)
+        running_commands.spawned(proc.pid)
         tail = _TailReader(proc.stderr, DETAIL_MAX_BYTES)
         tail.start()
         timed_out = not self._wait(proc)
         # Also reaps anything the target left running in its group after a normal exit.
         kill_command(proc.pid)
-        _commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
+        running_commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
         returncode = proc.wait()
         # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.
         tail.join(timeout=2.0)
@@ -440,7 +310,7 @@ class CommandExecutor:
 
     def _wait(self, proc: subprocess.Popen) -> bool:
         if hasattr(os, "waitid"):
-            return _wait_exit_unreaped(proc, self.timeout_s)
+            return wait_exit_unreaped(proc, self.timeout_s)
         try:  # platforms without waitid: the group kill after a normal exit is best effort
             proc.wait(timeout=self.timeout_s)
             return True
@@ -486,7 +356,7 @@ class CommandExecutor:
         notes = []
         if dropped["count"]:
             unreadable = f", {dropped['unreadable']} unreadable" if dropped["unreadable"] else ""
-            notes.append(  # gate.DROPPED_NOTE: the master keeps it even for an ok result
+            notes.append(  # wire.DROPPED_NOTE: the master keeps it even for an ok result
                 f"dropped {dropped['count']} of {len(entries)} output files "
                 f"({dropped['too_big']} over {self.max_file_bytes} bytes{unreadable}; limits: "
                 f"{self.max_files} files, {self.max_total_bytes} bytes in total)"
@@ -525,39 +395,39 @@ _SPEC_FORMS = "'module:function' or 'path/to/file.py:function'"
 
 
 def _load_callable(spec: str) -> Callable[..., Any]:
-    """Resolves a callable spec; every failure is a ValueError that names the spec."""
+    """Resolves a callable spec; every failure is a UsageError that names the spec."""
     try:
         return _resolve(spec)
-    except ValueError as exc:
-        raise ValueError(f"callable spec {spec!r}: {exc}") from exc.__cause__
+    except UsageError as exc:
+        raise UsageError(f"callable spec {spec!r}: {exc}") from exc.__cause__
 
 
 def _resolve(spec: str) -> Callable[..., Any]:
     if not isinstance(spec, str):
-        raise ValueError(f"must be a string like {_SPEC_FORMS}")
+        raise UsageError(f"must be a string like {_SPEC_FORMS}")
     where, _, attr_path = spec.rpartition(":")
     if not where or not attr_path:
-        raise ValueError(f"must look like {_SPEC_FORMS}")
+        raise UsageError(f"must look like {_SPEC_FORMS}")
     if not _looks_like_file(where) and not ({"", os.getcwd()} & set(sys.path)):
         # `python -m coordinator` finds a module of the start directory, the `coordinator`
         # script did not: `mpiexec -n 8 coordinator run --callable mypkg.work:solve` failed.
         sys.path.append(os.getcwd())  # last: it must not shadow what is installed
     try:
         module = _import_file(where) if _looks_like_file(where) else importlib.import_module(where)
-    except ValueError:
+    except UsageError:
         raise
     except (Exception, SystemExit) as exc:
         # An import runs arbitrary user code: any failure is a bad spec. SystemExit too: a
         # script's module-level argparse, say, is not the master's own exit.
-        raise ValueError(f"cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
+        raise UsageError(f"cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
     target: Any = module
     for part in attr_path.split("."):
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise ValueError(f"{where!r} has no attribute {attr_path!r}") from None
+            raise UsageError(f"{where!r} has no attribute {attr_path!r}") from None
     if not callable(target):
-        raise ValueError(f"{attr_path!r} is not callable")
+        raise UsageError(f"{attr_path!r} is not callable")
     return target
 
 
@@ -568,14 +438,14 @@ def _looks_like_file(where: str) -> bool:
 def _import_file(where: str) -> Any:
     path = pathlib.Path(where).resolve()
     if not path.is_file():
-        raise ValueError(f"file {where!r} does not exist")
+        raise UsageError(f"file {where!r} does not exist")
     # A name unique per file, so two task files with the same stem do not replace each other.
     name = f"_coordinator_task_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"file {where!r} cannot be loaded as a Python module")
+        raise UsageError(f"file {where!r} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     # Registered before running it: dataclasses and pickling look the module up by name.
     sys.modules[name] = module
@@ -741,7 +611,7 @@ class DemoExecutor:
 
     def __init__(self, work_ms: float = 0.0) -> None:
         if not work_ms >= 0:
-            raise ValueError(f"demo work must be >= 0 ms, got {work_ms!r}")
+            raise UsageError(f"demo work must be >= 0 ms, got {work_ms!r}")
         self.work_ms = float(work_ms)
 
     def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome:
@@ -783,18 +653,18 @@ def make_executor(
     demo_work_ms: float = 0.0,
     max_message_bytes: int | None = None,
 ) -> Executor:
-    """Builds the executor a worker uses; ValueError explains a bad combination of options.
+    """Builds the executor a worker uses; UsageError explains a bad combination of options.
 
     `max_message_bytes` is the master's bound on a RESULT: the command executor keeps the
     test cases it sends under it (dropping the rest, and saying so), instead of sending a
     message the master must quarantine whole."""
     if kind == "command":
         if callable_spec is not None:
-            raise ValueError("a command executor takes a command line, not a callable spec")
+            raise UsageError("a command executor takes a command line, not a callable spec")
         if demo_work_ms:
-            raise ValueError("demo work time only applies to the demo executor")
+            raise UsageError("demo work time only applies to the demo executor")
         if not argv:
-            raise ValueError("the command executor needs a command line, e.g. -- ./target_symcc @@")
+            raise UsageError("the command executor needs a command line, e.g. -- ./target_symcc @@")
         if max_message_bytes is None:
             return CommandExecutor(list(argv), timeout_s)
         files, per_file, total = output_limits(max_message_bytes)
@@ -802,14 +672,23 @@ def make_executor(
                                max_total_bytes=total)
     if kind == "python":
         if argv:
-            raise ValueError("a python executor takes a callable spec, not a command line")
+            raise UsageError("a python executor takes a callable spec, not a command line")
         if demo_work_ms:
-            raise ValueError("demo work time only applies to the demo executor")
+            raise UsageError("demo work time only applies to the demo executor")
         if not callable_spec:
-            raise ValueError("the python executor needs a callable spec like 'module:function'")
+            raise UsageError("the python executor needs a callable spec like 'module:function'")
         return PythonExecutor(callable_spec)
     if kind == "demo":
         if argv or callable_spec is not None:
-            raise ValueError("the demo executor takes neither a command line nor a callable spec")
+            raise UsageError("the demo executor takes neither a command line nor a callable spec")
         return DemoExecutor(demo_work_ms)
-    raise ValueError(f"unknown executor kind {kind!r}; choose one of {', '.join(EXECUTOR_KINDS)}")
+    raise UsageError(f"unknown executor kind {kind!r}; choose one of {', '.join(EXECUTOR_KINDS)}")
+
+
+def build_executor(cfg: RunConfig, argv: list[str] | None = None) -> Executor:
+    """The run's executor. `argv`: the command as the master resolved it, so that every
+    worker runs the program the master checked (a bare name on another node's PATH could be
+    another binary)."""
+    return make_executor(cfg.executor, argv=argv or cfg.argv, callable_spec=cfg.callable_spec,
+                         timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms,
+                         max_message_bytes=cfg.max_message_bytes)

@@ -7,6 +7,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UsageError
+
 #: Every kind, and what it does to the task it fires on.
 KINDS: dict[str, str] = {
     "reorder": "READY is sent before RESULT",
@@ -32,8 +34,8 @@ _RESULT_SHAPES = ("result_garbage", "result_not_mapping", "result_missing_token"
                   "result_bad_token", "result_list_token", "result_stale")
 
 
-class InjectSpecError(ValueError):
-    pass
+class InjectSpecError(UsageError):
+    """An `--inject` spec that cannot be parsed; the message names the part."""
 
 
 def parse_inject(spec: str) -> dict[str, float]:

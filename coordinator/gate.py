@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,6 @@ from store.campaign import Store
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, WorkerState
 
-from .executors import DETAIL_MAX_CHARS, clip_detail
 from .protocol import (
     INVALIDATING,
     READY_TOKEN_KEY,
@@ -33,19 +31,9 @@ from .protocol import (
     mint_token,
     ready_info,
 )
+from .wire import RESULT_STATUSES, RETRY_STATUSES, Undecodable, failure_detail
 
 log = logging.getLogger(__name__)
-
-RESULT_STATUSES = frozenset({"ok", "error", "timeout"})
-#: Executor outcomes that are retried instead of committed (the command was killed).
-RETRY_STATUSES = frozenset({"timeout"})
-
-
-@dataclass(frozen=True)
-class Undecodable:
-    """What arrived could not be decoded at all: the classifier sees a non-mapping."""
-
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -87,45 +75,6 @@ def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
                    value_json: str | None) -> dsp.CommitItem:
     return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)),
                           value_json=value_json, detail=failure_detail(parsed))
-
-
-#: What is kept of a failed run's explanation: its first line and its tail, as the worker
-#: already clips it (executors.clip_detail).
-MAX_DETAIL_CHARS = DETAIL_MAX_CHARS
-
-
-def failure_detail(parsed: Any) -> str | None:
-    """What `results.detail` keeps: for a result whose status is not ok, the worker's
-    explanation (how the command ended and its stderr tail, or the exception); for an ok
-    result only the command executor's note of output files it dropped (over its limits),
-    else None (the happy path writes nothing)."""
-    get = parsed.get if isinstance(parsed, Mapping) else lambda k: getattr(parsed, k, None)
-    if _status_of(parsed) == "ok":
-        notes = [line for line in str(get("detail") or "").splitlines()
-                 if DROPPED_NOTE.match(line)]
-        return "\n".join(notes)[:MAX_DETAIL_CHARS] if notes else None
-    text = str(get("detail") or "").strip()
-    if not text and get("returncode") is not None:
-        text = f"exit status {get('returncode')}"
-    return clip_detail(text, MAX_DETAIL_CHARS) or None
-
-
-#: The command executor's note of dropped output files (executors._collect), told apart
-#: from the command's own stderr lines that share the result's detail.
-DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output (files|entries) \(")
-
-
-def detail_summary(detail: str | None, width: int = 200) -> str:
-    """One line for a failed run: its first line (how the command ended, or the exception)
-    and its last own line (a command's last word on stderr), not the note of dropped output
-    files that may follow them, which said nothing of why the run failed."""
-    lines = [line.strip() for line in (detail or "").splitlines() if line.strip()]
-    if not lines:
-        return "(no detail)"
-    own = [line for line in lines[1:] if not DROPPED_NOTE.match(line)]
-    last = own[-1] if own else ""
-    text = lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}"
-    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _status_of(parsed: Any) -> object:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
 import signal
 import socket
 import sys
@@ -33,12 +31,11 @@ from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
 from store.workers import idle_ranks, ranks_in_state, set_workers, where_they_run
 
-from .executors import commands_run_by, kill_command
 from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter, input_id, replace_text
+from .processes import fence, process_exists
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
-from .runtime import CLOCK_SLACK_S, process_exists, process_started_at
 from .sources import NewInput
 from .transport import Backoff, SendFailed, Transport
 from .wire import (
@@ -54,7 +51,6 @@ from .wire import (
     decode_inbound,
     encode,
 )
-from .worker import TEARDOWN_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -560,46 +556,16 @@ class Master:
         return [r for r in range(1, self.transport.size) if r not in self._failed_ranks]
 
     def fence(self, ranks: list[int], term_wait_s: float = 1.0) -> list[int]:
-        """End the given ranks' processes if they run on this host (pid from READY); the only
-        way to end a rank that is hung (stopped) and so never answers MPI. The commands they
-        run are killed first, each with its process group; then TEARDOWN_SIGNAL (with
-        SIGCONT, for a stopped rank), on which a worker also kills any command it was just
-        starting; SIGKILL after `term_wait_s` for the rest."""
+        """End the given ranks' processes if they run on this host, by the pid each reported
+        in its READY (`processes.fence`); the ranks fenced."""
         if not ranks:
             return []
-        here = socket.gethostname()
         try:
             with self.store.reading() as conn:
                 where = where_they_run(conn)
         except Exception:  # the database may be what failed; then nothing can be fenced
             return []
-        pids = {}
-        for rank in ranks:
-            host, pid, seen = where.get(rank, (None, None, None))
-            # A process that started after the rank's last READY has taken a dead rank's pid.
-            if (host == here and pid != os.getpid() and
-                    (process_started_at(pid) or math.inf) <= seen + CLOCK_SLACK_S):
-                pids[rank] = pid
-        # Stopped first, so that none of them can reap a command (and free its id for reuse)
-        # between the search for their commands and the kill.
-        for pid in pids.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-        # Their commands by the master itself: see `commands_run_by`.
-        for command in commands_run_by(pids.values()):
-            kill_command(command)
-        for sig in (TEARDOWN_SIGNAL, signal.SIGCONT):
-            for pid in pids.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-        deadline = time.monotonic() + term_wait_s
-        while any(process_exists(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for pid in pids.values():
-            if process_exists(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        return sorted(pids)
+        return fence(ranks, where, term_wait_s)
 
     def _send_stop(self, rank: int, *, finalize: bool) -> str | None:
         """A tokenized STOP with a fresh token to `rank`: the token, or None if the send

@@ -15,6 +15,8 @@ import secrets
 import stat
 import sys
 
+from .errors import UsageError
+
 __all__ = ["TestcaseWriter", "input_id", "sanitize_src"]
 
 _AFL_ID = re.compile(r"^id:(\d+)")
@@ -68,14 +70,14 @@ class TestcaseWriter:
         #: (AFL instance, its import counter) when that counter, not our files, set the next id
         self.resumed_from_sync: tuple[str, int] | None = None
         if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise ValueError(f"{self.out_dir} is not a directory (new test cases are written "
+            raise UsageError(f"{self.out_dir} is not a directory (new test cases are written "
                              f"there)")
         # Found out at the first test case otherwise: after the campaign was created.
         nearest = self.out_dir.absolute()
         while not nearest.exists():
             nearest = nearest.parent
         if not (nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK)):
-            raise ValueError(f"{self.out_dir} cannot be written ({nearest} is not a writable "
+            raise UsageError(f"{self.out_dir} cannot be written ({nearest} is not a writable "
                              f"directory; new test cases are written there)")
         if scan:
             self.scan()

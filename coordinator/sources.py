@@ -20,6 +20,8 @@ from typing import IO, Any
 from store.semantic import PayloadError, canonical_form
 from store.tasks import NewTask
 
+from .errors import UsageError
+
 __all__ = [
     "AflQueueSource",
     "NewInput",
@@ -78,7 +80,7 @@ class AflQueueSource:
 
     def __init__(self, afl_out: pathlib.Path, fuzzer: str, settle_s: float = 0.5) -> None:
         if not fuzzer or "/" in fuzzer or fuzzer in (".", ".."):
-            raise ValueError(f"fuzzer name {fuzzer!r} must be a single directory name, like 'main'")
+            raise UsageError(f"fuzzer name {fuzzer!r} must be a single directory name, like 'main'")
         if not settle_s >= 0:
             raise ValueError(f"settle time must be >= 0 seconds, got {settle_s!r}")
         self.fuzzer = fuzzer
@@ -240,7 +242,7 @@ def _is_dir(entry: os.DirEntry) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-class TaskFileError(ValueError):
+class TaskFileError(UsageError):
     """A tasks file line that cannot become a task; the message names the file and line."""
 
     def __init__(self, path: os.PathLike[str] | str, lineno: int, reason: str) -> None:
@@ -347,7 +349,7 @@ def load_tasks_jsonl(path: os.PathLike[str] | str) -> TasksFile:
     if not len(tasks):
         # A campaign of nothing would still be a campaign: the corrected file would then be
         # refused without --resume.
-        raise ValueError(f"tasks file {os.fspath(path)!r} holds no tasks (only blank lines)")
+        raise UsageError(f"tasks file {os.fspath(path)!r} holds no tasks (only blank lines)")
     return tasks
 
 
@@ -379,14 +381,14 @@ class TasksFile:
         try:
             f = open(self.path, "rb")  # noqa: SIM115 (closed by the generator's `with`)
         except OSError as exc:
-            raise ValueError(f"cannot read tasks file {os.fspath(self.path)!r}: "
+            raise UsageError(f"cannot read tasks file {os.fspath(self.path)!r}: "
                              f"{exc.strerror or exc}") from None
         with f:
             seen = self._identity(f)
             if check_only:
                 self._checked = seen
             elif seen != self._checked:
-                raise ValueError(f"tasks file {os.fspath(self.path)!r} changed after it was "
+                raise UsageError(f"tasks file {os.fspath(self.path)!r} changed after it was "
                                  f"checked; nothing of it was imported")
             # Lines as bytes.splitlines() cuts them (\n, \r\n and a lone \r), numbered so.
             lines = (line for physical in f for line in physical.splitlines())
@@ -396,7 +398,7 @@ class TasksFile:
                     yield task
             if not check_only and self._identity(f) != self._checked:
                 # Written to while it was imported: the import's one transaction is undone.
-                raise ValueError(f"tasks file {os.fspath(self.path)!r} changed while it was "
+                raise UsageError(f"tasks file {os.fspath(self.path)!r} changed while it was "
                                  f"imported; nothing of it was imported")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -281,8 +280,8 @@ class Transport:
         atexit.register(complete)
 
     def abort(self, code: int) -> None:
+        """MPI_Abort: ends every rank of the job (without ULFM)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.5)  # MPICH's launcher drops output not yet forwarded when the job aborts
         self.comm.Abort(code)
-
-
-def host_and_pid() -> tuple[str, int]:
-    return socket.gethostname(), os.getpid()

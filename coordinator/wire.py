@@ -8,11 +8,12 @@ typed structs, so a healthy worker cannot send a badly shaped message by acciden
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from .gate import RESULT_STATUSES, Undecodable
 
 WIRE_VERSION = 1
 
@@ -25,6 +26,21 @@ TAG_STOP_ACK = 15
 
 #: Default bound on a message the master accepts (RESULT carries test cases).
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+#: What a RESULT's `status` may say: the executor's outcome of the run.
+RESULT_STATUSES = frozenset({"ok", "error", "timeout"})
+#: The outcomes that are retried instead of committed (the command was killed).
+RETRY_STATUSES = frozenset({"timeout"})
+
+#: What a result's explanation (`detail`) keeps, on the worker and on the master alike.
+DETAIL_MAX_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What arrived could not be decoded at all: the classifier sees a non-mapping."""
+
+    detail: str
 
 
 class Work(msgspec.Struct, forbid_unknown_fields=True):
@@ -113,3 +129,55 @@ def decode_work(data: bytes | bytearray) -> Work:
 
 def decode_stop(data: bytes | bytearray) -> Stop:
     return _stop_decoder.decode(data)
+
+
+# -- a RESULT's explanation --------------------------------------------------------------------
+
+def clip_detail(text: str, limit: int = DETAIL_MAX_CHARS) -> str:
+    """At most `limit` characters of a run's explanation: its first line (how the command
+    ended, the exception) and its tail (the last lines of a failing run say why, and the notes
+    on dropped output files come last); the middle goes."""
+    if len(text) <= limit:
+        return text
+    first, newline, rest = text.partition("\n")
+    marker = "\n…\n"
+    if not newline or len(first) > limit // 2:
+        return text[-limit:]
+    return first + marker + rest[-(limit - len(first) - len(marker)):]
+
+
+#: The command executor's note of dropped output files, told apart from the command's own
+#: stderr lines that share the result's detail.
+DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output (files|entries) \(")
+
+
+def _field(parsed: Any, key: str) -> Any:
+    return parsed.get(key) if isinstance(parsed, Mapping) else getattr(parsed, key, None)
+
+
+def failure_detail(parsed: Any) -> str | None:
+    """What `results.detail` keeps: for a result whose status is not ok, the worker's
+    explanation (how the command ended and its stderr tail, or the exception); for an ok
+    result only the command executor's note of output files it dropped (over its limits),
+    else None (the happy path writes nothing)."""
+    if _field(parsed, "status") == "ok":
+        notes = [line for line in str(_field(parsed, "detail") or "").splitlines()
+                 if DROPPED_NOTE.match(line)]
+        return "\n".join(notes)[:DETAIL_MAX_CHARS] if notes else None
+    text = str(_field(parsed, "detail") or "").strip()
+    if not text and _field(parsed, "returncode") is not None:
+        text = f"exit status {_field(parsed, 'returncode')}"
+    return clip_detail(text, DETAIL_MAX_CHARS) or None
+
+
+def detail_summary(detail: str | None, width: int = 200) -> str:
+    """One line for a failed run: its first line (how the command ended, or the exception)
+    and its last own line (a command's last word on stderr), not the note of dropped output
+    files that may follow them, which said nothing of why the run failed."""
+    lines = [line.strip() for line in (detail or "").splitlines() if line.strip()]
+    if not lines:
+        return "(no detail)"
+    own = [line for line in lines[1:] if not DROPPED_NOTE.match(line)]
+    last = own[-1] if own else ""
+    text = lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}"
+    return text if len(text) <= width else text[:width - 1] + "…"

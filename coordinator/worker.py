@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import traceback
@@ -21,9 +20,14 @@ from pathlib import Path
 
 import msgspec
 
-from .executors import ExecOutcome, Executor, kill_running_commands, teardown_when_safe
+from .executors import ExecOutcome, Executor
+from .processes import (
+    host_and_pid,
+    kill_running_commands,
+    teardown_when_safe,
+)
 from .protocol import is_token
-from .transport import Backoff, MasterGone, SendFailed, Transport, host_and_pid
+from .transport import Backoff, MasterGone, SendFailed, Transport
 from .wire import (
     ENCODE_ERRORS,
     TAG_STOP,
@@ -40,13 +44,6 @@ log = logging.getLogger(__name__)
 #: An idle worker re-sends its last READY (the last completed token, or empty) this often
 #: while no WORK arrives.
 HEARTBEAT_S = 5.0
-
-
-#: How the master ends a worker it gave up on (one that never acknowledged STOP, or every
-#: worker before it aborts the job). Not SIGTERM: a batch system or `mpiexec` sends that to
-#: every rank when a job is cancelled or out of time, and the workers must then go on through
-#: the master's grace period.
-TEARDOWN_SIGNAL = signal.SIGUSR2
 
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
@@ -200,3 +197,4 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
             last_completed, completed = completed, ""
     finally:
         shutil.rmtree(scratch_dir, ignore_errors=True)
+

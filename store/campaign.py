@@ -25,7 +25,13 @@ from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
-from .engine import DEFAULT_SYNCHRONOUS, open_engine, read_tx, refuse_empty_file, write_tx
+from .engine import (
+    DEFAULT_SYNCHRONOUS,
+    open_engine,
+    read_tx,
+    refuse_empty_file,
+    write_tx,
+)
 from .errors import CampaignExistsError, CampaignLockedError, NoCampaignYet, StoreError
 from .journal import RetryPolicy, Tx
 from .schema import EventKind, campaign, tasks

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, func, select, text, update
+from sqlalchemy import Connection, and_, exists, select, text, update
 
 from .journal import RetryPolicy, Tx
 from .schema import (

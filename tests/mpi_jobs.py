@@ -20,8 +20,8 @@ from pathlib import Path
 
 from processes import in_session
 
-from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
-from coordinator.executors import proc_stat
+from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
+from coordinator.processes import proc_stat
 from store.schema import COUNTED_KIND_SQL, DISPATCH_RECORDS_SQL, ROLLBACK_EVENTS
 
 MPIEXEC = find_mpiexec()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from coordinator.executors import proc_stat, proc_stats
+from coordinator.processes import proc_stat, proc_stats
 
 
 def running(pid: int) -> bool:

@@ -294,7 +294,7 @@ def test_a_launch_that_open_mpis_launcher_failed_is_made_once_more(tmp_path):
     import subprocess
     import sys
 
-    from coordinator.cli import LAUNCHER_FAILED
+    from coordinator.launcher import LAUNCHER_FAILED
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
     launches = tmp_path / "launches"
     fake = tmp_path / "flaky-mpiexec"
@@ -334,7 +334,7 @@ def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
     import subprocess
     import sys
 
-    from coordinator.cli import (
+    from coordinator.launcher import (
         LAUNCH_DIR_PREFIX,
         LAUNCHER_PID,
         _remove_orphaned_launch_dirs,

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from coordinator.errors import UsageError
 from coordinator.executors import (
-    DETAIL_MAX_CHARS,
     CommandExecutor,
     DemoExecutor,
     Executor,
@@ -23,7 +23,7 @@ from coordinator.executors import (
     make_executor,
     output_limits,
 )
-from coordinator.gate import detail_summary, failure_detail
+from coordinator.wire import DETAIL_MAX_CHARS, detail_summary, failure_detail
 
 # Writes two outputs (named so that name order != creation order) plus things that must be
 # ignored, reports what it saw on stderr, and exits 3 for inputs starting with b"fail".
@@ -188,15 +188,15 @@ def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, m
     assert out.status == "ok", out.detail
     assert out.testcases == [("out", b"ran\n")]
     assert CommandExecutor(["sh", "-c", "true"], timeout_s=1).argv[0] == shutil.which("sh")
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(UsageError, match="no such file"):
         CommandExecutor(["./no-such-target", "@@"], timeout_s=1)
-    with pytest.raises(ValueError, match="not executable"):
+    with pytest.raises(UsageError, match="not executable"):
         CommandExecutor(["./plain"], timeout_s=1)
-    with pytest.raises(ValueError, match="not on PATH"):
+    with pytest.raises(UsageError, match="not on PATH"):
         CommandExecutor(["no-such-program-here"], timeout_s=1)
-    with pytest.raises(ValueError, match="is a directory"):
+    with pytest.raises(UsageError, match="is a directory"):
         CommandExecutor([str(tmp_path)], timeout_s=1)
-    with pytest.raises(ValueError, match="is empty"):
+    with pytest.raises(UsageError, match="is empty"):
         CommandExecutor([""], timeout_s=1)
 
 
@@ -285,7 +285,7 @@ def test_command_file_size_limits(tmp_path, workdir):
 )
 def test_command_rejects_bad_configuration(kwargs):
     kwargs, why = kwargs
-    with pytest.raises(ValueError, match=why):
+    with pytest.raises(UsageError, match=why):
         CommandExecutor(**kwargs)
 
 
@@ -458,7 +458,7 @@ def test_python_bad_specs_name_the_spec(tmp_path, task_file):
         f"{task_file}:NOT_CALLABLE",
         f"{broken}:fn",
     ]:
-        with pytest.raises(ValueError) as err:
+        with pytest.raises(UsageError) as err:
             PythonExecutor(spec)
         assert repr(spec) in str(err.value)
 
@@ -522,7 +522,7 @@ def test_make_executor_kinds(task_file):
     ],
 )
 def test_make_executor_rejects_bad_combinations(kind, kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):
         make_executor(kind, **kwargs)
 
 
@@ -559,7 +559,7 @@ def test_command_output_is_kept_under_the_masters_message_bound(tmp_path, workdi
     assert out.status == "ok", out.detail
     assert 0 < len(out.testcases) < 6 and "dropped" in out.detail
     assert len(encode(Sender(None).result_message("0" * 64, out))) <= bound
-    with pytest.raises(ValueError, match="leaves no room for test cases"):
+    with pytest.raises(UsageError, match="leaves no room for test cases"):
         make_executor("command", argv=[str(target)], timeout_s=30, max_message_bytes=4096)
 
 
@@ -584,7 +584,7 @@ def test_command_program_is_never_substituted(tmp_path, workdir, monkeypatch):
     out = ex.run({}, b"seed", workdir)
     assert out.status == "ok", out.detail
     assert out.testcases == [("copy", b"seed")]
-    with pytest.raises(ValueError, match="cannot be the program"):
+    with pytest.raises(UsageError, match="cannot be the program"):
         CommandExecutor(["@@"], timeout_s=30)
 
 
@@ -615,16 +615,16 @@ def test_a_teardown_signalled_while_the_command_starts_still_kills_it(workdir, m
     """The worker's teardown handler can run while Popen waits for the exec, before the new
     group is registered: it must then run once the group is known, or the command would
     escape it. Here the 'signal' arrives inside Popen; the teardown kills what is running."""
-    from coordinator import executors
+    from coordinator import executors, processes
     real_popen = subprocess.Popen
     seen: list[list[int]] = []
 
     def teardown() -> None:
-        seen.append(sorted(executors._commands.groups))
-        executors.kill_running_commands()
+        seen.append(sorted(processes.running_commands.groups))
+        processes.kill_running_commands()
 
     def popen(*args, **kwargs):
-        executors.teardown_when_safe(teardown)  # as the handler would, mid-spawn
+        processes.teardown_when_safe(teardown)  # as the handler would, mid-spawn
         assert seen == []  # deferred: the group is not known yet
         return real_popen(*args, **kwargs)
 
@@ -632,7 +632,7 @@ def test_a_teardown_signalled_while_the_command_starts_still_kills_it(workdir, m
     out = CommandExecutor(["sleep", "30"], timeout_s=60).run({}, b"", workdir)
     assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the new group registered
     assert (out.status, out.returncode) == ("error", -9), out.detail  # killed, not waited for
-    assert executors._commands.groups == set() and not executors._commands.spawning
+    assert processes.running_commands.groups == set() and not processes.running_commands.spawning
 
 
 def test_a_long_stderr_keeps_how_the_command_ended_and_its_last_lines(tmp_path, workdir):
@@ -657,7 +657,7 @@ def test_a_callable_whose_import_exits_is_a_bad_spec(tmp_path):
     with a traceback and "internal error" (exit 5) instead of a refused start (exit 2)."""
     script = tmp_path / "cli_script.py"
     script.write_text("import sys\nsys.exit(3)\ndef work(x):\n    return x\n")
-    with pytest.raises(ValueError, match=r"cannot import .*SystemExit: 3"):
+    with pytest.raises(UsageError, match=r"cannot import .*SystemExit: 3"):
         make_executor("python", callable_spec=f"{script}:work")
 
 

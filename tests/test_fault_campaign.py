@@ -218,7 +218,7 @@ def test_checker_reports_a_corrupt_file(campaign, tmp_path):
 def test_a_launcher_that_failed_and_a_fenced_hung_rank_are_not_unusual_exits(tmp_path):
     """Open MPI's launcher flake (exit 213: nothing ran, the trial goes on) and a hung rank
     the master ended with SIGUSR2 (mpiexec exits 140) kept trial directories as unusual."""
-    from coordinator.cli import LAUNCHER_FAILED
+    from coordinator.launcher import LAUNCHER_FAILED
     job = fc.run_job(["sh", "-c", 'echo "$0" >&2; exit 213', LAUNCHER_FAILED],
                      tmp_path / "c.db", tmp_path / "run00", fc.Options(),
                      fc.KillTrigger(None), 0, False, 1)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import mpiexec_flags
+from coordinator.launcher import mpiexec_flags
 from coordinator.faults import KINDS
 from mpi_jobs import (
     MPIEXEC,

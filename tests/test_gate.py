@@ -9,7 +9,8 @@ import sqlite3
 import pytest
 from sqlalchemy import select
 
-from coordinator.gate import MAX_DETAIL_CHARS, Inbound, detail_summary, failure_detail
+from coordinator.gate import Inbound
+from coordinator.wire import DETAIL_MAX_CHARS, detail_summary, failure_detail
 from coordinator.protocol import ReadyStatus, ResultStatus
 from store import dispatches as dsp
 from store.journal import RetryPolicy
@@ -374,7 +375,7 @@ def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
      "target exited with status 3\nboom"),
     ({"status": "error", "detail": "", "returncode": 3}, "exit status 3"),
     ({"status": "error", "detail": "", "returncode": None}, None),
-    ({"status": "error", "detail": "x" * 5000}, "x" * MAX_DETAIL_CHARS),
+    ({"status": "error", "detail": "x" * 5000}, "x" * DETAIL_MAX_CHARS),
     # an ok result keeps only the note of output files dropped over the executor's limits
     ({"status": "ok", "detail": "warn\ndropped 500 of 1500 output files (limits: ...)"},
      "dropped 500 of 1500 output files (limits: ...)"),

@@ -1,20 +1,31 @@
-"""The layout the README promises: the store alone speaks SQL, and in the coordinator only
-`transport.py` speaks MPI. Checked on the import statements and SQL calls of each module, so a
-shortcut through the wrong layer fails here rather than in a review."""
+"""The layout the docs promise, checked on the import statements and SQL calls of each module,
+so a shortcut through the wrong layer fails here rather than in a review:
+
+- the store alone speaks SQL, and in the coordinator only `transport.py` speaks MPI;
+- imports go one way: no cycle among the modules of `coordinator/` and `store/`, imports
+  inside functions included;
+- a worker rank loads neither the store nor SQLAlchemy (the master alone opens the database).
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("coordinator", "store")
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 def _imports_and_calls(path: Path) -> tuple[set[str], set[str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
     imported: set[str] = set()
     called: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             imported.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -22,6 +33,65 @@ def _imports_and_calls(path: Path) -> tuple[set[str], set[str]]:
         elif isinstance(node, ast.Attribute):
             called.add(node.attr)
     return imported, called
+
+
+def module_imports(path: Path, package: str) -> set[str]:
+    """Every module of ours that `path` imports, anywhere in it (inside functions too), as
+    dotted names: `from . import x` and `from .x import y` both count as importing `.x`."""
+    ours = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            ours.update(a.name for a in node.names if a.name.split(".")[0] in PACKAGES)
+        elif isinstance(node, ast.ImportFrom):
+            base = (f"{package}.{node.module}" if node.level == 1 and node.module else
+                    package if node.level == 1 else node.module or "")
+            if base.split(".")[0] not in PACKAGES:
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                ours.add(sub if _module_path(sub) is not None else base)
+    return {m for m in ours if _module_path(m) is not None}
+
+
+def _module_path(name: str) -> Path | None:
+    parts = name.split(".")
+    path = ROOT.joinpath(*parts).with_suffix(".py")
+    if path.is_file():
+        return path
+    init = ROOT.joinpath(*parts, "__init__.py")
+    return init if init.is_file() else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            graph[name] = module_imports(path, package) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the list of modules around it; None if there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
 
 
 def test_the_coordinator_speaks_no_sql_and_only_its_transport_speaks_mpi():
@@ -37,3 +107,53 @@ def test_the_store_speaks_no_mpi():
     for path in sorted((ROOT / "store").glob("*.py")):
         imported, _ = _imports_and_calls(path)
         assert not imported & {"mpi4py", "coordinator"}, path.name
+
+
+def test_imports_go_one_way():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
+    """The check above is only as good as this: an import inside a function counts."""
+    graph = import_graph()
+    path = tmp_path / "tasks.py"  # store.campaign imports store.tasks
+    path.write_text("def f():\n    from .campaign import Store\n")
+    graph["store.tasks"] |= module_imports(path, "store")
+    cycle = find_cycle(graph)
+    assert cycle is not None and {"store.tasks", "store.campaign"} <= set(cycle)
+
+
+def closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+def test_a_worker_never_imports_the_store():
+    """Everything `coordinator.worker` imports, anywhere in it and in what it imports
+    (functions included: a lazy import still runs on a worker rank)."""
+    reached = closure(import_graph(), "coordinator.worker")
+    assert not {m for m in reached if m.startswith("store")}, sorted(reached)
+
+
+def test_a_worker_rank_loads_neither_the_store_nor_sqlalchemy():
+    """The path a worker rank takes, run for real up to the MPI start: the command line,
+    its checks, the runtime and the worker (with fault injection, which only workers load)."""
+    probe = (
+        "import sys\n"
+        "from coordinator import cli, runtime, worker, faults\n"
+        "from coordinator.config import resolve_run\n"
+        "ns = cli._parser().parse_args(['run', '--db', 'x.db', '--demo', '3',"
+        " '--inject', 'slow=0.1'])\n"
+        "resolve_run(ns)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('store', 'sqlalchemy',"
+        " 'alembic'))\n"
+        "print(loaded)\n"
+        "sys.exit(1 if loaded else 0)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

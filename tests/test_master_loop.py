@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from sqlalchemy import func, select
 
-from coordinator.executors import commands_run_by
+from coordinator.processes import commands_run_by
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import Received

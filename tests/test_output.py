@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from coordinator.errors import UsageError
 from coordinator.output import TestcaseWriter, afl_sync_counter, input_id, sanitize_src
 
 
@@ -115,7 +116,7 @@ def test_stale_temp_files_are_removed_and_ignored(tmp_path):
 def test_an_output_path_that_is_a_file_is_refused_at_once(tmp_path):
     out = tmp_path / "afile"
     out.write_text("x")
-    with pytest.raises(ValueError, match="is not a directory"):
+    with pytest.raises(UsageError, match="is not a directory"):
         TestcaseWriter(out, afl_style=False)
 
 
@@ -155,11 +156,11 @@ def test_an_output_directory_that_cannot_be_created_is_refused_at_once(tmp_path)
     """Found out at the first test case before, after the campaign was created (exit 3
     instead of a refusal that changes nothing)."""
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ValueError, match="cannot be written"):
+    with pytest.raises(UsageError, match="cannot be written"):
         TestcaseWriter(tmp_path / "afile" / "out", afl_style=False, scan=False)
     if os.geteuid() != 0:  # root may write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        with pytest.raises(ValueError, match="cannot be written"):
+        with pytest.raises(UsageError, match="cannot be written"):
             TestcaseWriter(locked / "out", afl_style=False, scan=False)
     TestcaseWriter(tmp_path / "new" / "deeper", afl_style=False, scan=False)  # created later

@@ -242,14 +242,14 @@ def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, caps
     REQUEUE_CHUNK tasks each commit on their own; the queue order is still the id order."""
     import sqlite3
 
-    import store.tasks
+    from coordinator import commands
     from coordinator.cli import main
     farm = Farm(db_path)
     ids = farm.enqueue(*({"data": i} for i in range(10)))
     farm.close()
     with sqlite3.connect(db_path) as c:
         c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
-    monkeypatch.setattr(store.tasks, "REQUEUE_CHUNK", 3)
+    monkeypatch.setattr(commands, "REQUEUE_CHUNK", 3)
     assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
     assert capsys.readouterr().out == f"requeued 10 task(s): {', '.join(map(str, ids))}\n"
     with sqlite3.connect(db_path) as c:
@@ -271,7 +271,8 @@ def test_cli_requeue_of_many_tasks_prints_runs_of_ids_not_every_id(db_path, caps
     """50,000 requeued tasks printed one console line of 400 KB, every id in it."""
     import sqlite3
 
-    from coordinator.cli import id_list, main
+    from coordinator.cli import main
+    from coordinator.commands import id_list
     farm = Farm(db_path)
     ids = farm.enqueue(*({"data": i} for i in range(60)))
     farm.close()

@@ -9,8 +9,14 @@ import time
 
 import pytest
 
+from coordinator.errors import UsageError
 from coordinator.sources import (
-    AflQueueSource, NewInput, TaskFileError, afl_queue_missing, demo_tasks, load_tasks_jsonl,
+    AflQueueSource,
+    NewInput,
+    TaskFileError,
+    afl_queue_missing,
+    demo_tasks,
+    load_tasks_jsonl,
 )
 from store.campaign import Store
 from store.tasks import enqueue_tasks
@@ -218,7 +224,7 @@ def test_afl_file_vanishing_before_it_settles_is_forgotten(tmp_path, queue):
 
 @pytest.mark.parametrize("fuzzer", ["", "a/b", ".."])
 def test_afl_rejects_bad_fuzzer_names(tmp_path, fuzzer):
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):
         AflQueueSource(tmp_path, fuzzer)
 
 
@@ -253,7 +259,7 @@ def test_jsonl_good_file(tmp_path):
     assert found[1].origin == f"{tasks}:4"
     # a file of nothing would start a campaign of nothing, which then blocks the corrected file
     for lines in ([], [""], ["", "   ", "\t"]):
-        with pytest.raises(ValueError, match="holds no tasks"):
+        with pytest.raises(UsageError, match="holds no tasks"):
             load_tasks_jsonl(write_lines(tmp_path / "empty.jsonl", lines))
 
 
@@ -301,7 +307,7 @@ def test_a_tasks_file_holds_nothing_and_is_refused_if_changed_before_the_import(
         f.write(b'\n{"data": 4')  # a generator still writing it
     store = Store.open(tmp_path / "c.db")
     try:
-        with pytest.raises(ValueError, match=r"changed after it was checked; nothing of it"), \
+        with pytest.raises(UsageError, match=r"changed after it was checked; nothing of it"), \
                 store.transaction() as tx:
             enqueue_tasks(tx, (i.as_task() for i in found))
         with store.reading() as conn:
@@ -309,7 +315,7 @@ def test_a_tasks_file_holds_nothing_and_is_refused_if_changed_before_the_import(
         # Written to while it is imported: refused at its end, inside the transaction.
         path.write_bytes(b'{"data": 1}\n{"data": 2}\n')
         found = load_tasks_jsonl(path)
-        with pytest.raises(ValueError, match=r"changed while it was imported"), \
+        with pytest.raises(UsageError, match=r"changed while it was imported"), \
                 store.transaction() as tx:
             def appending():
                 for i, task in enumerate(found):
@@ -353,7 +359,7 @@ def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_pat
     assert err.value.lineno == 3
     assert reason in err.value.reason
     assert str(err.value).startswith(f"{tasks}:3: ")
-    assert isinstance(err.value, ValueError)
+    assert isinstance(err.value, UsageError)
 
 
 def test_jsonl_message_format(tmp_path, monkeypatch):
@@ -394,7 +400,7 @@ def test_jsonl_accepts_a_byte_order_mark(tmp_path):
 
 
 def test_jsonl_missing_file(tmp_path):
-    with pytest.raises(ValueError, match="cannot read tasks file"):
+    with pytest.raises(UsageError, match="cannot read tasks file"):
         load_tasks_jsonl(tmp_path / "absent.jsonl")
 
 

@@ -38,7 +38,8 @@ from hypothesis.stateful import (
 from sqlalchemy import text
 
 from conftest import Farm, assert_task_transitions_allowed, log_task_transitions
-from coordinator.gate import Gate, Inbound, Undecodable
+from coordinator.gate import Gate, Inbound
+from coordinator.wire import Undecodable
 from store import dispatches as dsp
 from store.campaign import Store
 from store.errors import CampaignExistsError

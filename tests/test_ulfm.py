@@ -236,7 +236,7 @@ def test_a_worker_slow_to_start_on_a_short_run_leaves_no_traceback(tmp_path):
     itself is pinned by test_master_loop's test of the stop with a rank not heard from."""
     import sys
 
-    from coordinator.cli import mpiexec_flags
+    from coordinator.launcher import mpiexec_flags
     from mpi_jobs import MPIEXEC
     db = tmp_path / "c.db"
     rank = [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--demo", "1",

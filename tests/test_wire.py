@@ -11,7 +11,6 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from coordinator.gate import RESULT_STATUSES, Undecodable
 from coordinator.protocol import (
     ReadyStatus,
     ResultStatus,
@@ -21,8 +20,10 @@ from coordinator.protocol import (
 )
 from coordinator.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    RESULT_STATUSES,
     WIRE_VERSION,
     Result,
+    Undecodable,
     check_result,
     decode_inbound,
     encode,

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
+from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 
 FUTURES_CHILD = """
 import sys, time, resource

@@ -57,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.cli import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
+from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
 from store.schema import (  # noqa: E402
     COUNTED_KIND_SQL,

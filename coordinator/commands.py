@@ -1,0 +1,186 @@
+"""The operator's commands on a campaign file: `status`, `check`, `requeue`, `db upgrade`.
+
+None of them needs MPI; `status` and `check` only read, and work while a master runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from pathlib import Path
+
+from store.campaign import Store, campaign_locked, lock_held, lock_holder
+from store.engine import open_engine
+from store.errors import StoreError, StoreWriteError
+from store.schema import TaskState
+from store.stats import (
+    held_reasons,
+    read_stats,
+    recent_failures,
+    result_statuses,
+    stats_text,
+)
+from store.tasks import REQUEUE_CHUNK, requeue_error_results, requeue_tasks
+from store.versioning import check_revision, upgrade
+
+from .exits import ExitStatus
+from .processes import process_exists
+from .wire import detail_summary
+
+
+def _open_readonly(db: Path):
+    if not db.exists():
+        print(f"coordinator: {db}: no such campaign database", file=sys.stderr)
+        return None
+    try:
+        return open_engine(db, write=False)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return None
+
+
+def status(db: Path, as_json: bool) -> int:
+    engine = _open_readonly(db)
+    if engine is None:
+        return ExitStatus.USAGE
+    try:
+        with engine.connect() as conn:
+            check_revision(conn, db)
+            s = read_stats(conn)
+            by_status = result_statuses(conn)
+            failures = recent_failures(conn) if set(by_status) - {"ok"} else []
+            held = held_reasons(conn) if s.tasks["deferred"] or s.tasks["failed"] else {}
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
+    finally:
+        engine.dispose()
+    master = _master_state(lock_holder(db), lock_held(db))
+    if as_json:
+        print(json.dumps({**s.as_json(), "results_by_status": by_status, "master": master},
+                         indent=2, sort_keys=True))
+        return 0
+    t = s.tasks
+    print(f"campaign {db} (incarnation {s.incarnation}, schema {s.schema_revision})")
+    if master is not None:
+        where = f"pid {master['pid']} on {master['host']}"
+        print("master: " + {True: f"running ({where})", False: f"not running (the last was "
+                            f"{where})", None: f"{where} (whether it runs cannot be told from here)"}[
+                                master["running"]])
+    print(f"tasks: {sum(t.values())} = {t['done']} done, {t['queued']} queued, "
+          f"{t['active']} active, {t['deferred']} deferred, {t['failed']} failed")
+    if t["active"] and master is not None and master["running"] is False:
+        print(f"  the {t['active']} active ones were left by a master that is gone: "
+              f"`coordinator run --resume` puts them back in the queue first")
+    for state, reasons in held.items():
+        print(f"  {state}, most common reasons: " + "; ".join(
+            f"{n} × {detail_summary(reason, 100)}" for reason, n in reasons))
+    shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
+    print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))
+    if failures:
+        print("latest results that are not ok:")
+        for task_id, rank, status, detail in failures:
+            print(f"  task {task_id} (rank {rank}): {status}: {detail_summary(detail)}")
+    print(stats_text(s), end="")
+    return 0
+
+
+def _master_state(holder: tuple[int, str] | None, held: bool | None) -> dict | None:
+    """The last master that held the campaign's lock, and whether it runs: the kernel's lock
+    table says (the database is on a node-local disk, so the master runs here); without one,
+    whether its pid still exists on this host; None if it cannot be told."""
+    if holder is None:
+        return None
+    pid, host = holder
+    if held is None and host == socket.gethostname():
+        held = process_exists(pid)
+    return {"pid": pid, "host": host, "running": held}
+
+
+def requeue(ns: argparse.Namespace) -> int:
+    states = {"failed": (TaskState.FAILED,), "deferred": (TaskState.DEFERRED,),
+              "all": (TaskState.FAILED, TaskState.DEFERRED), "error": ()}[ns.state]
+    try:
+        store = Store.attach(ns.db)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
+    done: list[int] = []
+    try:
+        # In chunks, each its own short transaction, in id order: a running master shares the
+        # write lock and waits for each (a single one of 100,000 tasks took 30 s and killed
+        # it). A task the master runs and fails again meanwhile is not taken twice.
+        while True:
+            after = done[-1] if done else 0
+            with store.transaction("manual requeue") as tx:
+                chunk = (requeue_error_results(tx, ids=ns.ids, after_id=after,
+                                               limit=REQUEUE_CHUNK) if ns.state == "error" else
+                         requeue_tasks(tx, states=states, ids=ns.ids, after_id=after,
+                                       limit=REQUEUE_CHUNK))
+            done += chunk
+            if len(chunk) < REQUEUE_CHUNK:
+                break
+    except StoreError as e:
+        print(f"coordinator: {e}" + (f" (after {len(done)} tasks were requeued; run it again "
+                                     f"for the rest)" if done else ""), file=sys.stderr)
+        return ExitStatus.STORE
+    finally:
+        store.close()
+    print(f"requeued {len(done)} task(s)" + (f": {id_list(done)}" if done else ""))
+    left = sorted(set(ns.ids or ()) - set(done))
+    if left:
+        wanted = {"all": "failed or deferred", "error": "done with a result that is not ok"}
+        print(f"coordinator: not requeued (no such task, or not "
+              f"{wanted.get(ns.state, ns.state)}): {id_list(left)}", file=sys.stderr)
+    return 0
+
+
+def id_list(ids: list[int], whole_up_to: int = 50, runs_shown: int = 20) -> str:
+    """Task ids for a console line: all of them when few, else runs of consecutive ids
+    (`1-5000`), the first `runs_shown` of them (a requeue of 50,000 tasks printed a line
+    of 400 KB)."""
+    if len(ids) <= whole_up_to:
+        return ", ".join(map(str, ids))
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    shown = [f"{a}-{b}" if a != b else str(a) for a, b in runs[:runs_shown]]
+    more = len(runs) - runs_shown
+    # ASCII: a console whose encoding cannot show "…" failed the command after its commits.
+    return ", ".join(shown) + (f", ... and {more} more runs of ids" if more > 0 else "")
+
+
+def db_upgrade(db: Path) -> int:
+
+    def announce(before: str, target: str) -> None:
+        print(f"coordinator: upgrading {db} from schema {before} to {target} (a revision that "
+              f"copies a table takes seconds per million rows)...",
+              file=sys.stderr, flush=True)
+
+    try:
+        if db.parent.is_dir():
+            with campaign_locked(db):  # never under a running master
+                before, after = upgrade(db, announce=announce)
+        else:
+            before, after = upgrade(db, announce=announce)  # (which explains the missing dir)
+    except StoreWriteError as e:
+        # A full disk, a read-only file, tables that do not match the revision stamp: each
+        # revision runs in one transaction, so the failed one changed nothing.
+        print(f"coordinator: cannot upgrade {db}: {e}; the revision that failed changed "
+              f"nothing (each runs in one transaction): fix the cause and run it again",
+              file=sys.stderr)
+        return ExitStatus.STORE
+    except OSError as e:  # the lock file beside it: a read-only or full directory
+        print(f"coordinator: cannot upgrade {db}: {e}; nothing was changed", file=sys.stderr)
+        return ExitStatus.STORE
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
+    print(f"{db}: schema {before or '(new)'} -> {after}" if before != after
+          else f"{db}: schema already at {after}")
+    return 0

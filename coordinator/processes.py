@@ -1,0 +1,231 @@
+"""Processes on this host: `/proc` reads, the commands a worker runs, process-group kills,
+and fencing a rank the master gave up on.
+
+No MPI and no store here: the master and the workers both use it (a worker kills its own
+commands when it is torn down; the master fences ranks that never answer, which MPI cannot
+end: a stopped process is never reported dead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import NoReturn
+
+#: How the master ends a worker it gave up on (one that never acknowledged STOP, or every
+#: worker before it aborts the job). Not SIGTERM: a batch system or `mpiexec` sends that to
+#: every rank when a job is cancelled or out of time, and the workers must then go on through
+#: the master's grace period.
+TEARDOWN_SIGNAL = signal.SIGUSR2
+
+#: How far a process's start time read from /proc (whole-second boot time, clock ticks) may
+#: lie past the wall-clock time of something the process did.
+CLOCK_SLACK_S = 2.0
+
+
+def host_and_pid() -> tuple[str, int]:
+    return socket.gethostname(), os.getpid()
+
+
+def exit_now(status: int) -> NoReturn:
+    """Leave at once, without MPI_Finalize (under ULFM it can hang every survivor after a
+    rank's death, ompi#11404) and without the interpreter's exit handlers."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+# -- /proc ------------------------------------------------------------------------------------
+
+def proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (the state first, so field N of
+    proc(5) is at N - 3); None if the process is gone or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, `proc_stat(pid)`) for every process on this host; nothing without /proc."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        fields = proc_stat(int(entry)) if entry.isdigit() else None
+        if fields is not None:  # (None: gone meanwhile)
+            yield int(entry), fields
+
+
+def process_started_at(pid: int) -> float | None:
+    """When the process on this host started (wall clock, to CLOCK_SLACK_S); None if it is
+    gone or there is no /proc."""
+    fields = proc_stat(pid)
+    try:
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    if fields is None:
+        return None
+    return boot + int(fields[22 - 3]) / os.sysconf("SC_CLK_TCK")  # field 22: start time
+
+
+def process_exists(pid: int) -> bool:
+    """On this host; a process we may not signal exists all the same."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- the commands a worker runs ------------------------------------------------------------------
+
+def kill_command(pgid: int) -> None:
+    """SIGKILL a command's whole process group (its id is the command's)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # group already empty
+
+
+class RunningCommands:
+    """The process groups of the commands this process runs now (their leaders unreaped, so
+    each id is still theirs): what a worker torn down by a signal must not leave behind."""
+
+    def __init__(self) -> None:
+        self.groups: set[int] = set()
+        self.spawning = False  # a command is being started: its group is not known yet
+        self.deferred: list[Callable[[], None]] = []
+
+    def spawned(self, pgid: int | None) -> None:
+        """The command being started has its group (None: it did not start)."""
+        if pgid is not None:
+            self.groups.add(pgid)
+        self.spawning = False
+        if self.deferred:
+            self.deferred.pop()()
+
+
+#: This process's commands (a worker runs one at a time; the registry is what its teardown
+#: signal handler reads).
+running_commands = RunningCommands()
+
+
+def kill_running_commands() -> None:
+    """Kill every command this process runs, whole groups. A target runs in a session of its
+    own, so nothing else ends it when its worker goes: it would outlive the job."""
+    for pgid in list(running_commands.groups):
+        kill_command(pgid)
+
+
+def teardown_when_safe(teardown: Callable[[], None]) -> None:
+    """From a signal handler: run `teardown` now, or, if a command is being started, as soon
+    as its process group is registered (else it would escape `kill_running_commands`)."""
+    if running_commands.spawning:
+        running_commands.deferred.append(teardown)
+    else:
+        teardown()
+
+
+def commands_run_by(parents: Collection[int]) -> list[int]:
+    """The commands that the given processes on this host run now: their children that lead
+    a session of their own (the command executor starts each command so), found in /proc;
+    [] where there is none. Each one's id is also its process group's.
+
+    For the master, which must end them itself when it ends their workers: a worker's own
+    teardown handler runs only once the worker is scheduled again, and a launcher that sees
+    another rank end first may SIGKILL it before then (MPICH's does, at once), leaving its
+    command running for as long as the command lasts."""
+    parents = set(parents)
+    return sorted(pid for pid, fields in proc_stats()  # (fields: state, ppid, pgrp, session)
+                  if int(fields[1]) in parents and int(fields[3]) == pid)
+
+
+def wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait until the child exits *without reaping it*; True if it exited in time.
+
+    While the leader is an unreaped zombie its pid (= the process-group id) cannot be reused,
+    so a following killpg() can only hit the target's own leftovers, never an unrelated group.
+    """
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except OSError:  # kernel older than 5.3: fall back to polling
+            pass
+        else:
+            try:
+                poller = select.poll()
+                poller.register(pidfd, select.POLLIN)
+                return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+            finally:
+                os.close(pidfd)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if info is not None:
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.05)
+
+
+# -- fencing ------------------------------------------------------------------------------------
+
+def fence(ranks: Collection[int], where: Mapping[int, tuple[str, int, float]],
+          term_wait_s: float = 1.0) -> list[int]:
+    """End the given ranks' processes if they run on this host; the only way to end a rank
+    that is hung (stopped) and so never answers MPI. `where`: rank -> (host, pid, when last
+    heard) as each rank reported it. Returns the ranks fenced.
+
+    The commands they run are killed first, each with its process group; then
+    TEARDOWN_SIGNAL (with SIGCONT, for a stopped rank), on which a worker also kills any
+    command it was just starting; SIGKILL after `term_wait_s` for the rest."""
+    here = socket.gethostname()
+    pids = {}
+    for rank in ranks:
+        host, pid, seen = where.get(rank, (None, None, None))
+        # A process that started after the rank's last READY has taken a dead rank's pid.
+        if (host == here and pid != os.getpid() and
+                (process_started_at(pid) or math.inf) <= seen + CLOCK_SLACK_S):
+            pids[rank] = pid
+    # Stopped first, so that none of them can reap a command (and free its id for reuse)
+    # between the search for their commands and the kill.
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    for command in commands_run_by(pids.values()):
+        kill_command(command)
+    for sig in (TEARDOWN_SIGNAL, signal.SIGCONT):
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    deadline = time.monotonic() + term_wait_s
+    while any(process_exists(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in pids.values():
+        if process_exists(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return sorted(pids)

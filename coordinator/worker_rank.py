@@ -1,0 +1,72 @@
+"""A worker rank's life: the start-up verdict, its executor and sender, then `worker.serve`
+until STOP; and how a worker that cannot go on leaves the job."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+
+from .config import RunConfig
+from .executors import build_executor
+from .exits import ExitStatus
+from .faults import FaultPlan, FaultySender
+from .processes import TEARDOWN_SIGNAL, exit_now
+from .transport import StartInterrupted, Transport, worker_spin_default
+from .worker import Sender, serve, torn_down
+
+
+def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
+    pass
+
+
+def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
+    """A worker rank from the start-up verdict to its exit status."""
+    # The master decides when the job stops: a terminal's Ctrl-C, or a batch system's SIGTERM
+    # when the job is cancelled or out of time, reaches every rank, and the workers go on
+    # with their tasks through the grace period. Caught by a handler that does nothing, not
+    # ignored: an ignored signal stays ignored across exec, and the targets the command
+    # executor starts could then not be stopped by Ctrl-C or SIGTERM at all.
+    signal.signal(signal.SIGINT, _leave_it_to_the_master)
+    signal.signal(signal.SIGTERM, _leave_it_to_the_master)
+    signal.signal(TEARDOWN_SIGNAL, torn_down)  # the master gave up on this rank
+    try:
+        verdict = transport.bcast(None)
+        if not isinstance(verdict, dict):  # the master refused to start: its exit status
+            if transport.fault_tolerant:
+                # The master refused to start and leaves without MPI_Finalize, which can hang
+                # under ULFM after any rank's death (ompi#11404); the workers do the same.
+                exit_now(int(verdict))
+            return int(verdict)
+        executor = build_executor(cfg, verdict.get("argv"))
+        sender = Sender(transport, cfg.max_message_bytes)
+        if cfg.inject:
+            sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
+                                                       cfg.inject_log), cfg.max_message_bytes)
+        spin_s = (cfg.worker_spin_ms / 1000 if cfg.worker_spin_ms is not None
+                  else worker_spin_default())
+        return serve(transport, executor, sender=sender, spin_s=spin_s)
+    except StartInterrupted as e:  # nothing of this rank's own went wrong: no traceback
+        leave_job(transport, f"a rank left the job before this one had the start verdict: {e}")
+        raise  # not reached
+    except BaseException:
+        leave_job(transport)
+        raise  # not reached
+
+
+def leave_job(transport: Transport, why: str | None = None) -> None:
+    """A worker that cannot go on (its executor does not load here, another rank died during
+    the start-up broadcast, a bug) must not return into MPI_Finalize: that waits for ranks
+    that will never finalize, spinning, and the master is never told. Under ULFM it exits
+    without finalizing, which the master sees as this rank's death (its task goes back to the
+    queue, the run goes on with the others; only a zero exit status keeps Open MPI's launcher
+    from ending the whole job). Without ULFM a rank's exit ends the job anyway: abort it."""
+    # The one line first: it must reach the terminal even if the traceback does not.
+    print(f"coordinator: rank {transport.rank} cannot go on and leaves the job "
+          + (f"({why}; " if why else "(") + "the master returns any task it held to the queue)",
+          file=sys.stderr, flush=True)
+    if why is None:  # a known cause needs no traceback
+        traceback.print_exc()
+    if transport.fault_tolerant:
+        exit_now(0)
+    transport.abort(ExitStatus.INTERNAL)
