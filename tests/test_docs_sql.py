@@ -1,5 +1,5 @@
-"""The README's queries for `sqlite3` users run on a real campaign file and say what the README
-says: a schema revision that renames a column or an index must not leave them behind."""
+"""The queries for `sqlite3` users in docs/sqlite.md run on a real campaign file and say what
+the page says: a schema revision that renames a column or an index must not leave them behind."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from store.stats import read_stats, stats_text
 from store.tasks import enqueue_tasks
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-SECTION = README[README.index("### Queries"):README.index("### What one task costs")]
-QUERIES = dict(re.findall(r"#### (\d+)\.[^\n]*\n(?:.*?\n)*?```sql\n(.*?)```", SECTION,
+PAGE = (ROOT / "docs" / "sqlite.md").read_text()
+# From "## Queries" to the page's next section, or its end.
+SECTION = PAGE[PAGE.index("\n## Queries\n"):]
+_END = SECTION.find("\n## ", 1)
+SECTION = SECTION if _END < 0 else SECTION[:_END]
+QUERIES = dict(re.findall(r"### (\d+)\.[^\n]*\n(?:.*?\n)*?```sql\n(.*?)```", SECTION,
                           flags=re.DOTALL))
 
 
@@ -35,7 +38,7 @@ def _instant_workers(n: int):
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory) -> Path:
     """A finished 30-task campaign run by the real master, plus one quarantined READY."""
-    d = tmp_path_factory.mktemp("readme")
+    d = tmp_path_factory.mktemp("docs_sql")
     db = d / "campaign.db"
     store = Store.open(db)
     try:
@@ -53,12 +56,12 @@ def campaign(tmp_path_factory) -> Path:
     return db
 
 
-def test_the_readme_lists_its_thirteen_queries():
+def test_the_page_lists_its_thirteen_queries():
     assert sorted(QUERIES, key=int) == [str(i) for i in range(1, 14)]
 
 
 @pytest.mark.parametrize("number", [str(i) for i in range(1, 14)])
-def test_every_readme_query_runs_on_a_campaign_file(campaign: Path, number: str):
+def test_every_query_runs_on_a_campaign_file(campaign: Path, number: str):
     with sqlite3.connect(f"file:{campaign}?mode=ro", uri=True) as c:
         rows = c.execute(QUERIES[number]).fetchall()
     if number == "1":
