@@ -3,7 +3,7 @@
 Nothing here knows about MPI, tokens or the store: an executor turns one semantic task (plus its
 input bytes, if the master shipped them) into an :class:`ExecOutcome`. A failing target or a
 raising user callable is an *outcome*, never an exception, because the worker must always send
-exactly one RESULT per dispatch (SPEC R1); only programming errors raise.
+exactly one RESULT per dispatch (docs/protocol.md R1); only programming errors raise.
 """
 
 from __future__ import annotations

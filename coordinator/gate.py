@@ -1,6 +1,6 @@
 """The generation gate: applies one phase's drained messages to the store in one transaction.
 
-The master loop (SPEC §3) calls, every round and in this order: `apply_ready` (drain READY),
+The master loop (docs/protocol.md §3) calls, every round and in this order: `apply_ready` (drain READY),
 `plan_dispatches` (dispatch; committed before any send), `apply_results` (drain RESULT),
 `sweep` (recovery) and `watchdog`. No MPI here: messages arrive already decoded (or as
 `Undecodable`), so the whole protocol can be driven from tests with real database files.

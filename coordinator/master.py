@@ -1,4 +1,4 @@
-"""The master rank: the five phases of a round, in the SPEC's order, over the durable store.
+"""The master rank: the five phases of a round, in the protocol's order (docs/protocol.md §3), over the durable store.
 
     drain READY -> dispatch to idle ranks -> drain RESULT -> recovery sweep -> watchdog sweep
 
@@ -156,7 +156,7 @@ class Master:
         self.write_stats(s)
 
     def _round(self) -> bool:
-        """One round, one transaction, in the SPEC's order; WORK leaves only after COMMIT.
+        """One round, one transaction, in the protocol's order (docs/protocol.md §3); WORK leaves only after COMMIT.
 
         The next round's dispatch phase joins the transaction at its end (its READY drain
         would have nothing new: those messages were just applied), so a rank freed by this
@@ -299,7 +299,7 @@ class Master:
             if not (results or readies):
                 break
         if any_ready:
-            # SPEC §3: READY drained, then RESULT, then the sweep. A RESULT sent before a READY
+            # docs/protocol.md §3: READY drained, then RESULT, then the sweep. A RESULT sent before a READY
             # applied above and receivable only now is applied before the sweep can join that
             # READY with an earlier invalid mark and roll a good dispatch back.
             late = self._receive_tag(TAG_RESULT)
@@ -314,7 +314,7 @@ class Master:
 
         RESULT first: a worker sends it just before its READY, so a READY that arrives
         between the two drains still joins its RESULT in the batch (READY first split them
-        more often, and each extra batch costs the master ~4 % of its throughput). The SPEC's
+        more often, and each extra batch costs the master ~4 % of its throughput). The protocol.s
         order, READY drained before RESULT, is kept where it matters: `_apply_answers`
         drains RESULT once more after the last READY, before the sweep."""
         results = self._receive_tag(TAG_RESULT)

@@ -1,5 +1,5 @@
-"""The protocol's pure rules (SPEC §2–§3): tokens, READY/RESULT classification, the join,
-the fail-closed `bitmap_version` rule. No I/O here, so every table row of the SPEC is a test.
+"""The protocol's pure rules (docs/protocol.md §2–§3): tokens, READY/RESULT classification, the join,
+the fail-closed `bitmap_version` rule. No I/O here, so every row of docs/protocol.md's tables is a test.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ READY_TOKEN_KEY = "completed_dispatch_token"
 
 
 def classify_ready(msg: object, expected: str | None, *, consistent: bool = True) -> ReadyStatus:
-    """SPEC §3 READY table. `expected` is the token of the rank's active dispatch (or, for a
+    """docs/protocol.md §3 READY table. `expected` is the token of the rank's active dispatch (or, for a
     parked rank, the retired token it must echo); None when there is none. `consistent` is
     False when the rank's ownership rows disagree (an internal invariant is broken)."""
     if not isinstance(msg, Mapping):
@@ -72,7 +72,7 @@ def classify_ready(msg: object, expected: str | None, *, consistent: bool = True
 
 
 def classify_result(msg: object, expected: str | None) -> ResultStatus:
-    """SPEC §3 RESULT classification, in the SPEC's order."""
+    """docs/protocol.md §3 RESULT classification, in the protocol's order (docs/protocol.md §3)."""
     if expected is None:
         return ResultStatus.UNOWNED
     if not isinstance(msg, Mapping):

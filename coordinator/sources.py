@@ -34,7 +34,7 @@ __all__ = [
     "load_tasks_jsonl",
 ]
 
-# The semantic payload fields of a task (SPEC section 4, plus `data` for generic farms).
+# The semantic payload fields of a task (docs/protocol.md §4, plus `data` for generic farms).
 SEMANTIC_FIELDS = frozenset(
     {"path", "data", "focus_bytes", "target_branch", "s2f_actions", "schedule_prefix", "continuation"}
 )

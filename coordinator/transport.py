@@ -2,7 +2,7 @@
 
 Receives use matched probes (`improbe` + `Message.Recv`) into byte buffers sized from the
 probe, so nothing is unpickled, a message can never be received by the wrong call, and a dead
-rank's queued leftovers are drained like any other message (NOTES: `Iprobe` followed by
+rank's queued leftovers are drained like any other message (docs/mpi-notes.md: `Iprobe` followed by
 `recv(source=rank)` can loop forever on them). No wildcard receive is ever pre-posted.
 """
 
@@ -106,7 +106,7 @@ def worker_spin_default() -> float:
     Measured on 2 cores, 1 master + 3 workers, 10,000 no-op tasks (tools/bench.py): under Open
     MPI, workers that poll and yield after each answer instead of sleeping 10-50 µs between
     polls raised the coordinator from ~3,800 to ~4,100-4,400 tasks/s. Under MPICH the same
-    workers cut it from ~3,050 to ~2,300 (and to ~420 without the yield: NOTES' starved
+    workers cut it from ~3,050 to ~2,300 (and to ~420 without the yield: the starved
     master), so there they sleep at once, as before."""
     return WORKER_SPIN_S if MPI.Get_library_version().startswith("Open MPI") else 0.0
 

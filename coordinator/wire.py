@@ -17,7 +17,7 @@ import msgspec
 
 WIRE_VERSION = 1
 
-# One MPI tag per message kind (SPEC §2).
+# One MPI tag per message kind (docs/protocol.md §2).
 TAG_WORK = 11
 TAG_RESULT = 12
 TAG_READY = 13

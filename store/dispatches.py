@@ -419,7 +419,7 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
                   queue_pos=head_position(tx), attempts_delta=int(charged))
     if not earlier_incarnations and rows:
         # Only a rank whose READY was seen is idle: the others are still running the task
-        # just requeued, and get their STOP once their READY comes (SPEC: STOP after READY).
+        # just requeued, and get their STOP once their READY comes (docs/protocol.md §3, Shutdown: STOP after READY).
         set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows
                          if r.rank not in charged_ranks and r.ready_at is not None])
     return [r.task_id for r in reversed(rows)]  # oldest dispatch first, as queued

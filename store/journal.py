@@ -31,7 +31,7 @@ _INSERT_QUARANTINE = ("INSERT INTO quarantine (at, incarnation, channel, reason,
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """SPEC §3 R7/R8: immediate requeues, then deferral; a total ceiling holds a task as failed.
+    """docs/protocol.md §3 R7/R8: immediate requeues, then deferral; a total ceiling holds a task as failed.
 
     `retries`: post-send failures requeued at the head of the queue (0–16, default 1).
     `max_attempts`: failed dispatches after which the task is held as failed (both counts are
@@ -118,7 +118,7 @@ class Tx:
 
         The per-round statements run here as prepared SQL text: building and caching a Core
         statement costs 20-200 µs, ten to fifty times what SQLite needs to run it, and the
-        master runs a dozen of them per task (see README, "What one task costs")."""
+        master runs a dozen of them per task (docs/performance.md, "What one task costs")."""
         self.write_pending()
         return self.raw_db
 

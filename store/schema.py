@@ -10,7 +10,7 @@ The database refuses what the code must never do:
 - every state is a small lowercase enum with a CHECK constraint;
 - a token is 64 lowercase hex characters (CHECK).
 
-The schema notes for `sqlite3` users are in README.md ("Inspecting a campaign").
+The schema notes for `sqlite3` users are in docs/sqlite.md.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ results = Table(
     # tokens cost ~4 written pages per commit, a fifth of the master's WAL writes. Tokens do
     # not repeat because of how they are minted (SHA-256 of a random per-incarnation epoch,
     # the rank and a sequence number); the schema only refuses two active dispatches with
-    # one token, and the audits (README query 13, tools/fault_campaign.py) check the rest.
+    # one token, and the audits (`coordinator check` (store/audit.py), tools/fault_campaign.py) check the rest.
     Column("token", Text, nullable=False),
     Column("rank", Integer, nullable=False),
     Column("incarnation", Integer, nullable=False),

@@ -1,4 +1,4 @@
-"""A task's semantic payload and its stable identity (SPEC §3 R7, §4).
+"""A task's semantic payload and its stable identity (docs/protocol.md §3 R7, §4).
 
 The identity is SHA-256 over the canonical JSON of the payload (sorted keys, compact separators,
 no NaN), and never includes the transport token: the same work keeps the same id across
@@ -39,7 +39,7 @@ def _int_list(name: str, value: object, *, minimum: int | None = None) -> list[i
 
 
 def normalize_target_branch(value: object) -> int:
-    """SPEC §4: an int in 1..2^64-1, anything else (bool, float, out of range) means none (0)."""
+    """docs/protocol.md §4: an int in 1..2^64-1, anything else (bool, float, out of range) means none (0)."""
     return value if _is_int(value) and 1 <= value <= MAX_BRANCH else 0  # type: ignore[return-value]
 
 

@@ -1,4 +1,4 @@
-"""Statistics read from the rows they count (SPEC §3 R10), and the stats text.
+"""Statistics read from the rows they count (docs/protocol.md §3 R10), and the stats text.
 
 Nothing is counted in memory: the numbers are queries over the append-only quarantine and
 event tables, so they survive restarts and always equal the rows a post-mortem would read.
@@ -38,7 +38,7 @@ class Stats:
     events: dict[str, int] = field(default_factory=dict)  # by kind, but the per-task kinds
 
     def as_json(self) -> dict[str, object]:
-        """The stable keys of `coordinator status --json` (documented in README.md)."""
+        """The stable keys of `coordinator status --json` (documented in docs/running.md)."""
         return {
             "tasks": self.tasks,
             "results": self.results,
@@ -119,7 +119,7 @@ def _reasons(counts: dict[str, int]) -> str:
 
 
 def stats_text(s: Stats) -> str:
-    """The periodic stats file and the final summary, with the SPEC's exact labels."""
+    """The periodic stats file and the final summary, with the exact labels of docs/protocol.md R10."""
     return "\n".join([
         f"Quarantined worker results: {_reasons(s.quarantine.get('result', {}))}",
         f"Quarantined worker ready messages: {_reasons(s.quarantine.get('ready', {}))}",

@@ -1,6 +1,6 @@
 """tools/bench.py end to end with few tasks: both farms run under the real mpiexec, the
 coordinator through its python executor with the same no-op as futures, and the last line
-has the documented form. No timing is asserted (figures belong in the README)."""
+has the documented form. No timing is asserted (figures belong in docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 
 from coordinator.cli import _parser
 from coordinator.config import ConfigError, resolve_run
+from coordinator.exits import ExitStatus
 
 
 def resolve(tmp_path, *args: str):
@@ -37,7 +38,7 @@ def test_resume_flag_wins_over_a_no_in_the_environment(tmp_path, monkeypatch):
 
 
 def test_the_retry_budget_defaults_to_1_and_allows_0_to_16(tmp_path, monkeypatch):
-    """SPEC R7: SYMCC_DISPATCH_PROTOCOL_RETRIES, default 1, range 0-16."""
+    """docs/protocol.md R7: SYMCC_DISPATCH_PROTOCOL_RETRIES, default 1, range 0-16."""
     monkeypatch.delenv("SYMCC_DISPATCH_PROTOCOL_RETRIES", raising=False)
     assert resolve(tmp_path).retries == 1
     for value in ("0", "16"):
@@ -125,7 +126,7 @@ def test_requeue_ids_sqlite_cannot_hold_are_usage_errors(value, capsys):
     """An id past SQLite's integers ended `requeue` in an OverflowError traceback."""
     with pytest.raises(SystemExit) as ended:
         _parser().parse_args(["requeue", "--db", "c.db", "--id", value])
-    assert ended.value.code == 2 and "--id" in capsys.readouterr().err
+    assert ended.value.code == ExitStatus.USAGE and "--id" in capsys.readouterr().err
 
 
 def test_feedback_is_on_unless_turned_off(tmp_path):
@@ -198,7 +199,7 @@ def test_tasks_from_a_pipe_and_out_with_afl_out_are_refused(tmp_path):
 def test_a_single_valued_flag_given_twice_is_an_error(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as e:
         resolve(tmp_path, flag, value, flag, value)
-    assert e.value.code == 2
+    assert e.value.code == ExitStatus.USAGE
     assert f"{flag} given twice" in capsys.readouterr().err
 
 
@@ -278,11 +279,11 @@ def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
                                str(tmp_path / "c.db"), "--no-progress", "--mpiexec", mpiexec],
                               capture_output=True, text=True, timeout=120, env=env, check=False)
     missing = launch(str(tmp_path / "nonexistent"))
-    assert missing.returncode == 2
+    assert missing.returncode == ExitStatus.USAGE
     assert "--mpiexec" in missing.stderr and "no such executable" in missing.stderr
     assert "Traceback" not in missing.stderr
     false = launch("false")  # a name on PATH
-    assert false.returncode == 1
+    assert false.returncode == ExitStatus.FAILED
     assert "exited with status 1 before the master started" in false.stderr
     assert not (tmp_path / "c.db").exists()
 
@@ -386,16 +387,16 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
         return done, clock.monotonic() - t0
 
     ended, took = launch(hang)
-    assert ended.returncode == 1, ended.stderr
+    assert ended.returncode == ExitStatus.FAILED, ended.stderr
     assert "no master had started 1 s after the launch" in ended.stderr
     assert took < 30  # ended by the launcher, not by the test's own timeout
     started, _ = launch(starts)
-    assert started.returncode == 0, started.stderr
+    assert started.returncode == ExitStatus.OK, started.stderr
     assert "no master had started" not in started.stderr
     # A master that started and gave no status was killed, whatever mpiexec says (0 here).
     starts.write_text(starts.read_text().replace('echo 0 > "$f.exit"', ""))
     killed, _ = launch(starts)
-    assert killed.returncode == 1, killed.stderr
+    assert killed.returncode == ExitStatus.FAILED, killed.stderr
     assert "ended before the master recorded its status" in killed.stderr
 
 

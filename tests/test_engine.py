@@ -11,13 +11,21 @@ import subprocess
 import pytest
 from sqlalchemy import text
 
+from coordinator.exits import ExitStatus
 from store.campaign import Store
 from store.engine import (
-    BUSY_TIMEOUT_MS, JOURNAL_SIZE_LIMIT, check_sqlite_version, filesystem_type, open_engine,
+    BUSY_TIMEOUT_MS,
+    JOURNAL_SIZE_LIMIT,
+    check_sqlite_version,
+    filesystem_type,
+    open_engine,
     read_pragmas,
 )
 from store.errors import (
-    CampaignExistsError, CampaignLockedError, DatabaseOpenError, StoreWriteError,
+    CampaignExistsError,
+    CampaignLockedError,
+    DatabaseOpenError,
+    StoreWriteError,
     UnsafeDatabaseError,
 )
 from store.stats import read_stats
@@ -104,7 +112,7 @@ def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, mon
     from coordinator.cli import main
     Store.open(db_path).close()
     with write_lock_held_elsewhere(db_path, monkeypatch):
-        assert main(["requeue", "--db", str(db_path)]) == 3
+        assert main(["requeue", "--db", str(db_path)]) == ExitStatus.STORE
     err = capsys.readouterr().err
     assert "database is locked (another process held the campaign's write lock" in err, err
     assert main(["requeue", "--db", str(db_path)]) == 0
@@ -277,7 +285,7 @@ def test_db_upgrade_waits_for_no_master(db_path):
                              str(db_path)], capture_output=True, text=True, timeout=60)
     finally:
         master.close()
-    assert up.returncode == 2 and "in use by another master" in up.stderr
+    assert up.returncode == ExitStatus.USAGE and "in use by another master" in up.stderr
     up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
                          str(db_path)], capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and "already at" in up.stdout, up.stderr
@@ -315,7 +323,7 @@ def test_a_file_with_two_revision_stamps_is_refused_clearly_by_every_command(db_
         conn.execute("INSERT INTO alembic_version VALUES ('0099')")
     for args in (["status"], ["db", "upgrade"], ["requeue", "--state", "all"]):
         got = _cli(*args, "--db", str(db_path))
-        assert got.returncode == 2, (args, got.stderr)
+        assert got.returncode == ExitStatus.USAGE, (args, got.stderr)
         assert "alembic_version table holds 2 revisions" in got.stderr, (args, got.stderr)
         assert "Traceback" not in got.stderr
 
@@ -327,7 +335,7 @@ def test_an_upgrade_that_fails_changes_nothing_and_says_so(db_path):
     with sqlite3.connect(db_path) as conn:
         conn.execute("UPDATE alembic_version SET version_num = '0003'")
     got = _cli("db", "upgrade", "--db", str(db_path))
-    assert got.returncode == 3, got.stderr
+    assert got.returncode == ExitStatus.STORE, got.stderr
     assert "cannot upgrade" in got.stderr and "duplicate column name: settings" in got.stderr
     assert "Traceback" not in got.stderr
     with sqlite3.connect(db_path) as conn:
@@ -340,7 +348,7 @@ def test_status_and_requeue_leave_an_empty_file_empty(db_path):
     db_path.write_bytes(b"")
     for args in (["status"], ["requeue", "--state", "all"]):
         got = _cli(*args, "--db", str(db_path))
-        assert got.returncode == 2 and "holds no campaign yet" in got.stderr, got.stderr
+        assert got.returncode == ExitStatus.USAGE and "holds no campaign yet" in got.stderr, got.stderr
         assert db_path.stat().st_size == 0
 
 
@@ -398,7 +406,7 @@ def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
     for command in (["status"], ["requeue", "--state", "deferred"], ["db", "upgrade"]):
         done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db", str(db)],
                               capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert done.returncode == ExitStatus.USAGE, (command, done.stderr[-2000:])
         assert "is damaged (database disk image is malformed): restore a copy" in done.stderr
         assert "Traceback" not in done.stderr
     with pytest.raises(DatabaseOpenError, match="is damaged"):

@@ -29,9 +29,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from coordinator.launcher import mpiexec_flags
-from coordinator.faults import KINDS
 from mpi_jobs import (
     MPIEXEC,
     Done,
@@ -49,6 +46,9 @@ from mpi_jobs import (
     wait_for,
 )
 from processes import running
+
+from coordinator.faults import KINDS
+from coordinator.launcher import mpiexec_flags
 
 pytestmark = [pytest.mark.mpi]
 
@@ -372,7 +372,7 @@ def test_a_malformed_ready_is_quarantined_and_the_heartbeat_frees_the_rank(tmp_p
 def test_a_stale_ready_is_quarantined_while_its_dispatch_is_active(tmp_path, inject, seed,
                                                                    at_least):
     # A READY replaying an earlier token is `stale` while the current dispatch is active;
-    # once that dispatch's RESULT has committed the rank holds no dispatch, and SPEC §3 makes
+    # once that dispatch's RESULT has committed the rank holds no dispatch, and docs/protocol.md §3 makes
     # any valid old token `idle`. Sent after its RESULT (the worker's order), which of the
     # two a replay meets depends on which the master applies first (MPI orders messages per
     # tag only), so any number of stale rows up to the replays is right. With `reorder` the

@@ -7,21 +7,27 @@ import dataclasses
 import sqlite3
 
 import pytest
+from conftest import Farm
 from sqlalchemy import select
 
 from coordinator.gate import Inbound
-from coordinator.wire import DETAIL_MAX_CHARS, detail_summary, failure_detail
 from coordinator.protocol import ReadyStatus, ResultStatus
+from coordinator.wire import DETAIL_MAX_CHARS, detail_summary, failure_detail
 from store import dispatches as dsp
 from store.journal import RetryPolicy
 from store.schema import (
-    TaskState, WorkerState, dispatches, events, leases, results, tasks, workers,
+    TaskState,
+    WorkerState,
+    dispatches,
+    events,
+    leases,
+    results,
+    tasks,
+    workers,
 )
 from store.semantic import PayloadError, normalize, semantic_id
 from store.stats import read_stats, stats_text
 from store.workers import set_workers
-
-from conftest import Farm
 
 
 def rows(farm: Farm, table, *where):

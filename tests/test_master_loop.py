@@ -16,21 +16,28 @@ from collections import deque
 
 import msgspec
 import pytest
+from processes import running
 from sqlalchemy import func, select
 
-from coordinator.processes import commands_run_by
 from coordinator.master import Master, MasterConfig
+from coordinator.processes import commands_run_by
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import Received
 from coordinator.wire import (
-    TAG_READY, TAG_RESULT, TAG_STOP_ACK, Ready, Result, Stop, decode_stop, decode_work, encode,
+    TAG_READY,
+    TAG_RESULT,
+    TAG_STOP_ACK,
+    Ready,
+    Result,
+    Stop,
+    decode_stop,
+    decode_work,
+    encode,
 )
 from store.campaign import Store
 from store.schema import results, tasks
 from store.tasks import NewTask, enqueue_tasks
 from store.workers import accept_versions
-
-from processes import running
 
 
 def _ready(rank: int, token: str) -> Received:
@@ -203,7 +210,7 @@ def _campaign_of_demo_tasks(path, n: int) -> Store:
 @pytest.mark.timeout(60)
 def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_that_ready(
         tmp_path):
-    """SPEC §3: a valid RESULT waiting in its tag queue is committed before the sweep can roll
+    """docs/protocol.md §3: a valid RESULT waiting in its tag queue is committed before the sweep can roll
     its dispatch back. Here a malformed RESULT sets the invalid mark first; the valid RESULT
     becomes receivable together with the READY, after a poll's RESULT drain and before its
     READY drain. A round that applied that READY and ended without draining RESULT again
@@ -298,7 +305,7 @@ def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on
 
 @pytest.mark.timeout(60)
 def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_path):
-    """Pre-send compensation (SPEC R6): the WORK never left, so nothing is charged: the task
+    """Pre-send compensation (docs/protocol.md R6): the WORK never left, so nothing is charged: the task
     keeps its queue place and its counts, the event is `send_failed` (no requeue, no
     recovery), and the rank that could not be reached is marked failed and left alone."""
     from coordinator.transport import SendFailed
@@ -364,7 +371,7 @@ def test_a_rank_without_a_dispatch_does_not_hold_the_rounds_open(tmp_path, silen
             before = ranks.clock
             assert master._round()  # rank 1's RESULT and READY: commit, next WORK
             # The RESULT drain, the READY drain, and the RESULT drain after the last READY
-            # (SPEC §3 order); a round lingering for rank 2 polls every 20 µs for 0.5 s.
+            # (docs/protocol.md §3 order); a round lingering for rank 2 polls every 20 µs for 0.5 s.
             assert ranks.clock - before == 3
     finally:
         store.close()
@@ -379,7 +386,7 @@ def _worker_state(path, rank: int) -> str | None:
 
 @pytest.mark.timeout(60)
 def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp_path):
-    """SPEC, shutdown: STOP only after the worker has shown READY. Rank 1 is still running
+    """docs/protocol.md §3, Shutdown: STOP only after the worker has shown READY. Rank 1 is still running
     when the grace period ends (its task goes back to the queue); it answers a few polls
     later, and only then is sent its STOP. Meanwhile the database says it is busy, not idle."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)

@@ -19,6 +19,7 @@ from pytest_alembic.runner import runner as alembic_test_runner
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 
+from store import tasks as task_ops
 from store import versioning
 from store.campaign import Store
 from store.engine import open_engine
@@ -33,7 +34,6 @@ from store.schema import (
     WorkerState,
     metadata,
 )
-from store import tasks as task_ops
 from store.tasks import NewTask, enqueue_tasks
 
 with warnings.catch_warnings():
@@ -603,7 +603,7 @@ def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):
 
 
 def test_an_upgrade_that_fails_keeps_the_revisions_it_completed(tmp_path: Path):
-    """Each revision is its own transaction (as the README says): a file at 0004 whose 0006
+    """Each revision is its own transaction (docs/operations.md): a file at 0004 whose 0006
     cannot apply (a hand-made column of that name) ends at 0005, with 0005's changes, and the
     error names the failed step."""
     db = tmp_path / "old.db"

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from mpi_jobs import (
     check_conservation,
     finish,
@@ -32,6 +31,8 @@ from mpi_jobs import (
     wait_for,
 )
 from processes import running
+
+from coordinator.exits import ExitStatus
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -77,7 +78,7 @@ def test_a_second_start_on_a_running_campaign_changes_nothing(tmp_path):
         live.write_bytes(b"half a test case")
         assert first.poll() is None
         second = run(args[:1] + ["--resume"] + args[1:], timeout=120)
-        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.returncode == ExitStatus.USAGE, second.stderr[-2000:]
         assert "in use by another master" in second.stderr
         assert live.read_bytes() == b"half a test case"
         assert first.poll() is None  # the first master runs on
@@ -90,7 +91,7 @@ def test_existing_campaign_without_resume_exits_2_naming_resume(tmp_path):
     db = tmp_path / "c.db"
     assert run(["run", "--db", str(db), "--demo", "5", "--no-progress"]).returncode == 0
     again = run(["run", "--db", str(db), "--demo", "5", "--no-progress"])
-    assert again.returncode == 2
+    assert again.returncode == ExitStatus.USAGE
     assert "--resume" in again.stderr
     assert query(db, "SELECT count(*) FROM results") == [(5,)]  # nothing touched
 
@@ -101,7 +102,7 @@ def test_refused_starts_end_every_rank_with_a_clear_message(tmp_path):
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"not a database\n" * 8)
     bad = run(["run", "--db", str(junk), "--demo", "3", "--no-progress"], timeout=120)
-    assert bad.returncode == 2
+    assert bad.returncode == ExitStatus.USAGE
     assert "is not an SQLite database" in bad.stderr and "Traceback" not in bad.stderr
     assert junk.read_bytes() == b"not a database\n" * 8
     # a payload the store would refuse is named by its line, before any database exists
@@ -109,7 +110,7 @@ def test_refused_starts_end_every_rank_with_a_clear_message(tmp_path):
     tasks.write_text('{"data": 1}\n{"path": "x", "focus_bytes": "abc"}\n')
     db = tmp_path / "c.db"
     bad = run(["run", "--db", str(db), "--tasks", str(tasks), "--no-progress"], timeout=120)
-    assert bad.returncode == 2
+    assert bad.returncode == ExitStatus.USAGE
     assert f"{tasks}:2: focus_bytes must be a list of integers" in bad.stderr
     assert not db.exists()
     # an output that cannot be used is refused before the database is touched
@@ -117,7 +118,7 @@ def test_refused_starts_end_every_rank_with_a_clear_message(tmp_path):
     afile.write_text("x")
     bad = run(["run", "--db", str(tmp_path / "o.db"), "--demo", "3", "--out", str(afile),
                "--no-progress"], timeout=120)
-    assert bad.returncode == 2
+    assert bad.returncode == ExitStatus.USAGE
     assert "is not a directory" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "o.db").exists()
     # --resume with nothing to resume says that it starts a new campaign
@@ -496,7 +497,7 @@ def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_pat
     db = tiny_fs / "c.db"
     args = ["run", "--db", str(db), "--tasks", str(tasks), "--no-progress"]
     done = run(args, np=2)
-    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.returncode == ExitStatus.STORE, done.stderr[-3000:]
     assert "database or disk is full" in done.stderr and "Traceback" not in done.stderr
     assert f"start it again with --resume --tasks {tasks}" in done.stderr
     roomy = tmp_path / "roomy"
@@ -682,7 +683,7 @@ def test_a_self_launched_run_exits_with_the_masters_status(tmp_path):
     finally:
         end_launch(proc, db)
     assert "did not acknowledge STOP" in err, err[-3000:]
-    assert proc.returncode == 4, err[-3000:]
+    assert proc.returncode == ExitStatus.UNACKED, err[-3000:]
     assert query(db, "SELECT state FROM tasks") == [("failed",)]
 
 
@@ -759,9 +760,9 @@ def test_undecodable_results_are_quarantined_and_the_master_keeps_going(tmp_path
 
 def test_bad_inject_spec_is_a_usage_error(tmp_path):
     done = run(["run", "--db", str(tmp_path / "c.db"), "--inject", "gremlins=0.5"], np=2)
-    assert done.returncode == 2 and "unknown fault kind 'gremlins'" in done.stderr
+    assert done.returncode == ExitStatus.USAGE and "unknown fault kind 'gremlins'" in done.stderr
     done = run(["run", "--db", str(tmp_path / "c.db"), "--inject", "hang=1.5"], np=2)
-    assert done.returncode == 2 and "outside 0..1" in done.stderr
+    assert done.returncode == ExitStatus.USAGE and "outside 0..1" in done.stderr
     assert not (tmp_path / "c.db").exists()
 
 
@@ -775,7 +776,7 @@ def test_resume_that_would_run_the_campaign_otherwise_is_refused(tmp_path):
                  "--no-progress"])
     assert first.returncode == 0, first.stderr[-2000:]
     bare = run(["run", "--db", str(db), "--resume", "--no-progress"])
-    assert bare.returncode == 2, bare.stderr[-2000:]
+    assert bare.returncode == ExitStatus.USAGE, bare.stderr[-2000:]
     assert f"python executor (--callable {mod}:square)" in bare.stderr
     assert query(db, "SELECT count(*), max(incarnation) FROM campaign, tasks") == [(4, 1)]
     again = run(["run", "--db", str(db), "--resume", "--callable", f"{mod}:square",

@@ -1,4 +1,4 @@
-"""The SPEC's tables as tests of the pure protocol rules (no I/O)."""
+"""docs/protocol.md's tables as tests of the pure protocol rules (no I/O)."""
 
 from __future__ import annotations
 

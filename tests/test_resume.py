@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from conftest import Farm
 from sqlalchemy import select
+from test_gate import fail_once, rows
 
 from store.dispatches import requeue_in_flight
 from store.journal import RetryPolicy
@@ -15,9 +17,6 @@ from store.tasks import (
     requeue_tasks,
     take_queued,
 )
-
-from conftest import Farm
-from test_gate import fail_once, rows
 
 
 def defer(farm: Farm, payload, input_bytes=None) -> int:

@@ -8,7 +8,7 @@ task, only current tokens committed, no task lost), the statistics against the r
 count, `PRAGMA integrity_check` and `PRAGMA foreign_key_check` -- and the whole observable
 state against the model.
 
-The model is an independent oracle: it classifies READY and RESULT messages from SPEC §3 on
+The model is an independent oracle: it classifies READY and RESULT messages from docs/protocol.md §3 on
 its own, without calling `coordinator.protocol`.
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import Farm, assert_task_transitions_allowed, log_task_transitions
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -37,7 +38,6 @@ from hypothesis.stateful import (
 )
 from sqlalchemy import text
 
-from conftest import Farm, assert_task_transitions_allowed, log_task_transitions
 from coordinator.gate import Gate, Inbound
 from coordinator.wire import Undecodable
 from store import dispatches as dsp
@@ -189,7 +189,7 @@ class GateMachine(RuleBasedStateMachine):
         t.state = "queued"
 
     def _retry(self, d: MDispatch, *, protocol: bool = True) -> None:
-        """_apply_retry, as SPEC R7/R8 and the ceiling say it must behave. A task whose run
+        """_apply_retry, as docs/protocol.md R7/R8 and the ceiling say it must behave. A task whose run
         failed (a `timeout` RESULT) is retried alike but counted apart from protocol
         failures."""
         t = self.tasks[d.task_id]
@@ -313,7 +313,7 @@ class GateMachine(RuleBasedStateMachine):
         return body
 
     def _send_ready(self, rank: int, body: object, bitmap: object = 0) -> str:
-        """Apply one READY; the oracle is SPEC §3's READY table. Returns the status."""
+        """Apply one READY; the oracle is docs/protocol.md §3's READY table. Returns the status."""
         expected = self._expected_ready(rank)
         if not isinstance(body, dict):
             status = "malformed"
@@ -458,7 +458,7 @@ class GateMachine(RuleBasedStateMachine):
                 "status": "ok"}
 
     def _send_results(self, msgs: list[tuple[int, str]], data: st.DataObject) -> list[str]:
-        """One RESULT drain, all messages in one transaction; the oracle is SPEC §3's RESULT
+        """One RESULT drain, all messages in one transaction; the oracle is docs/protocol.md §3's RESULT
         classification. Returns the statuses."""
         bodies: list[Inbound] = []
         expect: list[tuple[int, str]] = []

@@ -92,7 +92,7 @@ def test_a_backoff_without_a_yield_window_never_yields(clock):
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_workers_spin_by_default_only_under_open_mpi():
-    """Measured (README, Performance): workers that poll and yield after an answer were faster
+    """Measured (docs/performance.md): workers that poll and yield after an answer were faster
     under Open MPI and slower, unsteadily, under MPICH. Run in a child, which initialises the
     MPI library of this environment (the MPICH one in CI's second environment)."""
     library, spins, value = in_a_child(

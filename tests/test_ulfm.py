@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from mpi_jobs import (
     check_conservation,
     finish,
@@ -28,6 +27,8 @@ from mpi_jobs import (
     start,
     wait_for,
 )
+
+from coordinator.exits import ExitStatus
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -105,7 +106,7 @@ def test_with_every_worker_dead_the_master_stops_with_everything_saved(tmp_path)
                              ("SELECT count(*) FROM results", lambda n: n >= 2))
     assert "no workers left" in done.stderr, done.stderr[-2000:]
     # work was left with nobody to run it: not the clean exit a script would take for "done"
-    assert done.returncode == 6, done.stderr[-2000:]
+    assert done.returncode == ExitStatus.NO_WORKERS, done.stderr[-2000:]
     check_conservation(db, expected_tasks=60)
     left = query(db, "SELECT count(*) FROM tasks WHERE state='queued'")[0][0]
     assert left > 0
@@ -126,7 +127,7 @@ def test_with_every_worker_dead_and_their_tasks_deferred_the_exit_is_still_6(tmp
                                         "WHERE sent_at IS NOT NULL", lambda n: n == 2))
     assert "no workers left" in done.stderr, done.stderr[-2000:]
     assert query(db, "SELECT state, count(*) FROM tasks GROUP BY state") == [("deferred", 2)]
-    assert done.returncode == 6, done.stderr[-2000:]
+    assert done.returncode == ExitStatus.NO_WORKERS, done.stderr[-2000:]
 
 
 def test_a_task_that_kills_its_worker_meets_the_ceiling_without_ulfm(tmp_path):
@@ -168,7 +169,7 @@ def test_a_worker_that_dies_during_the_start_leaves_no_rank_waiting(tmp_path):
     if "no workers left" in done.stderr:  # the kill came during the start
         assert "cannot go on and leaves the job (a rank left the job before" in done.stderr
         assert "Traceback" not in done.stderr  # a known cause: one line says it
-        assert done.returncode == 6
+        assert done.returncode == ExitStatus.NO_WORKERS
     else:
         assert query(db, "SELECT count(*) FROM results") == [(tasks,)]
 
@@ -219,7 +220,7 @@ def test_a_refused_start_with_a_worker_killed_during_it_ends_every_rank(tmp_path
             done = finish(proc, timeout=90)
         finally:
             kill_job(proc)
-        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.returncode == ExitStatus.USAGE, done.stderr[-2000:]
         assert f"{tasks}:{lines + 1}: focus_bytes must be a list of integers" in done.stderr
         assert ranks_of(db) == []
         assert not db.exists()
@@ -236,8 +237,9 @@ def test_a_worker_slow_to_start_on_a_short_run_leaves_no_traceback(tmp_path):
     itself is pinned by test_master_loop's test of the stop with a rank not heard from."""
     import sys
 
-    from coordinator.launcher import mpiexec_flags
     from mpi_jobs import MPIEXEC
+
+    from coordinator.launcher import mpiexec_flags
     db = tmp_path / "c.db"
     rank = [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--demo", "1",
             "--no-progress"]

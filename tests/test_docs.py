@@ -1,0 +1,53 @@
+"""The docs are the user's manual: they must resolve, stay short where promised, and agree with
+the code they describe (the SQL queries they give are run by tests/test_docs_sql.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from coordinator.exits import ExitStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CODE = [p for d in ("coordinator", "store", "migrations", "tools", "tests")
+        for p in sorted((ROOT / d).rglob("*.py")) if p.name != "test_docs.py"]
+
+
+def test_the_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, len(lines)
+    text = "\n".join(lines[:40])
+    # The two set-up commands come first: the demo and the tests.
+    assert ".venv/bin/coordinator run --db demo.db" in text
+    assert ".venv/bin/python -m pytest" in text
+
+
+def test_every_link_in_the_docs_resolves():
+    for page in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_every_docs_citation_in_the_code_resolves_and_none_points_outside():
+    for path in CODE + DOCS:
+        text = path.read_text()
+        for cited in re.findall(r"docs/([\w.-]+\.md)", text):
+            assert (ROOT / "docs" / cited).is_file(), f"{path.relative_to(ROOT)}: docs/{cited}"
+        # The specification and the measured notes live outside the repository; the code
+        # cites their pages in docs/ instead.
+        assert not re.search(r"\bSPEC\b|\bNOTES\b|shared/", text), path.relative_to(ROOT)
+
+
+def test_no_absolute_path_of_a_machine_in_the_docs():
+    for page in DOCS:
+        found = re.findall(r"(?<![\w.])/(?:tmp|work|root|home)/\w", page.read_text())
+        assert not found, (page.name, found)
+
+
+def test_the_readme_exit_table_is_the_enum():
+    text = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| (\d+) \| `(\w+)` \|", text, re.M))
+    assert rows == {str(int(s)): s.name for s in ExitStatus}
