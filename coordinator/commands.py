@@ -79,6 +79,8 @@ def status(db: Path, as_json: bool) -> int:
             f"{n} × {detail_summary(reason, 100)}" for reason, n in reasons))
     shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
     print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))
+    if s.dropped_testcases:
+        print(f"dropped test cases: {s.dropped_testcases} in {s.dropped_results} results (over the command executor's limits or --max-message-bytes; each result's detail says which)")
     if failures:
         print("latest results that are not ok:")
         for task_id, rank, status, detail in failures:

@@ -61,6 +61,8 @@ class ExecOutcome:
     returncode: int | None = None
     duration_s: float = 0.0
     detail: str = ""  # short human text: stderr tail, the exception, dropped-file counts
+    #: Output files that were test cases but over the limits (or unreadable): not sent.
+    dropped: int = 0
 
 
 @runtime_checkable
@@ -218,7 +220,7 @@ class CommandExecutor:
                 detail=clip_detail(f"cannot materialise input: {exc}"),
             )
         outcome = self._execute(input_path, out_dir, workdir)
-        outcome.testcases, dropped_note = self._collect(out_dir)
+        outcome.testcases, outcome.dropped, dropped_note = self._collect(out_dir)
         outcome.detail = _join_detail(outcome.detail, dropped_note)
         outcome.duration_s = time.perf_counter() - started
         return outcome
@@ -317,12 +319,13 @@ class CommandExecutor:
         except subprocess.TimeoutExpired:
             return False
 
-    def _collect(self, out_dir: pathlib.Path) -> tuple[list[tuple[str, bytes]], str]:
+    def _collect(self, out_dir: pathlib.Path) -> tuple[list[tuple[str, bytes]], int, str]:
+        """The test cases kept, how many were dropped over the limits, and the note."""
         try:
             with os.scandir(out_dir) as it:
                 listed = list(it)
         except OSError as exc:
-            return [], f"cannot list output directory: {exc}"
+            return [], 0, f"cannot list output directory: {exc}"
         # Test cases are the regular files; a dot file (a temporary one), a directory, a
         # symlink (it could point anywhere on the worker's host) or a pipe is not one.
         entries = sorted((e for e in listed if not e.name.startswith(".")
@@ -364,7 +367,7 @@ class CommandExecutor:
         if skipped:
             notes.append(f"dropped {skipped} of {len(listed)} output entries (dot files, "
                          f"directories, symlinks and other entries that are not regular files)")
-        return kept, "\n".join(notes)
+        return kept, dropped["count"], "\n".join(notes)
 
 
 def _read_bounded(path: str, limit: int) -> bytes | None:

@@ -31,7 +31,7 @@ from .protocol import (
     mint_token,
     ready_info,
 )
-from .wire import RESULT_STATUSES, RETRY_STATUSES, Undecodable, failure_detail
+from .wire import MAX_COUNT, RESULT_STATUSES, RETRY_STATUSES, Undecodable, failure_detail
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,17 @@ def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
 def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
                    value_json: str | None) -> dsp.CommitItem:
     return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)),
-                          value_json=value_json, detail=failure_detail(parsed))
+                          value_json=value_json, detail=failure_detail(parsed),
+                          dropped=_dropped_of(parsed))
 
 
 def _status_of(parsed: Any) -> object:
     return parsed.get("status") if isinstance(parsed, Mapping) else getattr(parsed, "status", None)
+
+
+def _dropped_of(parsed: Any) -> int:
+    n = parsed.get("dropped") if isinstance(parsed, Mapping) else getattr(parsed, "dropped", 0)
+    return n if type(n) is int and 0 <= n <= MAX_COUNT else 0
 
 
 def _value_of(parsed: Any) -> object:

@@ -410,7 +410,8 @@ class Master:
         written, created = self._keep_testcases(tx, active.task_id, res.testcases)
         return dsp.CommitItem(active.rank, active.token, status=res.status,
                               value_json=value_json, testcases=written,
-                              new_tasks=created, detail=failure_detail(res))
+                              new_tasks=created, detail=failure_detail(res),
+                              dropped=res.dropped)
 
     def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result) -> int:
         """A timed-out run is retried, but the test cases it wrote before it was killed are

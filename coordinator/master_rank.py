@@ -292,6 +292,7 @@ class MasterRank:
               f"{summary.transactions} transactions; master peak RSS {peak_rss_mib():.0f} MiB); "
               f"campaign: {t['done']} done, {t['queued']} queued, {t['deferred']} deferred, "
               f"{t['failed']} failed, {s.results} results{f' ({not_ok})' if not_ok else ''}"
+              f"{_dropped(s)}"
               f"{'; continue it with --resume' if left else ''}; "
               + (f"stats in {cfg.stats_file}" if master.stats_error is None else
                  f"the stats file {cfg.stats_file} could not be written "
@@ -363,6 +364,13 @@ class MasterRank:
                  f"from here (on another host, or no READY ever reported their pid); end the job "
                  f"with your launcher")
         exit_now(status)
+
+
+def _dropped(s) -> str:
+    if not s.dropped_testcases:
+        return ""
+    return (f", {s.dropped_testcases} test cases dropped over the limits in "
+            f"{s.dropped_results} results (`coordinator status`)")
 
 
 def _size(path: Path) -> int:

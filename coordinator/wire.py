@@ -32,6 +32,10 @@ RESULT_STATUSES = frozenset({"ok", "error", "timeout"})
 #: The outcomes that are retried instead of committed (the command was killed).
 RETRY_STATUSES = frozenset({"timeout"})
 
+#: The largest count a message may report (what a 32-bit column holds, and far beyond any
+#: real one).
+MAX_COUNT = 2**31 - 1
+
 #: What a result's explanation (`detail`) keeps, on the worker and on the master alike.
 DETAIL_MAX_CHARS = 2000
 
@@ -60,6 +64,8 @@ class Result(msgspec.Struct, forbid_unknown_fields=True):
     returncode: int | None = None
     duration_s: float = 0.0
     detail: str = ""
+    #: Test cases the worker could not send (over its limits, or the message's).
+    dropped: int = 0
     v: int = WIRE_VERSION
 
 
@@ -117,6 +123,8 @@ def check_result(body: dict[str, Any]) -> tuple[Result | None, str | None]:
         return None, f"wire version {res.v}, expected {WIRE_VERSION}"
     if res.status not in RESULT_STATUSES:
         return None, f"status {res.status!r:.40} is not ok/error/timeout"
+    if not 0 <= res.dropped <= MAX_COUNT:
+        return None, f"dropped {res.dropped} is not a count"
     # The value itself (msgpack allows what JSON does not) is checked by the gate, which
     # encodes it once for storage.
     return res, None

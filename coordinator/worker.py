@@ -79,7 +79,8 @@ class Sender:
         # The token is the authoritative one from WORK: nothing in the outcome can set it.
         return Result(token=token, status=outcome.status, value=outcome.value,
                       testcases=list(outcome.testcases), returncode=outcome.returncode,
-                      duration_s=outcome.duration_s, detail=outcome.detail[-2000:])
+                      duration_s=outcome.duration_s, detail=outcome.detail[-2000:],
+                      dropped=outcome.dropped)
 
     def ready_message(self, completed: str) -> Ready:
         return Ready(rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
@@ -103,7 +104,8 @@ class Sender:
         status = "timeout" if outcome.status == "timeout" else "error"
         return encode(Result(token=token, status=status, value=None, testcases=[],
                              returncode=outcome.returncode, duration_s=outcome.duration_s,
-                             detail=why[:2000]))
+                             detail=why[:2000],
+                             dropped=outcome.dropped + len(outcome.testcases)))
 
     def send_result(self, token: str, outcome: ExecOutcome) -> str:
         self.transport.send_result(self.result_bytes(token, outcome))

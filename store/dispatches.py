@@ -68,6 +68,7 @@ class CommitItem:
     testcases: int = 0
     new_tasks: int = 0
     detail: str | None = None  # kept for a non-ok status only (results.detail)
+    dropped: int = 0  # test cases the worker could not send (results.dropped)
 
 
 @dataclass(frozen=True)
@@ -267,11 +268,12 @@ def _write_commits(tx: Tx, pending: _Pending) -> None:
     # must still be there, or from the marks pending with it.
     n = db.executemany(
         "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
-        "testcases, new_tasks, detail, sent_at, ready_at, dispatched_at) SELECT task_id, token, "
-        "rank, ?, ?, ?, ?, ?, ?, ?, coalesce(sent_at, ?), coalesce(ready_at, ?), created_at "
+        "testcases, new_tasks, detail, dropped, sent_at, ready_at, dispatched_at) SELECT task_id, "
+        "token, rank, ?, ?, ?, ?, ?, ?, ?, ?, coalesce(sent_at, ?), coalesce(ready_at, ?), "
+        "created_at "
         "FROM dispatches WHERE rank = ? AND token = ?",
         [(tx.incarnation, tx.now, it.status, it.value_json, it.testcases, it.new_tasks,
-          it.detail, pending.sent.pop(it.token, None),
+          it.detail, it.dropped, pending.sent.pop(it.token, None),
           pending.ready.pop((it.rank, it.token), None), it.rank, it.token)
          for it, _, _ in items]).rowcount
     if n == len(items):

@@ -293,10 +293,17 @@ results = Table(
     # token, rank and incarnation, the record of the dispatch itself, in place of the
     # `dispatched` event each dispatch had before (two written pages per commit).
     Column("dispatched_at", Float, nullable=True),
+    # Test cases the worker could not send with this result: over the command executor's
+    # limits, or the whole set when the result would not fit in a message.
+    Column("dropped", Integer, nullable=False, server_default=text("0")),
 )
 # Counts by status and `count(*)` read this narrow index; new entries go to the end of the
 # `ok` run, so a commit writes one of its pages, not one per result (revision 0005).
 Index("ix_results_status", results.c.status)
+#: Only the results that dropped test cases are in it: the happy path writes no entry, and
+#: `status` sums the drops without reading a million results.
+DROPPED_SQL = "dropped > 0"
+Index("ix_results_dropped", results.c.dropped, sqlite_where=text(DROPPED_SQL))
 
 quarantine = Table(
     "quarantine",

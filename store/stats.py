@@ -12,6 +12,7 @@ from sqlalchemy import Connection, func, select, text
 
 from .schema import (
     COUNTED_KIND_SQL,
+    DROPPED_SQL,
     Channel,
     EventKind,
     TaskState,
@@ -36,6 +37,9 @@ class Stats:
     incarnation: int
     schema_revision: str | None
     events: dict[str, int] = field(default_factory=dict)  # by kind, but the per-task kinds
+    #: Test cases runs produced that their workers could not send, and in how many results.
+    dropped_testcases: int = 0
+    dropped_results: int = 0
 
     def as_json(self) -> dict[str, object]:
         """The stable keys of `coordinator status --json` (documented in docs/running.md)."""
@@ -50,6 +54,8 @@ class Stats:
             "watchdog_recoveries": self.watchdog_recoveries,
             "incarnation": self.incarnation,
             "schema_revision": self.schema_revision,
+            "dropped_testcases": self.dropped_testcases,
+            "dropped_results": self.dropped_results,
         }
 
 
@@ -58,6 +64,8 @@ class Stats:
 #: progress reads it every half second: 127 of 250 ms at a million tasks). The condition is the
 #: partial index's own text, so SQLite reads `ix_events_counted_kind` and never the per-task rows.
 _COUNT_EVENTS = text(f"SELECT kind, count(*) FROM events WHERE {COUNTED_KIND_SQL} GROUP BY kind")
+#: Through `ix_results_dropped`: only the results that dropped test cases are read.
+_COUNT_DROPPED = text(f"SELECT count(*), total(dropped) FROM results WHERE {DROPPED_SQL}")
 
 
 def read_stats(conn: Connection) -> Stats:
@@ -67,6 +75,7 @@ def read_stats(conn: Connection) -> Stats:
             .group_by(quarantine.c.channel, quarantine.c.reason)):
         q[channel][reason] = n
     ev = dict(conn.execute(_COUNT_EVENTS).all())
+    dropped_results, dropped = conn.execute(_COUNT_DROPPED).one()
     return Stats(
         tasks=count_by_state(conn),
         results=conn.execute(select(func.count()).select_from(results)).scalar_one(),
@@ -78,6 +87,8 @@ def read_stats(conn: Connection) -> Stats:
         incarnation=conn.execute(select(campaign.c.incarnation)).scalar() or 0,
         schema_revision=current_revision(conn),
         events=ev,
+        dropped_testcases=int(dropped),
+        dropped_results=dropped_results,
     )
 
 

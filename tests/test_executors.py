@@ -232,7 +232,7 @@ def test_command_file_count_limit(tmp_path, workdir):
     out = ex.run({}, b"", workdir)
     assert out.status == "ok"
     assert [name for name, _ in out.testcases] == ["tc000", "tc001"]
-    assert "dropped 3 of 5 output files" in out.detail
+    assert "dropped 3 of 5 output files" in out.detail and out.dropped == 3
 
 
 ODD_ENTRIES_TARGET = """
@@ -255,6 +255,7 @@ def test_output_entries_that_are_not_test_cases_are_counted_in_the_note(tmp_path
     assert out.testcases == [("kept", b"a test case")]
     assert out.detail == ("dropped 4 of 5 output entries (dot files, directories, symlinks "
                           "and other entries that are not regular files)")
+    assert out.dropped == 0  # none of them was a test case
     assert failure_detail({"status": "ok", "detail": out.detail}) == out.detail
 
 
@@ -263,7 +264,7 @@ def test_command_file_size_limits(tmp_path, workdir):
     too_big = CommandExecutor([sys.executable, target, "2", "100"], timeout_s=30, max_file_bytes=99)
     out = too_big.run({}, b"", workdir)
     assert out.testcases == []
-    assert "dropped 2 of 2 output files (2 over 99 bytes" in out.detail
+    assert "dropped 2 of 2 output files (2 over 99 bytes" in out.detail and out.dropped == 2
 
     workdir2 = tmp_path / "work2"
     workdir2.mkdir()
@@ -606,9 +607,11 @@ def test_a_result_the_master_could_not_accept_is_sent_as_an_error(tmp_path, work
     bad = decode_inbound(sender.result_bytes("a" * 64, odd_value), 4096)
     assert (bad["status"], bad["token"]) == ("error", "a" * 64)
     assert "cannot be sent" in bad["detail"]
-    too_big = ExecOutcome("ok", value="x" * 5000)
+    too_big = ExecOutcome("ok", value="x" * 5000, testcases=[("a", b"1"), ("b", b"2")],
+                          dropped=3)
     big = decode_inbound(sender.result_bytes("a" * 64, too_big), 4096)
     assert big["status"] == "error" and "over --max-message-bytes 4096" in big["detail"]
+    assert big["dropped"] == 5 and big["testcases"] == []  # its 2 and the 3 already dropped
 
 
 def test_a_teardown_signalled_while_the_command_starts_still_kills_it(workdir, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from conftest import Farm
 from sqlalchemy import select
 from test_gate import fail_once, rows
@@ -295,3 +297,23 @@ def test_status_groups_held_tasks_by_their_reason(db_path, tmp_path):
         assert n == 3 and reason
         assert "failed" not in held_reasons(conn)
     farm.close()
+
+
+def test_dropped_test_cases_are_counted_in_status(db_path, capsys):
+    """A run whose outputs were over the executor's limits said so only in its result's
+    detail; the count is a column that `status` and its JSON sum."""
+    from coordinator.cli import main
+    farm = Farm(db_path)
+    farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    farm.ready(1), farm.ready(2), farm.ready(3)
+    tokens = farm.dispatch(1, 2, 3)
+    farm.result_raw(1, {"token": tokens[1], "status": "ok", "dropped": 2000,
+                        "detail": "dropped 2000 of 3000 output files (0 over 1 bytes; ...)"})
+    farm.result_raw(2, {"token": tokens[2], "status": "ok", "dropped": 5})
+    farm.result_raw(3, {"token": tokens[3], "status": "ok"})
+    farm.close()
+    assert main(["status", "--db", str(db_path)]) == 0
+    assert "dropped test cases: 2005 in 2 results" in capsys.readouterr().out
+    assert main(["status", "--db", str(db_path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["dropped_testcases"], got["dropped_results"]) == (2005, 2)
