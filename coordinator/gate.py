@@ -31,7 +31,13 @@ from .protocol import (
     mint_token,
     ready_info,
 )
-from .wire import MAX_COUNT, RESULT_STATUSES, RETRY_STATUSES, Undecodable, failure_detail
+from .wire import (
+    MAX_COUNT,
+    RESULT_STATUSES,
+    RETRY_STATUSES,
+    Undecodable,
+    failure_detail,
+)
 
 log = logging.getLogger(__name__)
 

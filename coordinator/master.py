@@ -228,8 +228,9 @@ class Master:
                 recovered.append(rec)
             # Also after a recovery: a rank whose READY was seen came back from it idle.
             set_workers(tx, [(rank, WorkerState.FAILED)])
-            print(f"coordinator: rank {rank} died" + (f"; its task {a.task_id} goes back to "
-                  f"the queue" if a is not None else ""), file=sys.stderr, flush=True)
+            print(f"coordinator: rank {rank} died" + (
+                f"; its task {rec.task_id} {_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}"
+                if rec is not None else ""), file=sys.stderr, flush=True)
         self._idle = [r for r in self._idle if r not in self._failed_ranks]
         if len(self._failed_ranks) >= self.transport.size - 1 and self._stop_signal is None:
             print("coordinator: no workers left; stopping (the campaign is saved: continue "
@@ -598,13 +599,9 @@ class Master:
         pending = set(self.live_workers())
         with self.store.reading() as conn:
             shown_ready = ranks_in_state(conn, WorkerState.IDLE)
-            # Heard from in this incarnation: past the start-up broadcast (see below).
-            past_start = ranks_in_state(conn, WorkerState.IDLE, WorkerState.BUSY,
-                                        WorkerState.PARKED)
         stop_tokens: dict[int, str] = {}
         acked: set[int] = set()
-        began = time.monotonic()
-        deadline = began + self.config.stop_wait_s
+        deadline = time.monotonic() + self.config.stop_wait_s
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
@@ -618,17 +615,7 @@ class Master:
                     self.gate.apply_ready(tx, readies)
                     self.gate.apply_results(tx, results)
                 shown_ready.update(m.rank for m in readies)
-                past_start.update(m.rank for m in readies)
-            # A stopped worker leaves MPI. One still in the start-up broadcast (a short run, a
-            # slow rank) may receive it through a rank that has left, which fails it under
-            # ULFM: no STOP until every live rank has been heard from (each sends its first
-            # READY after the broadcast), or half the wait is gone (a rank that never was).
-            all_started = pending <= past_start
-            if all_started or time.monotonic() - began >= self.config.stop_wait_s / 2:
-                to_stop = sorted(pending & shown_ready - set(stop_tokens))
-            else:
-                to_stop = []
-            for rank in to_stop:
+            for rank in sorted(pending & shown_ready - set(stop_tokens)):
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)
                 if token is None:
                     pending.discard(rank)

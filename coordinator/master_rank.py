@@ -1,8 +1,9 @@
 """Rank 0's life: the start (everything that can refuse it), the run, the report, the end.
 
 Everything that can refuse a start (the database, the task file, the executor spec, the output
-directory) is checked here before any work moves, and the verdict is broadcast, so a refused
-start ends every rank with the same clear exit status instead of leaving workers waiting.
+directory) is checked here before any work moves, and the verdict is sent to each worker, so a
+refused start ends every rank with the same clear exit status instead of leaving workers
+waiting.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from .master import NO_WORKERS_LEFT, Master, MasterConfig, Summary
 from .output import TestcaseWriter, replace_text
 from .processes import exit_now, host_and_pid
 from .sources import AflQueueSource, afl_queue_missing, demo_tasks, load_tasks_jsonl
-from .transport import Transport
+from .transport import SendFailed, Transport
+from .wire import Start, encode
 
 #: A tasks file this large (bytes) takes long enough to read that the start says so.
 BIG_TASKS_FILE = 10_000_000
@@ -76,7 +78,8 @@ class MasterRank:
             self._start()
         except BaseException as e:
             return self._refuse(e)
-        self.transport.bcast({"argv": self.resolved_argv})
+        self._tell_workers(Start(status=ExitStatus.OK, executor=self.cfg.executor,
+                                 argv=self.resolved_argv, callable=self.cfg.callable_spec))
         self._announce()
         return self._run()
 
@@ -185,8 +188,8 @@ class MasterRank:
         ), sources=[s.poll for s in sources], writer=writer)
 
     def _refuse(self, e: BaseException) -> int:
-        """Whatever stops the start, the workers hear the verdict: they wait in the
-        broadcast. A usage or storage error is said in a line; anything else is a bug."""
+        """Whatever stops the start, the workers hear the verdict: they wait for it. A usage
+        or storage error is said in a line; anything else is a bug."""
         cfg, store = self.cfg, self.store
         refused = isinstance(e, (StoreError, UsageError, OSError))
         if refused:
@@ -211,13 +214,22 @@ class MasterRank:
         # A write that failed (disk full) is the storage's fault, not the command line's.
         status = self._record_exit(ExitStatus.STORE if isinstance(e, StoreWriteError) else
                                    ExitStatus.USAGE if refused else ExitStatus.INTERNAL)
-        self.transport.bcast(int(status))
+        self._tell_workers(Start(status=status))
         if self.transport.fault_tolerant:
-            # MPI_Finalize can hang after a rank's death (ompi#11404), which a worker may
-            # have seen in the broadcast without the master knowing: under ULFM every rank
-            # leaves without it, as at the end of a run.
+            # MPI_Finalize can hang after a rank's death (ompi#11404), which the master may
+            # not have seen: under ULFM every rank leaves without it, as at the end of a run.
             exit_now(status)
         return status
+
+    def _tell_workers(self, start: Start) -> None:
+        """The start verdict to each worker, one send each: a rank that died meanwhile fails
+        its own send only (ULFM notes it, and the run goes on without it)."""
+        data = encode(start)
+        for rank in range(1, self.transport.size):
+            try:
+                self.transport.send_start(data, rank)
+            except SendFailed as e:
+                _say(f"rank {rank} cannot be told the start verdict ({e.cause}); it is left out")
 
     def _announce(self) -> None:
         cfg, store = self.cfg, self.store

@@ -8,7 +8,6 @@ rank's queued leftovers are drained like any other message (docs/mpi-notes.md: `
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import sys
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .wire import TAG_READY, TAG_RESULT, TAG_STOP, TAG_STOP_ACK, TAG_WORK
+from .wire import TAG_READY, TAG_RESULT, TAG_START, TAG_STOP, TAG_STOP_ACK, TAG_WORK
 
 
 @dataclass(frozen=True)
@@ -29,12 +28,8 @@ class Received:
 
 
 class MasterGone(Exception):
-    """The runtime reported rank 0 dead (ULFM): a worker has nobody left to work for."""
-
-
-class StartInterrupted(Exception):
-    """A worker cannot get the start verdict: a rank left the job (died, or was stopped and
-    exited) before this one had it, and the start-up barrier or broadcast ran through it."""
+    """Rank 0 is gone (ULFM reported it dead, or a send to it failed): a worker has nobody
+    left to work for. The message says how it was found out."""
 
 
 class SendFailed(Exception):
@@ -219,65 +214,30 @@ class Transport:
                 if got is not None:
                     return got
             if 0 in self._failed:
-                raise MasterGone()
+                raise MasterGone("the MPI runtime reported rank 0 dead")
             if time.monotonic() >= deadline:
                 return None
             backoff.wait()
 
-    def bcast(self, obj: object) -> object:
-        """Start-up only: the master's verdict (go, or an error and exit status) to all ranks.
+    def send_start(self, data: bytes, dest: int) -> None:
+        self.send(data, dest, TAG_START)
 
-        The workers wait for it in a barrier they poll with sleeps, not in the broadcast: a
-        rank blocked in MPI spins (MPICH) or yields in a loop (Open MPI, oversubscribed), and
-        the master may spend minutes importing a tasks file on the same cores. Measured with
-        300,000 tasks on 2 cores, 3 workers: they burnt 17 s of CPU in an 18 s start. The
-        master only enters the barrier, never waits in it: a worker that is late (a slow
-        node, a stalled import) holds the other workers' start until it arrives, never the
-        master's. The master's side of the barrier is completed when its process ends.
-
-        A rank that died before it (ULFM) fails the barrier or the broadcast: a worker then
-        cannot know the verdict and raises; the master notes the death and goes on with the
-        ranks left."""
-        if self.rank == 0:
-            try:
-                self._enter_barrier()
-            except MPI.Exception as e:  # posting it may already see a death (ULFM)
-                if not is_process_failure(e):
-                    raise
-                self._note_failure()
-        else:
-            try:
-                request = self.comm.Ibarrier()
-                backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
-                while not request.Test():  # raises for a rank's death (ULFM)
-                    backoff.wait()
-                return self.comm.bcast(obj, root=0)
-            except MPI.Exception as e:
-                if not is_process_failure(e):
-                    raise
-                raise StartInterrupted(e.Get_error_string()) from None
-        try:
-            return self.comm.bcast(obj, root=0)
-        except MPI.Exception as e:
-            if not is_process_failure(e):
-                raise
-            self._note_failure()
-            return obj
-
-    def _enter_barrier(self) -> None:
-        request = self.comm.Ibarrier()
-
-        def complete() -> None:
-            # Before mpi4py's own exit handler (registered earlier, so run later) finalizes
-            # MPI, which must not find the request pending. Every worker that got the verdict
-            # has passed the barrier by then; one that never arrived would hold MPI_Finalize
-            # just the same. Under ULFM the master leaves with os._exit and never gets here.
-            try:
-                request.Wait()
-            except MPI.Exception:
-                pass  # a rank died: nothing to wait for
-
-        atexit.register(complete)
+    def wait_for_start(self) -> Received:
+        """Worker: the master's start verdict (or a STOP that came first), polling with
+        sleeps, never blocked in MPI: a rank blocked in MPI spins (MPICH) or yields in a loop
+        (Open MPI, oversubscribed), and the master may spend minutes importing a tasks file
+        on the same cores (300,000 tasks on 2 cores: 3 waiting workers burnt 17 s of CPU in
+        an 18 s start). No collective: another rank's death during the start costs that rank
+        only (a barrier or broadcast fails for every rank under ULFM)."""
+        backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
+        while True:
+            for tag in (TAG_STOP, TAG_START):
+                got = self.poll(tag, source=0)
+                if got is not None:
+                    return got
+            if 0 in self._failed:
+                raise MasterGone("the MPI runtime reported rank 0 dead during the start")
+            backoff.wait()
 
     def abort(self, code: int) -> None:
         """MPI_Abort: ends every rank of the job (without ULFM)."""

@@ -23,6 +23,7 @@ TAG_RESULT = 12
 TAG_READY = 13
 TAG_STOP = 14
 TAG_STOP_ACK = 15
+TAG_START = 16  # the master's start verdict, to each worker
 
 #: Default bound on a message the master accepts (RESULT carries test cases).
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
@@ -79,6 +80,19 @@ class Ready(msgspec.Struct):
     v: int = WIRE_VERSION
 
 
+class Start(msgspec.Struct, forbid_unknown_fields=True):
+    """The master's start verdict, sent to each worker on its own (no collective: one rank's
+    death during the start must cost that rank only). `status` 0: go, with the executor the
+    master resolved (a --resume may take the campaign's own); else the exit status of a
+    refused start, with which every worker leaves."""
+
+    status: int
+    executor: str = ""
+    argv: list[str] | None = None
+    callable: str | None = None
+    v: int = WIRE_VERSION
+
+
 class Stop(msgspec.Struct):
     token: str
     #: False after a rank failure: MPI_Finalize can then hang the survivors (Open MPI ULFM,
@@ -91,6 +105,7 @@ _encoder = msgspec.msgpack.Encoder()
 _untyped = msgspec.msgpack.Decoder()
 _work_decoder = msgspec.msgpack.Decoder(Work)
 _stop_decoder = msgspec.msgpack.Decoder(Stop)
+_start_decoder = msgspec.msgpack.Decoder(Start)
 
 
 def encode(msg: msgspec.Struct | dict[str, Any]) -> bytes:
@@ -137,6 +152,10 @@ def decode_work(data: bytes | bytearray) -> Work:
 
 def decode_stop(data: bytes | bytearray) -> Stop:
     return _stop_decoder.decode(data)
+
+
+def decode_start(data: bytes | bytearray) -> Start:
+    return _start_decoder.decode(data)
 
 
 # -- a RESULT's explanation --------------------------------------------------------------------

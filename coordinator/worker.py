@@ -22,6 +22,7 @@ import msgspec
 
 from .executors import ExecOutcome, Executor
 from .processes import (
+    exit_now,
     host_and_pid,
     kill_running_commands,
     teardown_when_safe,
@@ -131,6 +132,27 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def answer_stop(transport: Transport, data: bytes | bytearray,
+                scratch_dir: Path | None = None) -> int | None:
+    """A STOP from the master: acknowledged with its exact token; the exit status, or None
+    for a STOP that cannot be decoded (ignored). A STOP that says not to finalize (after a
+    rank's death: MPI_Finalize could hang, ompi#11404), or any under ULFM, ends the process
+    here."""
+    try:
+        stop = decode_stop(data)
+    except msgspec.DecodeError as e:
+        log.error("rank %d: undecodable STOP ignored: %s", transport.rank, e)
+        return None
+    transport.send_stop_ack(encode(Stop(token=stop.token)))
+    if not stop.finalize or transport.fault_tolerant:
+        # os._exit skips the caller's `finally`: without this every run left one scratch
+        # directory per worker behind in $TMPDIR.
+        if scratch_dir is not None:
+            shutil.rmtree(scratch_dir, ignore_errors=True)
+        exit_now(0)
+    return 0
+
+
 def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
           sender: Sender | None = None, spin_s: float = 0.0) -> int:
     """Run until STOP; returns the process exit status. If the master dies (ULFM reports
@@ -167,20 +189,10 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
                 sender.send_ready(last_completed)
                 continue
             if got.tag == TAG_STOP:
-                try:
-                    stop = decode_stop(got.data)
-                except msgspec.DecodeError as e:
-                    log.error("rank %d: undecodable STOP ignored: %s", transport.rank, e)
+                status = answer_stop(transport, got.data, scratch_dir)
+                if status is None:
                     continue
-                transport.send_stop_ack(encode(Stop(token=stop.token)))
-                if not stop.finalize or transport.fault_tolerant:
-                    # os._exit skips the `finally` below: without this every run left one
-                    # scratch directory per worker behind in $TMPDIR.
-                    shutil.rmtree(scratch_dir, ignore_errors=True)
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(0)
-                return 0
+                return status
             try:
                 work = decode_work(got.data)
             except msgspec.DecodeError as e:

@@ -3,17 +3,21 @@ until STOP; and how a worker that cannot go on leaves the job."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import traceback
+
+import msgspec
 
 from .config import RunConfig
 from .executors import build_executor
 from .exits import ExitStatus
 from .faults import FaultPlan, FaultySender
 from .processes import TEARDOWN_SIGNAL, exit_now
-from .transport import StartInterrupted, Transport, worker_spin_default
-from .worker import Sender, serve, torn_down
+from .transport import MasterGone, Transport, worker_spin_default
+from .wire import TAG_STOP, decode_start
+from .worker import Sender, answer_stop, serve, torn_down
 
 
 def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
@@ -31,14 +35,23 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
     signal.signal(signal.SIGTERM, _leave_it_to_the_master)
     signal.signal(TEARDOWN_SIGNAL, torn_down)  # the master gave up on this rank
     try:
-        verdict = transport.bcast(None)
-        if not isinstance(verdict, dict):  # the master refused to start: its exit status
+        got = transport.wait_for_start()
+        if got.tag == TAG_STOP:  # stopped before it started: nothing to finish
+            return answer_stop(transport, got.data)
+        try:
+            start = decode_start(got.data)
+        except msgspec.DecodeError as e:
+            leave_job(transport, f"the master's start verdict cannot be decoded ({e})")
+            raise  # not reached
+        if start.status != ExitStatus.OK:  # the master refused to start: its exit status
             if transport.fault_tolerant:
                 # The master refused to start and leaves without MPI_Finalize, which can hang
                 # under ULFM after any rank's death (ompi#11404); the workers do the same.
-                exit_now(int(verdict))
-            return int(verdict)
-        executor = build_executor(cfg, verdict.get("argv"))
+                exit_now(start.status)
+            return start.status
+        cfg = dataclasses.replace(cfg, executor=start.executor or cfg.executor,
+                                  callable_spec=start.callable)
+        executor = build_executor(cfg, start.argv)
         sender = Sender(transport, cfg.max_message_bytes)
         if cfg.inject:
             sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
@@ -46,17 +59,17 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
         spin_s = (cfg.worker_spin_ms / 1000 if cfg.worker_spin_ms is not None
                   else worker_spin_default())
         return serve(transport, executor, sender=sender, spin_s=spin_s)
-    except StartInterrupted as e:  # nothing of this rank's own went wrong: no traceback
-        leave_job(transport, f"a rank left the job before this one had the start verdict: {e}")
-        raise  # not reached
+    except MasterGone as e:  # nothing of this rank's own went wrong: no traceback
+        print(f"rank {transport.rank}: the master is gone ({e}); exiting", file=sys.stderr,
+              flush=True)
+        exit_now(1)
     except BaseException:
         leave_job(transport)
         raise  # not reached
 
 
 def leave_job(transport: Transport, why: str | None = None) -> None:
-    """A worker that cannot go on (its executor does not load here, another rank died during
-    the start-up broadcast, a bug) must not return into MPI_Finalize: that waits for ranks
+    """A worker that cannot go on (its executor does not load here, a bug) must not return into MPI_Finalize: that waits for ranks
     that will never finalize, spinning, and the master is never told. Under ULFM it exits
     without finalizing, which the master sees as this rank's death (its task goes back to the
     queue, the run goes on with the others; only a zero exit status keeps Open MPI's launcher

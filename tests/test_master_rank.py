@@ -1,6 +1,6 @@
 """The master rank's start: a usage error is one line and ExitStatus.USAGE; anything else is a
 bug, shown with its traceback, and ExitStatus.INTERNAL. Either way every worker hears the
-verdict (the broadcast), and nothing is left half-made. Driven without MPI: the transport is
+verdict (sent to each), and nothing is left half-made. Driven without MPI: the transport is
 a stand-in that records the verdict."""
 
 from __future__ import annotations
@@ -12,19 +12,25 @@ from coordinator.cli import _parser
 from coordinator.config import resolve_run
 from coordinator.errors import UsageError
 from coordinator.exits import ExitStatus
+from coordinator.wire import decode_start
 
 
 class VerdictTransport:
-    """Rank 0 of a two-rank job that never runs a round: it only hears the start verdict."""
+    """Rank 0 of a three-rank job that never runs a round: it only sends the start verdict."""
 
-    rank, size, fault_tolerant, any_failed = 0, 2, False, False
+    rank, size, fault_tolerant, any_failed = 0, 3, False, False
 
     def __init__(self) -> None:
-        self.verdicts: list[object] = []
+        self.sent: list[tuple[int, object]] = []
 
-    def bcast(self, obj: object) -> object:
-        self.verdicts.append(obj)
-        return obj
+    def send_start(self, data: bytes, dest: int) -> None:
+        self.sent.append((dest, decode_start(data).status))
+
+    @property
+    def verdicts(self) -> list[object]:
+        """The verdict, once for all workers: each was sent the same one."""
+        assert sorted(d for d, _ in self.sent) == [1, 2]
+        return sorted({status for _, status in self.sent})
 
 
 def start(db_path, *args: str) -> tuple[int, VerdictTransport]:
