@@ -141,6 +141,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds between rewrites of the stats file (default 60)")
     r.add_argument("--grace", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
+    r.add_argument("--stall-grace", action=Once, type=non_negative_float, default=120.0,
+                   metavar="S",
+                   help="when no live rank can take work (each parked past --watchdog), end "
+                        "the run after S seconds unless one answers (default 120)")
     r.add_argument("--stop-wait", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="bounded wait for each worker's STOP_ACK (default 10)")
     r.add_argument("--worker-spin-ms", action=Once, type=non_negative_float, default=None,

@@ -27,6 +27,9 @@ class ExitStatus(enum.IntEnum):
     INTERNAL = 5
     #: Every worker died while work was left: saved, continue with `--resume`.
     NO_WORKERS = 6
+    #: No live rank could take work (every one parked past the watchdog) for `--stall-grace`:
+    #: the hung ranks were ended, the campaign is saved, continue with `--resume`.
+    STALLED = 7
 
 
 def signalled(signum: int) -> int:

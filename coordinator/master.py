@@ -29,7 +29,14 @@ from store.journal import Tx
 from store.schema import EventKind, TaskState, WorkerState
 from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
-from store.workers import idle_ranks, ranks_in_state, set_workers, where_they_run
+from store.workers import (
+    idle_ranks,
+    parked_detail,
+    ranks_in_state,
+    set_workers,
+    where_they_run,
+    worker_states,
+)
 
 from .gate import Gate, Inbound, failure_detail
 from .output import TestcaseWriter, input_id, replace_text
@@ -56,6 +63,8 @@ log = logging.getLogger(__name__)
 
 #: `Summary.stopped_by_signal` when every worker died (ULFM): not a stop anyone asked for.
 NO_WORKERS_LEFT = "no workers left"
+#: ... and when no live rank could take work for `stall_grace_s` (every one parked).
+NO_RANK_CAN_WORK = "no rank can take work"
 
 
 _OUTCOME_WORDS = {TaskState.QUEUED: "goes back to the queue", TaskState.DEFERRED: "is deferred",
@@ -76,6 +85,7 @@ class MasterConfig:
     source_interval_s: float = 1.0
     progress: bool = False
     linger_s: float = 0.0005         # group commit: hold a round open this long for more answers
+    stall_grace_s: float = 120.0     # no rank can take work this long: the run ends
 
 
 @dataclass
@@ -109,6 +119,8 @@ class Master:
         self._next_drain_check = 0.0
         self._next_stats = 0.0
         self._stop_seq = 0
+        self._next_stall_check = 0.0
+        self._stalled_since: float | None = None  # monotonic; None: some rank can work
         self._progress = Progress(enabled=config.progress)
         self.stats_error: str | None = None  # why the last stats file write failed
 
@@ -133,6 +145,7 @@ class Master:
                 else:
                     backoff.wait()
                 self._periodic()
+                self._watch_for_a_stall()
             self._shutdown()
         except BaseException:
             # The first failure is the one to report: a read for the last frame or the stats
@@ -449,6 +462,49 @@ class Master:
         self.summary.transactions += 1
         return self.store.transaction(operation)
 
+    # -- a run no rank can work for ---------------------------------------------------------
+    def _watch_for_a_stall(self) -> None:
+        """Every live rank parked (hung past its deadline) while work waits: nothing can run,
+        and the run would sit there for ever without a word. Said at once, with which ranks
+        hold which tasks since when; the run ends after `stall_grace_s` unless one of them
+        answers (a parked rank that echoes its retired token is back in service). Checked
+        twice a second, from the small workers table."""
+        now = time.monotonic()
+        if self._stop_signal is not None or now < self._next_stall_check:
+            return
+        self._next_stall_check = now + 0.5
+        live = self.live_workers()
+        with self.store.reading() as conn:
+            states = worker_states(conn)
+            stuck = bool(live) and all(states.get(r) is WorkerState.PARKED for r in live)
+            waiting = stuck and (dsp.work_left(conn) or not self.config.exit_when_drained)
+            parked = parked_detail(conn) if waiting and self._stalled_since is None else []
+        if not waiting:
+            if self._stalled_since is not None:
+                able = [r for r in live if states.get(r) is not WorkerState.PARKED]
+                print(f"coordinator: rank{'s' * (len(able) != 1)} {_ranks(able)} can take work "
+                      f"again; the run goes on", file=sys.stderr, flush=True)
+            self._stalled_since = None
+            return
+        if self._stalled_since is None:
+            self._stalled_since = now
+            held = "; ".join(
+                f"rank {rank} on task {task_id}" + (f" since {_clock(at)}" if at else "")
+                for rank, task_id, at in parked)
+            dead = sorted(self._failed_ranks)
+            print(f"coordinator: no rank can take work: every live rank is parked, hung past "
+                  f"its --watchdog deadline ({held})"
+                  + (f"; rank{'s' * (len(dead) != 1)} {_ranks(dead)} died" if dead else "")
+                  + f"; the run ends in {self.config.stall_grace_s:g} s unless one of them "
+                  f"answers (--stall-grace)", file=sys.stderr, flush=True)
+        elif now - self._stalled_since >= self.config.stall_grace_s:
+            print(f"coordinator: no rank could take work for {self.config.stall_grace_s:g} s; "
+                  f"ending the run (the campaign is saved: the watchdog charged and put back "
+                  f"their tasks; continue with --resume once the cause is fixed)",
+                  file=sys.stderr, flush=True)
+            self._stop_signal = NO_RANK_CAN_WORK
+            self._stop_at = now
+
     # -- stats and progress ----------------------------------------------------------------
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -635,3 +691,11 @@ class Master:
         with self._tx("workers stopped") as tx:
             set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])
         return sorted(pending)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))

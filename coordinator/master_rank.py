@@ -35,7 +35,7 @@ from .errors import UsageError
 from .executors import build_executor
 from .exits import ExitStatus
 from .launcher import exit_status_path
-from .master import NO_WORKERS_LEFT, Master, MasterConfig, Summary
+from .master import NO_RANK_CAN_WORK, NO_WORKERS_LEFT, Master, MasterConfig, Summary
 from .output import TestcaseWriter, replace_text
 from .processes import exit_now, host_and_pid
 from .sources import AflQueueSource, afl_queue_missing, demo_tasks, load_tasks_jsonl
@@ -184,7 +184,7 @@ class MasterRank:
             grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
             stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
             feedback=cfg.feedback, exit_when_drained=cfg.afl_out is None,
-            progress=cfg.progress,
+            progress=cfg.progress, stall_grace_s=cfg.stall_grace_s,
         ), sources=[s.poll for s in sources], writer=writer)
 
     def _refuse(self, e: BaseException) -> int:
@@ -297,7 +297,9 @@ class MasterRank:
         # clean).
         stranded = summary.stopped_by_signal == NO_WORKERS_LEFT and bool(
             left or cfg.afl_out is not None)
-        status = ExitStatus.NO_WORKERS if stranded else ExitStatus.OK
+        status = (ExitStatus.NO_WORKERS if stranded else
+                  ExitStatus.STALLED if summary.stopped_by_signal == NO_RANK_CAN_WORK else
+                  ExitStatus.OK)
         rate = summary.committed / max(summary.elapsed_s, 1e-9)
         print(f"coordinator: this run committed {summary.committed} results in {elapsed:.1f} s "
               f"({rate:,.0f} tasks/s in the loop; {summary.rounds} rounds, "

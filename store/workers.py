@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, select, text, update
 
 from .journal import Tx
-from .schema import WorkerState, workers
+from .schema import COUNTED_KIND_SQL, WorkerState, workers
 
 _UPSERT_STATE = (
     "INSERT INTO workers (rank, state, incarnation, parked_token, last_seen) "
@@ -79,6 +79,24 @@ def where_they_run(conn: Connection) -> dict[int, tuple[str, int, float]]:
         select(workers.c.rank, workers.c.host, workers.c.pid, workers.c.last_seen).where(
             workers.c.state != WorkerState.UNKNOWN.value, workers.c.host.is_not(None),
             workers.c.pid.is_not(None), workers.c.last_seen.is_not(None)))}
+
+
+def worker_states(conn: Connection) -> dict[int, WorkerState]:
+    """Every rank heard from, with its state (a rank with no row was never heard from)."""
+    return {r: WorkerState(s) for r, s in conn.execute(select(workers.c.rank, workers.c.state))}
+
+
+#: The watchdog events of parked ranks, through the partial index of the counted kinds (a
+#: few rows), never the per-task events.
+_PARKED = text(
+    "SELECT w.rank, e.task_id, e.at FROM workers w LEFT JOIN events e "
+    f"ON e.kind = 'watchdog' AND {COUNTED_KIND_SQL} AND e.token = w.parked_token "
+    "WHERE w.state = 'parked' ORDER BY w.rank")
+
+
+def parked_detail(conn: Connection) -> list[tuple[int, int | None, float | None]]:
+    """(rank, the task whose dispatch the watchdog retired, when) for every parked rank."""
+    return [tuple(r) for r in conn.execute(_PARKED)]  # type: ignore[misc]
 
 
 def ranks_in_state(conn: Connection, *states: WorkerState) -> set[int]:

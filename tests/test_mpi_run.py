@@ -562,6 +562,29 @@ def test_a_callable_that_calls_os_exit_fails_its_task_and_the_run_goes_on(tmp_pa
                      "'worker_failed')") == [(0,)]
 
 
+def test_a_run_whose_every_rank_hangs_says_so_and_ends_as_stalled(tmp_path):
+    """Three workers each run a callable that never returns: the watchdog parks all three,
+    and nothing can run. The run used to sit there with "0 done, 6 queued" until killed from
+    outside; it now says which ranks hold which tasks, and after --stall-grace ends with the
+    tasks charged and queued, the hung ranks ended, and its own exit status."""
+    spec = tmp_path / "hangs.py"
+    spec.write_text("import time\ndef work(task):\n    time.sleep(10**6)\n")
+    db = tmp_path / "c.db"
+    began = time.monotonic()
+    done = run(["run", "--db", str(db), "--demo", "6", "--callable", f"{spec}:work",
+                "--watchdog", "2", "--stall-grace", "3", "--stop-wait", "2", "--no-progress"],
+               timeout=120)
+    assert done.returncode == ExitStatus.STALLED, done.stderr[-3000:]
+    assert time.monotonic() - began < 90
+    said = [line for line in done.stderr.splitlines() if "no rank can take work" in line]
+    assert said and "rank 1 on task" in said[0] and "rank 3 on task" in said[0], said
+    assert "ending the run" in done.stderr and "Traceback" not in done.stderr
+    check_conservation(db, expected_tasks=6)
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY state") == [("queued", 6)]
+    assert query(db, "SELECT sum(attempts) FROM tasks") == [(3,)]  # the three it ran
+    assert ranks_of(db) == []  # the hung ranks were ended with the job
+
+
 def test_every_worker_runs_the_program_the_master_resolved(tmp_path):
     """Workers on other nodes may have another PATH: a bare program name resolved there could
     be another binary. The master resolves the command once and sends it to every worker."""
