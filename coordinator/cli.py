@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .config import (
     DEFAULT_DEMO_TASKS,
+    DEFAULT_LOCK_WAIT_S,
     ENV_MAX_ATTEMPTS,
     ENV_RESUME,
     ENV_RETRIES,
@@ -145,6 +146,11 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="S",
                    help="when no live rank can take work (each parked past --watchdog), end "
                         "the run after S seconds unless one answers (default 120)")
+    r.add_argument("--lock-wait", action=Once, type=non_negative_float,
+                   default=DEFAULT_LOCK_WAIT_S, metavar="S",
+                   help="while another process holds the campaign's write lock (a sqlite3 "
+                        "shell, a backup), wait up to S seconds, saying so once a minute, "
+                        f"before stopping (exit 3; default {DEFAULT_LOCK_WAIT_S:g})")
     r.add_argument("--stop-wait", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="bounded wait for each worker's STOP_ACK (default 10)")
     r.add_argument("--worker-spin-ms", action=Once, type=non_negative_float, default=None,

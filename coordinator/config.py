@@ -18,6 +18,9 @@ ENV_WATCHDOG = "SYMCC_DISPATCH_WATCHDOG_SEC"
 
 DEFAULT_DEMO_TASKS = 300
 DEFAULT_TIMEOUT_S = 30.0
+#: How long the master waits for a write lock another process holds before it stops (exit 3):
+#: an operator's shell or a backup on a multi-day campaign is not a failure.
+DEFAULT_LOCK_WAIT_S = 1800.0
 
 
 class ConfigError(UsageError):
@@ -121,6 +124,7 @@ class RunConfig:
     stats_interval_s: float
     grace_s: float
     stall_grace_s: float
+    lock_wait_s: float
     stop_wait_s: float
     max_message_bytes: int
     demo_work_ms: float
@@ -258,7 +262,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
         max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file,
         stats_interval_s=ns.stats_interval,
-        grace_s=ns.grace, stall_grace_s=ns.stall_grace, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
+        grace_s=ns.grace, stall_grace_s=ns.stall_grace,
+        lock_wait_s=ns.lock_wait, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, worker_spin_ms=ns.worker_spin_ms,
         progress=bool(ns.progress),
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,

@@ -25,6 +25,7 @@ from pathlib import Path
 from store import dispatches as dsp
 from store import tasks as task_ops
 from store.campaign import Store
+from store.engine import write_lock_holders
 from store.journal import Tx
 from store.schema import EventKind, TaskState, WorkerState
 from store.semantic import content_hash
@@ -38,9 +39,9 @@ from store.workers import (
     worker_states,
 )
 
-from .gate import Gate, Inbound, failure_detail
+from .gate import Gate, Inbound
 from .output import TestcaseWriter, input_id, replace_text
-from .processes import fence, process_exists
+from .processes import describe_process, fence, process_exists
 from .progress import Progress
 from .protocol import ReadyStatus, mint_token
 from .sources import NewInput
@@ -57,6 +58,7 @@ from .wire import (
     check_result,
     decode_inbound,
     encode,
+    failure_detail,
 )
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,10 @@ class Master:
         self._stalled_since: float | None = None  # monotonic; None: some rank can work
         self._progress = Progress(enabled=config.progress)
         self.stats_error: str | None = None  # why the last stats file write failed
+        #: Says, once a minute, what a write waits for (`LockWaiter`).
+        self.lock_waiter = LockWaiter(store.path, store.lock_wait_s)
+        if store.on_lock_wait is None:
+            store.on_lock_wait = self.lock_waiter
 
     # -- the round ---------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -189,7 +195,7 @@ class Master:
         new_inputs = self._poll_sources() if poll_sources else []
         plan: list[tuple[dsp.Planned, bytes]] = []
         timed_out: list[dsp.Recovery] = []
-        with self._tx("master round") as tx:
+        with self._tx("master round", self._keep_answering(results, readies)) as tx:
             self._settle_sends(tx)
             committed, retried, planned_early = self._apply_answers(
                 tx, results, readies, dispatching, plan)                 # phases 1–3
@@ -458,9 +464,22 @@ class Master:
         created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
         return written, len(created)
 
-    def _tx(self, operation: str):
+    def _tx(self, operation: str, on_lock_wait: Callable[[float], None] | None = None):
         self.summary.transactions += 1
-        return self.store.transaction(operation)
+        return self.store.transaction(operation, on_lock_wait)
+
+    def _keep_answering(self, results: list[Inbound], readies: list[Inbound]
+                        ) -> Callable[[float], None]:
+        """While another process holds the write lock (a `sqlite3` shell, a backup), the
+        round's BEGIN waits: the answers that arrive meanwhile join the round that waits, so
+        they are applied before its sweeps (a watchdog deadline that passed during the wait
+        does not retire a dispatch whose answer is in)."""
+        def waiting(waited: float) -> None:
+            more_results, more_readies = self._receive()
+            results.extend(more_results)
+            readies.extend(more_readies)
+            self.lock_waiter(waited)
+        return waiting
 
     # -- a run no rank can work for ---------------------------------------------------------
     def _watch_for_a_stall(self) -> None:
@@ -699,3 +718,28 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+class LockWaiter:
+    """Says what a write waits for: at the first try that found the campaign's write lock
+    held by another process, then once a minute, naming the holder (on this host) and how
+    long the master waits at most."""
+
+    EVERY_S = 60.0
+
+    def __init__(self, path: Path, lock_wait_s: float):
+        self.path, self.lock_wait_s = path, lock_wait_s
+        self._next_at = 0.0
+
+    def __call__(self, waited: float) -> None:
+        if waited < self._next_at - self.EVERY_S:  # a new wait: say it at once
+            self._next_at = 0.0
+        if waited < self._next_at:
+            return
+        self._next_at = waited + self.EVERY_S
+        holders = [describe_process(p) for p in write_lock_holders(self.path)]
+        print(f"coordinator: waiting {waited:.0f} s for the campaign's write lock, held by "
+              + (", ".join(holders) if holders else "another process (not on this host?)")
+              + f" (a sqlite3 shell with a transaction open, a backup?); the run goes on once "
+              f"it is released, answers that arrive meanwhile are kept; it stops after "
+              f"--lock-wait {self.lock_wait_s:g} s", file=sys.stderr, flush=True)

@@ -35,7 +35,14 @@ from .errors import UsageError
 from .executors import build_executor
 from .exits import ExitStatus
 from .launcher import exit_status_path
-from .master import NO_RANK_CAN_WORK, NO_WORKERS_LEFT, Master, MasterConfig, Summary
+from .master import (
+    NO_RANK_CAN_WORK,
+    NO_WORKERS_LEFT,
+    LockWaiter,
+    Master,
+    MasterConfig,
+    Summary,
+)
 from .output import TestcaseWriter, replace_text
 from .processes import exit_now, host_and_pid
 from .sources import AflQueueSource, afl_queue_missing, demo_tasks, load_tasks_jsonl
@@ -119,7 +126,8 @@ class MasterRank:
             policy=RetryPolicy(cfg.retries, cfg.max_attempts),
             note=f"master pid={self.pid} host={self.host} ranks={self.transport.size}",
             settings=campaign_settings(cfg),
-            check_settings=lambda stored: self.notes.extend(check_resume(cfg, stored)))
+            check_settings=lambda stored: self.notes.extend(check_resume(cfg, stored)),
+            lock_wait_s=cfg.lock_wait_s, on_lock_wait=LockWaiter(cfg.db, cfg.lock_wait_s))
         if (cfg.resume and self.store.incarnation == 1 and cfg.demo is None
                 and cfg.tasks_file is None and cfg.afl_out is None
                 and cfg.executor != "command"):  # (demo tasks have no input to run it on)

@@ -83,6 +83,17 @@ def process_started_at(pid: int) -> float | None:
     return boot + int(fields[22 - 3]) / os.sysconf("SC_CLK_TCK")  # field 22: start time
 
 
+def describe_process(pid: int) -> str:
+    """`pid N (its command line)`, as far as /proc tells, for a line an operator reads."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return f"pid {pid}"
+    shown = " ".join(a.decode(errors="replace") for a in argv)
+    return f"pid {pid} ({shown[:120]}{'...' if len(shown) > 120 else ''})"
+
+
 def process_exists(pid: int) -> bool:
     """On this host; a process we may not signal exists all the same."""
     try:

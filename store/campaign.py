@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, insert, inspect, select, update
 
+from . import engine as engine_module
 from . import tasks as task_ops
 from .dispatches import requeue_in_flight
 from .engine import (
@@ -51,8 +52,12 @@ class Store:
 
     def __init__(self, path: Path, engine: Engine, incarnation: int, epoch: str,
                  policy: RetryPolicy, resume_report: ResumeReport,
-                 clock: Callable[[], float] = time.time, bitmap_version: int = 0):
+                 clock: Callable[[], float] = time.time, bitmap_version: int = 0,
+                 lock_wait_s: float = 0.0, on_lock_wait: Callable[[float], None] | None = None):
         self.path, self.engine, self.incarnation, self.epoch = path, engine, incarnation, epoch
+        #: How long a write waits for a lock another process holds, and what it does between
+        #: tries (`engine.write_tx`).
+        self.lock_wait_s, self.on_lock_wait = lock_wait_s, on_lock_wait
         self.policy, self.resume_report, self.clock = policy, resume_report, clock
         #: The master's current coverage-bitmap version (READY versions above it are future).
         self.bitmap_version = bitmap_version
@@ -66,6 +71,8 @@ class Store:
              clock: Callable[[], float] = time.time, note: str | None = None,
              settings: Mapping[str, Any] | None = None,
              check_settings: Callable[[Mapping[str, Any] | None], None] | None = None,
+             lock_wait_s: float = 0.0,
+             on_lock_wait: Callable[[float], None] | None = None,
              ) -> Store:
         """Open (creating if new) and start a new incarnation.
 
@@ -77,11 +84,13 @@ class Store:
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
         existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used,
         DatabaseOpenError for a path that cannot hold a campaign, CampaignLockedError while
-        another master runs on it.
+        another master runs on it. A write lock another process holds (a `sqlite3` shell, a
+        backup) is waited for up to `lock_wait_s`, `on_lock_wait(seconds)` between tries.
         """
         path = Path(path)
         policy = policy or RetryPolicy()
-        engine = open_engine(path, synchronous=synchronous)
+        engine = open_engine(path, synchronous=synchronous,
+                             busy_timeout_ms=engine_module.MASTER_BUSY_TIMEOUT_MS)
         lock_fd = None
         try:
             lock_fd = _lock_campaign(path)
@@ -95,7 +104,9 @@ class Store:
                 check_revision(conn, path)
             now = clock()
             report = ResumeReport()
-            with engine.connect() as conn, write_tx(conn, "start of a new incarnation"):
+            with engine.connect() as conn, write_tx(conn, "start of a new incarnation",
+                                                    lock_wait_s=lock_wait_s,
+                                                    on_wait=on_lock_wait):
                 incarnation, epoch = _new_incarnation(conn, path, resume, now, settings,
                                                       check_settings)
                 tx = Tx(conn, incarnation, now, policy)
@@ -113,7 +124,8 @@ class Store:
             if lock_fd is not None:
                 os.close(lock_fd)
             raise
-        store = cls(path, engine, incarnation, epoch, policy, report, clock, bitmap)
+        store = cls(path, engine, incarnation, epoch, policy, report, clock, bitmap,
+                    lock_wait_s, on_lock_wait)
         store._lock_fd = lock_fd
         return store
 
@@ -148,10 +160,13 @@ class Store:
         return self._conn
 
     @contextlib.contextmanager
-    def transaction(self, operation: str = "master round") -> Iterator[Tx]:
-        """One write transaction (BEGIN IMMEDIATE); the journal is flushed before COMMIT."""
+    def transaction(self, operation: str = "master round",
+                    on_lock_wait: Callable[[float], None] | None = None) -> Iterator[Tx]:
+        """One write transaction (BEGIN IMMEDIATE); the journal is flushed before COMMIT.
+        `on_lock_wait` replaces the store's own for this one (see `Store.open`)."""
         conn = self._connection()
-        with write_tx(conn, operation):
+        with write_tx(conn, operation, lock_wait_s=self.lock_wait_s,
+                      on_wait=on_lock_wait or self.on_lock_wait):
             tx = Tx(conn, self.incarnation, self.clock(), self.policy)
             yield tx
             tx.flush()

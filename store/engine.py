@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
@@ -31,9 +32,12 @@ SYNCHRONOUS_MODES = ("FULL", "NORMAL")
 DEFAULT_SYNCHRONOUS = "FULL"
 
 #: Wait this long for the write lock held by another writer (`coordinator requeue`, a `sqlite3`
-#: shell in a write transaction) or a checkpoint, instead of failing the master's write at once.
-#: WAL readers (`coordinator status`) never block it.
+#: shell in a write transaction) or a checkpoint, instead of failing the write at once. WAL
+#: readers (`coordinator status`) never block it.
 BUSY_TIMEOUT_MS = 10_000
+#: The master's wait, per attempt: it tries again until its `lock_wait_s`, and between
+#: attempts keeps its run going (answers received, a line said once a minute).
+MASTER_BUSY_TIMEOUT_MS = 1_000
 
 #: Bytes of WAL file kept after a checkpoint resets it (SQLite's default keeps it all).
 JOURNAL_SIZE_LIMIT = 64 << 20
@@ -89,7 +93,7 @@ def refuse_empty_file(path: Path) -> None:
 
 
 def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNCHRONOUS,
-                write: bool = True) -> Engine:
+                write: bool = True, busy_timeout_ms: int | None = None) -> Engine:
     """An engine on the SQLite file at `path`, verified safe to run the protocol on.
 
     `write=False` gives an engine whose transactions start with a deferred `BEGIN`, for
@@ -120,7 +124,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves (see module docstring)
         cur = dbapi_conn.cursor()
         try:
-            cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            wait_ms = BUSY_TIMEOUT_MS if busy_timeout_ms is None else busy_timeout_ms
+            cur.execute(f"PRAGMA busy_timeout = {int(wait_ms)}")
             # Leases are owned by their dispatch and removed with it (ON DELETE CASCADE).
             cur.execute("PRAGMA foreign_keys = ON")
             try:
@@ -215,13 +220,54 @@ def read_tx(conn: Connection) -> Iterator[Connection]:
         conn.info[DEFERRED_BEGIN] = False
 
 
+def is_busy(e: BaseException) -> bool:
+    """SQLITE_BUSY: another connection holds the lock (nothing was written)."""
+    e = getattr(e, "orig", None) or e
+    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
+    return (code & 0xFF == 5 if code is not None else
+            isinstance(e, sqlite3.OperationalError) and "database is locked" in str(e))
+
+
+def write_lock_holders(path: str | os.PathLike[str]) -> list[int]:
+    """The processes on this host holding the campaign's write lock now: in WAL mode, a POSIX
+    write lock on byte 120 of the `-shm` file (SQLite's WAL_WRITE_LOCK), as /proc/locks lists
+    them. [] if none, or no /proc."""
+    try:
+        st = os.stat(f"{os.path.realpath(path)}-shm")
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return []
+    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in table.splitlines():
+        f = line.split()
+        if len(f) >= 8 and f[1] == "POSIX" and f[3] == "WRITE" and f[5] == ours \
+                and f[6] == "120" and f[4].isdigit():
+            pids.append(int(f[4]))
+    return sorted(set(pids))
+
+
 @contextlib.contextmanager
-def write_tx(conn: Connection, operation: str) -> Iterator[Connection]:
+def write_tx(conn: Connection, operation: str, *, lock_wait_s: float = 0.0,
+             on_wait: Callable[[float], None] | None = None) -> Iterator[Connection]:
     """One write transaction on `conn`; a driver failure becomes `StoreWriteError` (outcome
-    unknown)."""
+    unknown). While another process holds the write lock, BEGIN IMMEDIATE is tried again
+    (each try waits the connection's busy timeout) until `lock_wait_s` has passed, with
+    `on_wait(seconds waited)` between tries: a failed BEGIN wrote nothing."""
     conn.info[WRITING] = True
     try:
-        with conn.begin():
+        began = time.monotonic()
+        while True:
+            try:
+                transaction = conn.begin()
+                break
+            except (exc.DBAPIError, sqlite3.Error) as e:
+                waited = time.monotonic() - began
+                if not is_busy(e) or waited >= lock_wait_s:
+                    raise
+                if on_wait is not None:
+                    on_wait(waited)
+        with transaction:
             yield conn
     except (exc.DBAPIError, sqlite3.Error) as e:
         if isinstance(e, exc.IntegrityError):

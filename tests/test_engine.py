@@ -28,6 +28,7 @@ from store.errors import (
     StoreWriteError,
     UnsafeDatabaseError,
 )
+from store.schema import EventKind
 from store.stats import read_stats
 from store.versioning import check_revision, upgrade
 
@@ -78,9 +79,11 @@ def test_writes_begin_immediate(db_path):
 @contextlib.contextmanager
 def write_lock_held_elsewhere(db_path, monkeypatch):
     """Another process's write transaction (a `sqlite3` shell's BEGIN IMMEDIATE) on the file
-    while the block runs, with a busy timeout of 0.1 s for our side."""
+    while the block runs, with a busy timeout of 0.1 s for the connections our side opens
+    in it (one opened before keeps its own)."""
     import store.engine
     monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    monkeypatch.setattr(store.engine, "MASTER_BUSY_TIMEOUT_MS", 100)
     other = sqlite3.connect(db_path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
     try:
@@ -123,7 +126,7 @@ def test_a_master_starting_under_another_process_s_write_lock_says_why(db_path, 
     error escaped, which the start took for an internal error (exit 5, a traceback)."""
     Store.open(db_path).close()
     with write_lock_held_elsewhere(db_path, monkeypatch), \
-            pytest.raises(StoreWriteError, match="write lock too long"):
+            pytest.raises(StoreWriteError, match="longer than the master waits"):
         Store.open(db_path, resume=True)
     Store.open(db_path, resume=True).close()
 
@@ -411,3 +414,43 @@ def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
         assert "Traceback" not in done.stderr
     with pytest.raises(DatabaseOpenError, match="is damaged"):
         Store.open(db, resume=True)
+
+
+def test_a_write_waits_for_a_lock_held_elsewhere_and_says_so_between_tries(db_path):
+    """A `sqlite3` shell holding BEGIN IMMEDIATE for 14 s ended a running master (exit 3).
+    A write now tries again until the store's `lock_wait_s`, calling `on_lock_wait` with the
+    time waited between tries; the holder is named from /proc/locks."""
+    import threading
+
+    from store.engine import write_lock_holders
+    waits: list[float] = []
+    store = Store.open(db_path, lock_wait_s=30, on_lock_wait=waits.append)
+    other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    assert write_lock_holders(db_path) == [os.getpid()]
+    release = threading.Timer(2.5, lambda: other.execute("ROLLBACK"))
+    release.start()
+    try:
+        with store.transaction("a write") as tx:
+            tx.event(EventKind.CAMPAIGN, detail="written after the wait")
+    finally:
+        release.join()
+        other.close()
+    assert len(waits) >= 2 and waits == sorted(waits) and waits[-1] < 30, waits
+    assert write_lock_holders(db_path) == []
+    with store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM events WHERE detail = "
+                                    "'written after the wait'").scalar() == 1
+    store.close()
+
+
+def test_a_write_stops_once_its_lock_wait_is_over(db_path):
+    store = Store.open(db_path, lock_wait_s=1.5)
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreWriteError, match="--lock-wait"), store.transaction("a write"):
+            pass
+    finally:
+        other.close()
+    store.close()

@@ -585,6 +585,54 @@ def test_a_run_whose_every_rank_hangs_says_so_and_ends_as_stalled(tmp_path):
     assert ranks_of(db) == []  # the hung ranks were ended with the job
 
 
+def test_a_shell_holding_the_write_lock_is_waited_for_and_nothing_is_lost(tmp_path):
+    """An operator's `sqlite3` shell holds BEGIN IMMEDIATE for 14 s in the middle of a run. The
+    master used to end with exit 3; it now waits, says what for and who holds it, keeps the
+    answers that arrive meanwhile, and finishes every task once the shell lets go."""
+    import sqlite3
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--demo", "3000", "--demo-work-ms", "3",
+                  "--no-progress", "--watchdog", "5"])
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 100)
+        shell = sqlite3.connect(db, isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        time.sleep(14)
+        during = query(db, "SELECT count(*) FROM results")[0][0]
+        shell.execute("ROLLBACK")
+        shell.close()
+        done = finish(proc, timeout=180)
+    finally:
+        kill_job(proc)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    waits = [line for line in done.stderr.splitlines() if "for the campaign's write lock" in line]
+    assert waits and f"held by pid {os.getpid()}" in waits[0], done.stderr[-3000:]
+    assert during < 3000
+    check_conservation(db, expected_tasks=3000)
+    assert status_json(db)["tasks"]["done"] == 3000
+
+
+def test_a_lock_held_past_lock_wait_stops_the_run_with_exit_3(tmp_path):
+    import sqlite3
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--demo", "3000", "--demo-work-ms", "3",
+                  "--no-progress", "--lock-wait", "2"])
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 100)
+        shell = sqlite3.connect(db, isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        done = finish(proc, timeout=120)
+        shell.execute("ROLLBACK")
+        shell.close()
+    finally:
+        kill_job(proc)
+    assert done.returncode == ExitStatus.STORE, done.stderr[-3000:]
+    assert "--lock-wait" in done.stderr and "Traceback" not in done.stderr
+    again = run(["run", "--db", str(db), "--resume", "--no-progress"], timeout=180)
+    assert again.returncode == ExitStatus.OK, again.stderr[-3000:]
+    check_conservation(db, expected_tasks=3000)
+
+
 def test_every_worker_runs_the_program_the_master_resolved(tmp_path):
     """Workers on other nodes may have another PATH: a bare program name resolved there could
     be another binary. The master resolves the command once and sends it to every worker."""
