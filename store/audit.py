@@ -133,18 +133,23 @@ def _short(token: str | None) -> str:
     return (token or "")[:12]
 
 
-def _capped(kind: ViolationKind, check: Check, rows: Iterable[Any],
-            make: Callable[[Any], Violation], what: str) -> list[Violation]:
-    """One violation per row, at most MAX_PER_CHECK of them, then one for the rest."""
+def _capped(kind: ViolationKind, rows: Iterable[Any],
+            make: dict[Check, tuple[Callable[[Any], Violation], str]]) -> list[Violation]:
+    """Violations from `rows` whose first column names their check (`make`: check -> (one
+    violation from a row, what the rest are called)), at most MAX_PER_CHECK per check, then
+    one for the rest of that check, with their count."""
     out: list[Violation] = []
-    rest = 0
+    kept: Counter[Check] = Counter()
+    rest: Counter[Check] = Counter()
     for row in rows:
-        if len(out) < MAX_PER_CHECK:
-            out.append(make(row))
+        check = Check(row[0])
+        if kept[check] < MAX_PER_CHECK:
+            kept[check] += 1
+            out.append(make[check][0](row))
         else:
-            rest += 1
-    if rest:
-        out.append(Violation(kind, check, f"... and {rest} more {what}", count=rest))
+            rest[check] += 1
+    out += [Violation(kind, check, f"... and {n} more {make[check][1]}", count=n)
+            for check, n in rest.items()]
     return out
 
 
@@ -187,138 +192,131 @@ def _foreign_keys(f: _File) -> list[Violation]:
             continue  # named by `orphan_lease`
         groups.setdefault((table, parent), []).append(rowid)
     return [Violation(ViolationKind.FOREIGN_KEYS, Check.FOREIGN_KEY,
-                      f"{len(ids)} {table} rows refer to {parent} rows that do not exist "
+                      f"{len(ids)} rows of {table} refer to missing rows of {parent} "
                       f"(rowids {ids[:10]})", count=len(ids))
             for (table, parent), ids in sorted(groups.items())]
 
 
 def _conservation(f: _File) -> list[Violation]:
     kind = ViolationKind.CONSERVATION
-    out = _capped(
-        kind, Check.ACTIVE_WITHOUT_DISPATCH,
-        f.rows("SELECT t.id FROM tasks t WHERE t.state = 'active' AND NOT EXISTS "
-               "(SELECT 1 FROM dispatches d WHERE d.task_id = t.id)"),
-        lambda r: Violation(kind, Check.ACTIVE_WITHOUT_DISPATCH,
-                            f"task {r[0]} is active without its dispatch row (no rank will "
-                            f"finish it)", task_id=r[0]),
-        "active tasks without a dispatch row")
-    out += _capped(
-        kind, Check.DISPATCH_OF_INACTIVE_TASK,
-        f.rows("SELECT d.task_id, d.token, coalesce(t.state, 'no task row') FROM dispatches d "
-               "LEFT JOIN tasks t ON t.id = d.task_id WHERE t.state IS NOT 'active'"),
-        lambda r: Violation(kind, Check.DISPATCH_OF_INACTIVE_TASK,
-                            f"dispatch {_short(r[1])} holds task {r[0]}, which is {r[2]}, not "
-                            f"active", task_id=r[0], token=r[1]),
-        "dispatches of tasks that are not active")
-    out += _capped(
-        kind, Check.DONE_WITHOUT_RESULT,
-        f.rows("SELECT id FROM tasks WHERE state = 'done' "
-               "AND id NOT IN (SELECT task_id FROM results)"),
-        lambda r: Violation(kind, Check.DONE_WITHOUT_RESULT,
-                            f"task {r[0]} is done without a result", task_id=r[0]),
-        "done tasks without a result")
-    out += _capped(
-        kind, Check.RESULT_OF_UNDONE_TASK,
-        f.rows("SELECT r.task_id, r.token, coalesce(t.state, 'no task row') FROM results r "
-               "LEFT JOIN tasks t ON t.id = r.task_id WHERE t.state IS NOT 'done'"),
-        lambda r: Violation(kind, Check.RESULT_OF_UNDONE_TASK,
-                            f"task {r[0]} has a result (token {_short(r[1])}) but is {r[2]}, "
-                            f"not done", task_id=r[0], token=r[1]),
-        "results of tasks that are not done")
-    out += _capped(
-        kind, Check.RESULTS_PER_TASK,
-        f.rows("SELECT task_id, count(*) FROM results GROUP BY task_id HAVING count(*) > 1"),
-        lambda r: Violation(kind, Check.RESULTS_PER_TASK,
-                            f"task {r[0]} has {r[1]} results", task_id=r[0], count=r[1]),
-        "tasks with more than one result")
-    out += _capped(
-        kind, Check.ENQUEUED_WITHOUT_TASK,
-        f.rows("SELECT DISTINCT task_id FROM events WHERE kind = 'enqueued' "
-               "AND task_id NOT IN (SELECT id FROM tasks)"),
-        lambda r: Violation(kind, Check.ENQUEUED_WITHOUT_TASK,
-                            f"task {r[0]} was enqueued and has no row (lost)", task_id=r[0]),
-        "enqueued tasks without a row")
+    c = Check
+    out = _capped(kind, f.rows(
+        f"SELECT '{c.ACTIVE_WITHOUT_DISPATCH.value}', t.id, NULL, NULL FROM tasks t "
+        f"WHERE t.state = 'active' AND NOT EXISTS "
+        f"(SELECT 1 FROM dispatches d WHERE d.task_id = t.id) "
+        f"UNION ALL SELECT '{c.DISPATCH_OF_INACTIVE_TASK.value}', d.task_id, d.token, t.state "
+        f"FROM dispatches d LEFT JOIN tasks t ON t.id = d.task_id "
+        f"WHERE t.state IS NOT 'active' "
+        f"UNION ALL SELECT '{c.DONE_WITHOUT_RESULT.value}', id, NULL, NULL FROM tasks "
+        f"WHERE state = 'done' AND id NOT IN (SELECT task_id FROM results) "
+        f"UNION ALL SELECT '{c.RESULT_OF_UNDONE_TASK.value}', r.task_id, r.token, t.state "
+        f"FROM results r LEFT JOIN tasks t ON t.id = r.task_id WHERE t.state IS NOT 'done' "
+        f"UNION ALL SELECT '{c.RESULTS_PER_TASK.value}', task_id, NULL, count(*) FROM results "
+        f"GROUP BY task_id HAVING count(*) > 1 "
+        f"UNION ALL SELECT DISTINCT '{c.ENQUEUED_WITHOUT_TASK.value}', task_id, NULL, NULL "
+        f"FROM events WHERE kind = 'enqueued' AND task_id NOT IN (SELECT id FROM tasks)"), {
+        c.ACTIVE_WITHOUT_DISPATCH: (lambda r: Violation(
+            kind, c.ACTIVE_WITHOUT_DISPATCH, f"task {r[1]} is active without its dispatch "
+            f"row (no rank will finish it)", task_id=r[1]),
+            "active tasks without a dispatch row"),
+        c.DISPATCH_OF_INACTIVE_TASK: (lambda r: Violation(
+            kind, c.DISPATCH_OF_INACTIVE_TASK, f"dispatch {_short(r[2])} holds task {r[1]}, "
+            f"which " + (f"is {r[3]}, not active" if r[3] else "has no row"),
+            task_id=r[1], token=r[2]),
+            "dispatches of tasks that are not active"),
+        c.DONE_WITHOUT_RESULT: (lambda r: Violation(
+            kind, c.DONE_WITHOUT_RESULT, f"task {r[1]} is done without a result",
+            task_id=r[1]),
+            "done tasks without a result"),
+        c.RESULT_OF_UNDONE_TASK: (lambda r: Violation(
+            kind, c.RESULT_OF_UNDONE_TASK, f"task {r[1]} has a result (token {_short(r[2])}) "
+            f"but " + (f"is {r[3]}, not done" if r[3] else "no task row"),
+            task_id=r[1], token=r[2]),
+            "results of tasks that are not done"),
+        c.RESULTS_PER_TASK: (lambda r: Violation(
+            kind, c.RESULTS_PER_TASK, f"task {r[1]} has {r[3]} results", task_id=r[1],
+            count=r[3]),
+            "tasks with more than one result"),
+        c.ENQUEUED_WITHOUT_TASK: (lambda r: Violation(
+            kind, c.ENQUEUED_WITHOUT_TASK, f"task {r[1]} was enqueued and has no row (lost)",
+            task_id=r[1]),
+            "enqueued tasks without a row"),
+    })
     shown = count_by_state(f.conn)
     by_state = dict(f.rows("SELECT state, count(*) FROM tasks GROUP BY state").all())
     for state in sorted(set(shown) | set(by_state)):
         a, b = shown.get(state, 0), by_state.get(state, 0)
         if a != b:
-            out.append(Violation(kind, Check.STATUS_COUNTS,
+            out.append(Violation(kind, c.STATUS_COUNTS,
                                  f"`status` counts {a} {state} tasks, the tasks' states say {b}",
                                  count=abs(a - b)))
     return out
 
 
 def _dispatch_records(f: _File) -> list[Violation]:
+    more, fewer = Check.MORE_RECORDS_THAN_DISPATCHES, Check.DISPATCH_WITHOUT_RECORD
     if not f.since(ONE_RECORD_SINCE):
-        f.skipped += [Check.MORE_RECORDS_THAN_DISPATCHES, Check.DISPATCH_WITHOUT_RECORD]
+        f.skipped += [more, fewer]
         return []
     kind = ViolationKind.DISPATCH_RECORDS
-
-    def make(r: Any) -> Violation:
-        task_id, n, records, token = r
-        if records > n:
-            return Violation(kind, Check.MORE_RECORDS_THAN_DISPATCHES,
-                             f"task {task_id} has {records} dispatch records for {n} "
-                             f"dispatches" + (f" (its result's token {_short(token)})"
-                                              if token else ""),
-                             task_id=task_id, token=token, count=records - n)
-        return Violation(kind, Check.DISPATCH_WITHOUT_RECORD,
-                         f"task {task_id} has {records} dispatch records for {n} dispatches",
-                         task_id=task_id, count=n - records)
-
-    return _capped(
-        kind, Check.MORE_RECORDS_THAN_DISPATCHES,
-        f.rows(f"SELECT t.id, t.dispatches, {DISPATCH_RECORDS_SQL}, "
-               f"(SELECT r.token FROM results r WHERE r.task_id = t.id) FROM tasks t "
-               f"WHERE t.dispatches != {DISPATCH_RECORDS_SQL}"),
-        make, "tasks whose dispatch count is not their records'")
+    return _capped(kind, f.rows(
+        f"SELECT CASE WHEN n > records THEN '{fewer.value}' ELSE '{more.value}' END, id, n, "
+        f"records, token FROM (SELECT t.id, t.dispatches AS n, {DISPATCH_RECORDS_SQL} AS "
+        f"records, (SELECT r.token FROM results r WHERE r.task_id = t.id) AS token "
+        f"FROM tasks t) WHERE n != records"), {
+        more: (lambda r: Violation(
+            kind, more, f"task {r[1]} has {r[3]} dispatch records for {r[2]} dispatches"
+            + (f" (its result's token {_short(r[4])})" if r[4] else ""),
+            task_id=r[1], token=r[4], count=r[3] - r[2]),
+            "tasks with more dispatch records than dispatches"),
+        fewer: (lambda r: Violation(
+            kind, fewer, f"task {r[1]}: {r[2] - r[3]} of its {r[2]} dispatches without a "
+            f"record", task_id=r[1], count=r[2] - r[3]),
+            "tasks with dispatches without a record"),
+    })
 
 
 def _wrong_commits(f: _File) -> list[Violation]:
     kind = ViolationKind.WRONG_COMMIT
-    out: list[Violation] = []
+    ended, retired, shared = (Check.TOKEN_ENDED_WITHOUT_RESULT, Check.TOKEN_RETIRED,
+                              Check.TOKEN_SHARED)
+    sql = (f"SELECT DISTINCT '{retired.value}', r.task_id, r.token, e.kind FROM results r "
+           f"JOIN events e ON e.task_id = r.task_id AND e.token = r.token "
+           f"WHERE e.kind IN ({ROLLBACK_KINDS_SQL}) AND {COUNTED_KIND_SQL} "
+           f"UNION ALL SELECT '{shared.value}', group_concat(task_id, ', '), token, count(*) "
+           f"FROM results GROUP BY token HAVING count(*) > 1")
     if f.since(ONE_RECORD_SINCE):
-        out += _capped(
-            kind, Check.TOKEN_ENDED_WITHOUT_RESULT,
-            f.rows("SELECT DISTINCT r.task_id, r.token FROM results r JOIN events e "
-                   "ON e.task_id = r.task_id AND e.token = r.token AND e.kind = 'dispatched'"),
-            lambda r: Violation(kind, Check.TOKEN_ENDED_WITHOUT_RESULT,
-                                f"task {r[0]}: committed from token {_short(r[1])} whose "
-                                f"dispatch ended without a result", task_id=r[0], token=r[1]),
-            "results from dispatches that ended without one")
+        sql += (f" UNION ALL SELECT DISTINCT '{ended.value}', r.task_id, r.token, NULL "
+                f"FROM results r JOIN events e ON e.task_id = r.task_id AND e.token = r.token "
+                f"AND e.kind = 'dispatched'")
     else:
-        f.skipped.append(Check.TOKEN_ENDED_WITHOUT_RESULT)
-    out += _capped(
-        kind, Check.TOKEN_RETIRED,
-        f.rows(f"SELECT DISTINCT r.task_id, r.token, e.kind FROM results r JOIN events e "
-               f"ON e.task_id = r.task_id AND e.token = r.token "
-               f"WHERE e.kind IN ({ROLLBACK_KINDS_SQL}) AND {COUNTED_KIND_SQL}"),
-        lambda r: Violation(kind, Check.TOKEN_RETIRED,
-                            f"task {r[0]}: committed from token {_short(r[1])} that was "
-                            f"retired ({r[2]})", task_id=r[0], token=r[1]),
-        "results from retired tokens")
-    out += _capped(
-        kind, Check.TOKEN_SHARED,
-        f.rows("SELECT token, count(*), group_concat(task_id, ', ') FROM results "
-               "GROUP BY token HAVING count(*) > 1"),
-        lambda r: Violation(kind, Check.TOKEN_SHARED,
-                            f"token {_short(r[0])} is committed for {r[1]} tasks ({r[2]})",
-                            token=r[0], count=r[1]),
-        "tokens committed for more than one task")
-    return out
+        f.skipped.append(ended)
+    return _capped(kind, f.rows(sql), {
+        ended: (lambda r: Violation(
+            kind, ended, f"task {r[1]}: committed from token {_short(r[2])} whose dispatch "
+            f"ended without a result", task_id=r[1], token=r[2]),
+            "results from dispatches that ended without one"),
+        retired: (lambda r: Violation(
+            kind, retired, f"task {r[1]}: committed from token {_short(r[2])} that was "
+            f"retired ({r[3]})", task_id=r[1], token=r[2]),
+            "results from retired tokens"),
+        shared: (lambda r: Violation(
+            kind, shared, f"token {_short(r[2])} is committed for {r[3]} tasks ({r[1]})",
+            token=r[2], count=r[3]),
+            "tokens committed for more than one task"),
+    })
 
 
 def _orphan_leases(f: _File) -> list[Violation]:
-    kind = ViolationKind.ORPHAN_LEASE
-    return _capped(
-        kind, Check.LEASE_WITHOUT_DISPATCH,
-        f.rows("SELECT l.id, l.token, l.kind, l.key FROM leases l WHERE NOT EXISTS "
-               "(SELECT 1 FROM dispatches d WHERE d.token = l.token)"),
-        lambda r: Violation(kind, Check.LEASE_WITHOUT_DISPATCH,
-                            f"lease {r[0]} ({r[2]} {str(r[3])[:40]!r}) is held by token "
-                            f"{_short(r[1])}, which has no dispatch", token=r[1]),
-        "leases without a dispatch")
+    kind, check = ViolationKind.ORPHAN_LEASE, Check.LEASE_WITHOUT_DISPATCH
+    return _capped(kind, f.rows(
+        f"SELECT '{check.value}', l.id, l.token, l.kind, l.key FROM leases l WHERE NOT EXISTS "
+        f"(SELECT 1 FROM dispatches d WHERE d.token = l.token)"), {
+        check: (lambda r: Violation(
+            kind, check, f"lease {r[1]} ({r[3]} {str(r[4])[:40]!r}) is held by token "
+            f"{_short(r[2])}, which has no dispatch", token=r[2]),
+            "leases without a dispatch"),
+    })
 
 
 def _statistics(f: _File) -> list[Violation]:
@@ -419,8 +417,8 @@ def audit(conn: Connection) -> AuditReport:
              for v in violations):
         f.notes.append(
             f"if this campaign was begun before revision {ONE_RECORD_SINCE} and brought "
-            f"forward, each of its earlier dispatches kept its `dispatched` event, committed "
-            f"ones too: those are reported here as extra records")
+            f"forward, each of its earlier dispatches kept its `dispatched` event, its "
+            f"committed ones too, which the dispatch_records and wrong_commit rules report")
     return AuditReport(violations, revision, head, f.notes, f.skipped, f.stats)
 
 
