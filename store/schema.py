@@ -133,7 +133,7 @@ class EventKind(str, enum.Enum):
 
 #: The events that retire a dispatch without its result (a rollback, a requeue at a stop or a
 #: resume, a failed send or run, a dead worker): a result committed under such a token would
-#: be a commit from the wrong dispatch (the invariant checks in tests and tools read this).
+#: be a commit from the wrong dispatch (`store.audit` reads this).
 ROLLBACK_EVENTS = (EventKind.RECOVERED, EventKind.WATCHDOG, EventKind.INTERRUPTED,
                    EventKind.STOP_REQUEUED, EventKind.TASK_FAILED, EventKind.SEND_FAILED,
                    EventKind.WORKER_FAILED)
@@ -212,8 +212,8 @@ HELD_STATES_SQL = "state IN ('deferred', 'failed')"
 #: The records of a task's dispatches, as an SQL expression over `tasks t`: its result (a
 #: committed dispatch), its `dispatched` events (ended without a result) and its dispatch row
 #: (in flight). Each dispatch has exactly one since revision 0007, so on a campaign begun
-#: there this equals `t.dispatches` (a pre-send rewind takes back its count); the audits
-#: check it.
+#: there this equals `t.dispatches` (a pre-send rewind takes back its count); `store.audit`
+#: checks it.
 DISPATCH_RECORDS_SQL = (
     "((SELECT count(*) FROM results r WHERE r.task_id = t.id) + "
     "(SELECT count(*) FROM events e WHERE e.task_id = t.id AND e.kind = 'dispatched') + "
@@ -273,7 +273,7 @@ results = Table(
     # tokens cost ~4 written pages per commit, a fifth of the master's WAL writes. Tokens do
     # not repeat because of how they are minted (SHA-256 of a random per-incarnation epoch,
     # the rank and a sequence number); the schema only refuses two active dispatches with
-    # one token, and the audits (`coordinator check` (store/audit.py), tools/fault_campaign.py) check the rest.
+    # one token, and the audit (`coordinator check`, store/audit.py) checks the rest.
     Column("token", Text, nullable=False),
     Column("rank", Integer, nullable=False),
     Column("incarnation", Integer, nullable=False),

@@ -75,7 +75,10 @@ def read_stats(conn: Connection) -> Stats:
             .group_by(quarantine.c.channel, quarantine.c.reason)):
         q[channel][reason] = n
     ev = dict(conn.execute(_COUNT_EVENTS).all())
-    dropped_results, dropped = conn.execute(_COUNT_DROPPED).one()
+    revision = current_revision(conn)
+    # (A file before revision 0008, read by the audit, has no such column.)
+    dropped_results, dropped = (conn.execute(_COUNT_DROPPED).one()
+                                if revision is None or revision >= "0008" else (0, 0))
     return Stats(
         tasks=count_by_state(conn),
         results=conn.execute(select(func.count()).select_from(results)).scalar_one(),
@@ -85,7 +88,7 @@ def read_stats(conn: Connection) -> Stats:
         watchdog_timeouts=ev.get(EventKind.WATCHDOG.value, 0),
         watchdog_recoveries=ev.get(EventKind.WORKER_RECOVERED.value, 0),
         incarnation=conn.execute(select(campaign.c.incarnation)).scalar() or 0,
-        schema_revision=current_revision(conn),
+        schema_revision=revision,
         events=ev,
         dropped_testcases=int(dropped),
         dropped_results=dropped_results,

@@ -364,7 +364,8 @@ def count_by_state(tx_or_conn: Any) -> dict[str, int]:
     live progress reads this twice a second, on campaigns of millions of tasks): queued ones
     in `ix_tasks_queue`, active ones as their `dispatches` rows (one each, UNIQUE task_id),
     done ones as their `results` rows (one each, the primary key), held ones in
-    `ix_tasks_held`. `coordinator check` (store/audit.py) and the audits check that the rows agree."""
+    `ix_tasks_held`. The audit (`coordinator check`, store/audit.py) checks that the rows
+    agree."""
     conn = getattr(tx_or_conn, "conn", tx_or_conn)
     counts = {s.value: 0 for s in TaskState}
     counts[TaskState.QUEUED.value] = conn.exec_driver_sql(_COUNT_QUEUED).scalar_one()

@@ -48,6 +48,11 @@ def head_revision() -> str:
     return heads[0]
 
 
+def revisions_in_order() -> list[str]:
+    """Every revision this code knows, oldest first."""
+    return [rev.revision for rev in reversed(list(_script().walk_revisions()))]
+
+
 def current_revision(conn: Connection) -> str | None:
     """The file's revision stamp. Several stamps (a hand edit; a campaign has one) are refused
     with what they say, rather than Alembic's "more than one head" traceback."""

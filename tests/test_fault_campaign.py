@@ -162,7 +162,8 @@ def test_checker_reports_an_unfinished_task_as_lost(campaign):
     # `status` counts done tasks by their results rows, the checker by their state: the
     # planted row shows there too.
     assert r["stats_mismatches"] == 1
-    assert any("status --json tasks=" in p for p in r["problems"])
+    assert any("`status` counts 4 done tasks, the tasks' states say 3" in p
+               for p in r["problems"])
 
 
 def test_checker_reports_one_token_committed_for_two_tasks(campaign):
@@ -172,7 +173,7 @@ def test_checker_reports_one_token_committed_for_two_tasks(campaign):
                "WHERE token != ?)", params=(good, good))
     r = _check(db)
     assert r["duplicate_commits"] == 1
-    assert any("distinct tokens" in p for p in r["problems"])
+    assert any("is committed for 2 tasks" in p for p in r["problems"])
 
 
 def test_checker_reports_another_tasks_value_as_wrong(campaign):

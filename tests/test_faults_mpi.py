@@ -49,6 +49,7 @@ from processes import running
 
 from coordinator.faults import KINDS
 from coordinator.launcher import mpiexec_flags
+from store.audit import audit_path
 
 pytestmark = [pytest.mark.mpi]
 
@@ -109,23 +110,12 @@ def dispatched_to(db: Path, rank: int) -> list[str]:
 
 
 def assert_status_agrees(db: Path) -> dict:
-    """`coordinator status --json` says what the rows say."""
+    """`coordinator status --json` says what the rows say: it prints the statistics that the
+    store's audit found equal to the rows they count."""
+    report = audit_path(db)
+    assert report.violations == [], report.text()
     s = status_json(db)
-    q: dict[str, dict[str, int]] = {"result": {}, "ready": {}}
-    for channel, reason, n in query(db, "SELECT channel, reason, count(*) FROM quarantine "
-                                        "GROUP BY channel, reason"):
-        q[channel][reason] = n
-    assert s["quarantine"] == q
-    ev = event_counts(db)
-    assert s["requeued"] == ev.get("requeued", 0)
-    assert s["deferred"] == ev.get("deferred", 0)
-    assert s["watchdog_timeouts"] == ev.get("watchdog", 0)
-    assert s["watchdog_recoveries"] == ev.get("worker_recovered", 0)
-    assert s["incarnation"] == ev.get("campaign", 0)
-    states = dict(query(db, "SELECT state, count(*) FROM tasks GROUP BY state"))
-    assert s["tasks"] == {k: states.get(k, 0) for k in
-                          ("queued", "active", "done", "deferred", "failed")}
-    assert s["results"] == query(db, "SELECT count(*) FROM results")[0][0]
+    assert {k: s[k] for k in report.stats.as_json()} == report.stats.as_json()
     return s
 
 

@@ -28,6 +28,8 @@ interrupted / stop_requeued / task_failed / send_failed / worker_failed event), 
 task's value, and is not a token whose RESULT was never validly sent (a breaking fault fired on
 it); one result per task (the schema allows no other), only for done tasks;
 `PRAGMA integrity_check` ok; `coordinator status --json` equals SQL counts over the rows.
+The rules that hold for any campaign are `store.audit`'s; this tool adds what only it knows
+(the T tasks and their values, the faults it injected, a finished run's end state).
 
 Exit status 1 if any trial lost a task, committed wrongly or twice, failed integrity, left
 dispatch/lease rows behind or had statistics disagreeing with its rows; else 0. Incomplete
@@ -57,13 +59,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
+from sqlalchemy import Connection  # noqa: E402
+from sqlalchemy.exc import DBAPIError  # noqa: E402
+
 from coordinator.faults import KINDS  # noqa: E402
-from store.schema import (  # noqa: E402
-    COUNTED_KIND_SQL,
-    DISPATCH_RECORDS_SQL,
-    ROLLBACK_EVENTS,
-)
+from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
+from store.audit import Check, ViolationKind, audit  # noqa: E402
+from store.engine import open_readonly  # noqa: E402
+from store.errors import NoCampaignYet, StoreError  # noqa: E402
+from store.schema import COUNTED_KIND_SQL  # noqa: E402
 
 ALL_KINDS: tuple[str, ...] = tuple(KINDS)
 
@@ -81,8 +85,6 @@ BREAKING: frozenset[str] = frozenset({
 #: the kernel sends SIGHUP+SIGCONT to a stopped member of an orphaned process group.
 NEVER_VALIDLY_SENT: frozenset[str] = BREAKING - {"kill_after_result", "hang"}
 
-#: Events that retire a dispatch: a result committed with such a token is a wrong commit.
-ROLLBACK_KINDS = tuple(k.value for k in ROLLBACK_EVENTS)
 #: Events that mark a task as recovered (for the recovery rate and latency). `stop_requeued`
 #: too: under Open MPI a worker's death makes the launcher SIGTERM the master, whose graceful
 #: stop may return the dead worker's dispatch to the queue before the launcher's SIGKILL.
@@ -425,6 +427,8 @@ def check_campaign(db: Path, expected_tasks: int, *, complete: bool = True,
     """Everything the brief asks of a finished trial, read-only from `db` (and the inject
     logs for fault counts, latencies and commits of tokens whose RESULT never validly left).
 
+    The store's own rules are `store.audit`'s; this adds what only the harness knows (the
+    tasks it enqueued and their values, the faults it injected, a finished run's end state).
     `complete=False` (restart budget exhausted: the last job was killed mid-flight) skips the
     final-state checks (queued/active tasks, dispatch and lease rows) and keeps the safety
     checks. Returns counts and a list of human-readable problems."""
@@ -439,102 +443,106 @@ def check_campaign(db: Path, expected_tasks: int, *, complete: bool = True,
     records, r["torn_log_lines"] = read_inject_logs(inject_dir) if inject_dir else ([], 0)
     r["faults"] = dict(Counter(rec["kind"] for rec in records))
     try:
-        conn = _ro(db, timeout=30)
-    except sqlite3.Error as e:
+        engine = open_readonly(db)
+    except NoCampaignYet as e:
+        return _no_campaign(r, e, expected_tasks, complete)
+    except StoreError as e:
         r["integrity_ok"] = False
         problems.append(f"cannot open database: {e}")
         return r
     try:
-        return _check(conn, r, expected_tasks, complete, records, db, stats)
-    except sqlite3.DatabaseError as e:
+        with engine.connect() as conn:
+            conn.begin()  # one snapshot for the audit and the harness's own checks
+            try:
+                return _check(conn, r, expected_tasks, complete, records, db, stats)
+            finally:
+                conn.rollback()
+    except NoCampaignYet as e:
+        return _no_campaign(r, e, expected_tasks, complete)
+    except (StoreError, DBAPIError, sqlite3.DatabaseError) as e:
         r["integrity_ok"] = False
         problems.append(f"database error while checking: {e}")
         return r
     finally:
-        conn.close()
+        engine.dispose()
 
 
-def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete: bool,
+def _no_campaign(r: dict[str, Any], e: StoreError, expected: int,
+                 complete: bool) -> dict[str, Any]:
+    # The job was killed before the schema was created (it is one transaction): no campaign
+    # yet. Only a trial the master reported finished has lost its tasks then.
+    r["problems"].append(f"the database holds no campaign ({e})")
+    if complete:
+        r["tasks_lost"] = expected
+    return r
+
+
+def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
            records: list[dict], db: Path, stats: bool) -> dict[str, Any]:
     problems: list[str] = r["problems"]
-    q = lambda sql, *a: conn.execute(sql, a).fetchall()  # noqa: E731
-    one = lambda sql, *a: conn.execute(sql, a).fetchone()[0]  # noqa: E731
+    report = audit(conn)
+    raw = conn.connection.driver_connection  # the same transaction, for the harness's SQL
+    q = lambda sql, *a: raw.execute(sql, a).fetchall()  # noqa: E731
+    one = lambda sql, *a: raw.execute(sql, a).fetchone()[0]  # noqa: E731
 
-    ic = q("PRAGMA integrity_check")
-    if ic != [("ok",)]:
-        r["integrity_ok"] = False
-        problems.append(f"integrity_check: {ic[:5]}")
-    fk = q("PRAGMA foreign_key_check")
-    r["fk_violations"] = len(fk)
-    if fk:
-        problems.append(f"foreign_key_check: {len(fk)} rows, e.g. {fk[:3]}")
-    tables = {name for (name,) in q("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    if not {"campaign", "tasks", "results", "events"} <= tables:
-        # The job was killed before the schema was created (it is one transaction): no
-        # campaign yet. Only a trial the master reported finished has lost its tasks then.
-        problems.append(f"the database holds no campaign (tables: {sorted(tables)})")
-        if complete:
-            r["tasks_lost"] = expected
-        return r
+    # -- the store's rules, counted the way this report counts -------------------------------
+    lost_ids: set[int] = set()
+    lost_rest = orphan_enqueued = dup = 0
+    wrong: dict[str, list[str]] = defaultdict(list)
+    for v in report.violations:
+        n = v.count or 1
+        problems.append(f"{v.kind.value}: {v.message}")
+        if v.kind is ViolationKind.INTEGRITY:
+            r["integrity_ok"] = False
+        elif v.kind in (ViolationKind.FOREIGN_KEYS, ViolationKind.ORPHAN_LEASE):
+            r["fk_violations"] += n
+        elif v.kind is ViolationKind.STATISTICS or v.check is Check.STATUS_COUNTS:
+            r["stats_mismatches"] += 1
+        elif v.check in (Check.DONE_WITHOUT_RESULT, Check.ACTIVE_WITHOUT_DISPATCH):
+            if v.task_id is None:
+                lost_rest += n
+            else:
+                lost_ids.add(v.task_id)
+        elif v.check is Check.ENQUEUED_WITHOUT_TASK:
+            orphan_enqueued += n
+        elif v.check is Check.RESULT_OF_UNDONE_TASK:
+            dup += n
+        elif v.check in (Check.RESULTS_PER_TASK, Check.TOKEN_SHARED):
+            dup += n - 1  # the results past the first of the task, or of the token
+        elif v.check is Check.DISPATCH_OF_INACTIVE_TASK:
+            r["leftover_rows"] += n
+        elif v.check is Check.MORE_RECORDS_THAN_DISPATCHES and v.token is not None:
+            # One record too many, and it is the task's result: a commit from a dispatch
+            # that never was (for this task).
+            wrong[v.token].append(f"task {v.task_id}: result token {v.token[:12]} is one more "
+                                  f"record than the task's dispatches (never dispatched for "
+                                  f"it)")
+        elif v.check in (Check.TOKEN_ENDED_WITHOUT_RESULT, Check.TOKEN_RETIRED):
+            # Said above; counted once per token, with the harness's own findings.
+            wrong.setdefault(v.token or "", [])
+    if not r["integrity_ok"]:
+        return r  # the audit read no rows of a damaged file; nor does the harness
 
     # -- lost tasks --------------------------------------------------------------------------
     r["tasks"] = one("SELECT count(*) FROM tasks")
     r["states"] = dict(q("SELECT state, count(*) FROM tasks GROUP BY state"))
     present = {n for (n,) in q("SELECT json_extract(payload, '$.data.n') FROM tasks")}
     missing = sorted(set(range(expected)) - present)
-    orphan_enqueued = one("SELECT count(DISTINCT task_id) FROM events WHERE kind = 'enqueued' "
-                          "AND task_id NOT IN (SELECT id FROM tasks)")
-    lost = max(len(missing), orphan_enqueued)
     if missing:
         problems.append(f"{len(missing)} of the {expected} tasks have no row (n={missing[:10]})")
-    if orphan_enqueued:
-        problems.append(f"{orphan_enqueued} enqueued task ids have no task row")
-    done_without = q("SELECT id FROM tasks WHERE state = 'done' "
-                     "AND id NOT IN (SELECT task_id FROM results)")
-    if done_without:
-        lost += len(done_without)
-        problems.append(f"done tasks without a result: {[i for (i,) in done_without[:10]]}")
     if complete:
         unfinished = q("SELECT id, state FROM tasks WHERE state IN ('queued', 'active')")
         if unfinished:
-            lost += len(unfinished)
+            lost_ids.update(i for i, _ in unfinished)
             problems.append(f"campaign reported finished but {len(unfinished)} tasks are "
                             f"queued/active: {unfinished[:10]}")
         left = one("SELECT count(*) FROM dispatches") + one("SELECT count(*) FROM leases")
         if left:
-            r["leftover_rows"] = left
+            r["leftover_rows"] = max(r["leftover_rows"], left)
             problems.append(f"{left} dispatch/lease rows left after the campaign finished")
-    r["tasks_lost"] = lost
+    r["tasks_lost"] = max(len(missing), orphan_enqueued) + len(lost_ids) + lost_rest
 
-    # -- wrong commits -----------------------------------------------------------------------
-    wrong: dict[str, list[str]] = defaultdict(list)
-    # Every dispatch leaves one record (DISPATCH_RECORDS_SQL). A result from a token never
-    # dispatched for its task is one record too many; a dispatch with none vanished.
-    unrecorded = []
-    for task_id, n, n_records, token in q(
-            f"SELECT t.id, t.dispatches, {DISPATCH_RECORDS_SQL}, r.token FROM tasks t "
-            f"LEFT JOIN results r ON r.task_id = t.id "
-            f"WHERE t.dispatches != {DISPATCH_RECORDS_SQL}"):
-        if n_records > n and token is not None:
-            wrong[token].append(f"task {task_id}: result token {token[:12]} is one more "
-                                f"record than the task's dispatches (never dispatched for it)")
-        elif n_records < n:
-            unrecorded.append((task_id, n, n_records))
-    for task_id, token in q(
-            "SELECT r.task_id, r.token FROM results r JOIN events e ON e.task_id = r.task_id "
-            "AND e.token = r.token AND e.kind = 'dispatched'"):
-        wrong[token].append(f"task {task_id}: committed from token {token[:12]} whose "
-                            f"dispatch ended without a result")
-    if unrecorded:
-        problems.append(f"{len(unrecorded)} tasks have dispatches without a record (id, "
-                        f"dispatches, records): {unrecorded[:10]}")
-    marks = ",".join(f"'{k}'" for k in ROLLBACK_KINDS)
-    for task_id, token, kind in q(
-            f"SELECT r.task_id, r.token, e.kind FROM results r JOIN events e "
-            f"ON e.task_id = r.task_id AND e.token = r.token "
-            f"WHERE e.kind IN ({marks}) AND {COUNTED_KIND_SQL}"):
-        wrong[token].append(f"task {task_id}: committed from token {token[:12]} that was "
-                            f"retired ({kind})")
+    # -- wrong commits: the harness's own (values, faults it injected) -----------------------
     for task_id, token, got, want in q(
             "SELECT r.task_id, r.token, json_extract(r.value, '$.n'), "
             "json_extract(t.payload, '$.data.n') FROM results r JOIN tasks t "
@@ -551,49 +559,24 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
     r["wrong_commits"] = len(wrong)
     for msgs in wrong.values():
         problems.extend(msgs)
-
-    # -- duplicate commits -------------------------------------------------------------------
-    n_results, n_distinct, n_tokens = q(
-        "SELECT count(*), count(DISTINCT task_id), count(DISTINCT token) FROM results")[0]
-    r["results"] = n_results
-    # No index enforces one result per token since revision 0005: this check does.
-    dup = n_results - n_distinct + n_results - n_tokens
-    if n_results != n_tokens:
-        problems.append(f"{n_results} results from {n_tokens} distinct tokens")
-    not_done = q("SELECT r.task_id, coalesce(t.state, 'no task row') FROM results r "
-                 "LEFT JOIN tasks t ON t.id = r.task_id WHERE t.state IS NOT 'done'")
-    dup += len(not_done)
-    if not_done:
-        problems.append(f"results for tasks that are not done: {not_done[:10]}")
-    if n_results != n_distinct:
-        problems.append(f"{n_results} results for {n_distinct} tasks")
     r["duplicate_commits"] = dup
+    r["results"] = one("SELECT count(*) FROM results")
 
-    # -- statistics equal the rows -----------------------------------------------------------
+    # -- `coordinator status --json` prints the statistics the audit checked -----------------
     ev = dict(q("SELECT kind, count(*) FROM events GROUP BY kind"))
     r["events"] = ev
     r["incarnation"] = one("SELECT coalesce(max(incarnation), 0) FROM campaign")
-    if stats:
+    if stats and report.stats is not None:
         s = status_json(db)
         if s is None:
             r["stats_mismatches"] += 1
             problems.append("`coordinator status --json` failed")
         else:
-            quar: dict[str, dict[str, int]] = {"result": {}, "ready": {}}
-            for channel, reason, n in q("SELECT channel, reason, count(*) FROM quarantine "
-                                        "GROUP BY channel, reason"):
-                quar.setdefault(channel, {})[reason] = n
-            states = {k: 0 for k in ("queued", "active", "done", "deferred", "failed")}
-            states.update(r["states"])
-            want = {"quarantine": quar, "requeued": ev.get("requeued", 0),
-                    "deferred": ev.get("deferred", 0),
-                    "watchdog_timeouts": ev.get("watchdog", 0),
-                    "watchdog_recoveries": ev.get("worker_recovered", 0),
-                    "tasks": states, "results": n_results, "incarnation": r["incarnation"]}
-            for key, value in want.items():
+            for key, value in report.stats.as_json().items():
                 if s.get(key) != value:
                     r["stats_mismatches"] += 1
-                    problems.append(f"status --json {key}={s.get(key)!r}, rows say {value!r}")
+                    problems.append(f"status --json {key}={s.get(key)!r}, the store reads "
+                                    f"{value!r}")
 
     # -- recovery ----------------------------------------------------------------------------
     causes = ",".join(f"'{k}'" for k in CAUSE_KINDS)
@@ -615,7 +598,7 @@ def _check(conn: sqlite3.Connection, r: dict[str, Any], expected: int, complete:
         if kind in ("interrupted", "stop_requeued"):
             requeue_at[token] = at  # requeued in the same transaction, no event of its own
             continue
-        row = conn.execute(f"SELECT at FROM events WHERE task_id = ? AND id > ? AND kind IN "
+        row = raw.execute(f"SELECT at FROM events WHERE task_id = ? AND id > ? AND kind IN "
                            f"({follow}) ORDER BY id LIMIT 1", (task_id, eid)).fetchone()
         if row:
             requeue_at[token] = row[0]

@@ -28,7 +28,15 @@ from coordinator.master import Master, MasterConfig  # noqa: E402
 from coordinator.sources import demo_tasks  # noqa: E402
 from coordinator.transport import Received  # noqa: E402
 from coordinator.wire import (  # noqa: E402
-    TAG_READY, TAG_RESULT, TAG_STOP_ACK, Ready, Result, Stop, decode_stop, decode_work, encode,
+    TAG_READY,
+    TAG_RESULT,
+    TAG_STOP_ACK,
+    Ready,
+    Result,
+    Stop,
+    decode_stop,
+    decode_work,
+    encode,
 )
 from store.campaign import Store  # noqa: E402
 from store.tasks import enqueue_tasks  # noqa: E402
