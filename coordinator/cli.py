@@ -200,6 +200,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--db", type=Path, required=True)
     s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
 
+    c = sub.add_parser("check", help="audit a campaign file's consistency (read-only)",
+                       description="Check every rule a campaign file must hold: conservation "
+                                   "of tasks, one record per dispatch, no result from a "
+                                   "dispatch that ended otherwise, no lease without its "
+                                   "dispatch, statistics equal to their rows, SQLite's "
+                                   "integrity_check and foreign_key_check. Read-only: works on "
+                                   "a copy, on read-only media, and while a master runs. Exit "
+                                   "0 when consistent, 1 with one line per violation.")
+    c.add_argument("--db", type=Path, required=True)
+    c.add_argument("--json", action="store_true", help="machine-readable report")
+
     q = sub.add_parser("requeue", help="put failed or deferred tasks back in the queue, or "
                                        "done tasks whose run failed (--state error)")
     q.add_argument("--db", type=Path, required=True)
@@ -243,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `status | head`: the reader had enough
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return ExitStatus.OK
+        if ns.cmd == "check":
+            return commands.check(ns.db, ns.json)
         if ns.cmd == "requeue":
             return commands.requeue(ns)
         if ns.cmd == "db":

@@ -11,8 +11,9 @@ import socket
 import sys
 from pathlib import Path
 
+from store.audit import audit_path
 from store.campaign import Store, campaign_locked, lock_held, lock_holder
-from store.engine import open_engine
+from store.engine import read_file
 from store.errors import StoreError, StoreWriteError
 from store.schema import TaskState
 from store.stats import (
@@ -30,33 +31,21 @@ from .processes import process_exists
 from .wire import detail_summary
 
 
-def _open_readonly(db: Path):
-    if not db.exists():
-        print(f"coordinator: {db}: no such campaign database", file=sys.stderr)
-        return None
-    try:
-        return open_engine(db, write=False)
-    except StoreError as e:
-        print(f"coordinator: {e}", file=sys.stderr)
-        return None
-
-
 def status(db: Path, as_json: bool) -> int:
-    engine = _open_readonly(db)
-    if engine is None:
-        return ExitStatus.USAGE
+    """What the campaign file holds, read without writing anything (a read-only view that a
+    running master never waits for, on read-only media too)."""
+    def read(conn):
+        check_revision(conn, db)
+        s = read_stats(conn)
+        by_status = result_statuses(conn)
+        failures = recent_failures(conn) if set(by_status) - {"ok"} else []
+        held = held_reasons(conn) if s.tasks["deferred"] or s.tasks["failed"] else {}
+        return s, by_status, failures, held
     try:
-        with engine.connect() as conn:
-            check_revision(conn, db)
-            s = read_stats(conn)
-            by_status = result_statuses(conn)
-            failures = recent_failures(conn) if set(by_status) - {"ok"} else []
-            held = held_reasons(conn) if s.tasks["deferred"] or s.tasks["failed"] else {}
+        (s, by_status, failures, held), view = read_file(db, read)
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
-    finally:
-        engine.dispose()
     master = _master_state(lock_holder(db), lock_held(db))
     if as_json:
         print(json.dumps({**s.as_json(), "results_by_status": by_status, "master": master},
@@ -64,6 +53,8 @@ def status(db: Path, as_json: bool) -> int:
         return 0
     t = s.tasks
     print(f"campaign {db} (incarnation {s.incarnation}, schema {s.schema_revision})")
+    if view.note():
+        print(f"note: {view.note()}")
     if master is not None:
         where = f"pid {master['pid']} on {master['host']}"
         print("master: " + {True: f"running ({where})", False: f"not running (the last was "
@@ -99,6 +90,34 @@ def _master_state(holder: tuple[int, str] | None, held: bool | None) -> dict | N
     if held is None and host == socket.gethostname():
         held = process_exists(pid)
     return {"pid": pid, "host": host, "running": held}
+
+
+def check(db: Path, as_json: bool) -> int:
+    """The campaign file's consistency audit (`store.audit`), read-only: exit 0 and one line
+    when it holds, exit 1 and one line per violation when it does not."""
+    try:
+        report = audit_path(db)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
+    if as_json:
+        print(json.dumps({
+            "ok": report.ok, "revision": report.revision, "head": report.head,
+            "violations": [{"kind": v.kind.value, "check": v.check.value, "message": v.message,
+                            "task_id": v.task_id, "token": v.token, "count": v.count}
+                           for v in report.violations],
+            "skipped": [c.value for c in report.skipped], "notes": report.notes,
+        }, indent=2, sort_keys=True))
+        return ExitStatus.OK if report.ok else ExitStatus.FAILED
+    if report.ok:
+        tasks = sum(report.stats.tasks.values()) if report.stats is not None else 0
+        skipped = f"; {len(report.skipped)} checks not run on it" if report.skipped else ""
+        print(f"{db}: consistent ({tasks} tasks, schema {report.revision}{skipped})")
+    for v in report.violations:
+        print(f"{db}: {v.kind.value}: {v.message}")
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return ExitStatus.OK if report.ok else ExitStatus.FAILED
 
 
 def requeue(ns: argparse.Namespace) -> int:

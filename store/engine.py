@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
@@ -23,9 +24,12 @@ from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
 from .errors import (
     DatabaseOpenError,
     NoCampaignYet,
+    StoreError,
     StoreWriteError,
     UnsafeDatabaseError,
 )
+
+T = TypeVar("T")
 
 #: FULL: every acknowledged commit survives a power loss (measured: NORMAL lost up to 19
 #: acknowledged transactions in 65 of 80 simulated power losses; FULL lost none). NORMAL is
@@ -49,6 +53,9 @@ JOURNAL_SIZE_LIMIT = 64 << 20
 #: BEGIN, which takes no lock until it reads (and WAL readers never wait for the writer).
 DEFERRED_BEGIN = "coordinator.deferred_begin"
 WRITING = "coordinator.writing"  # inside write_tx
+#: Set in a connection's `info` by a reader that reports damage itself (the audit): driver
+#: errors reach it as they are.
+RAW_ERRORS = "coordinator.raw_errors"
 
 #: WAL relies on shared memory and POSIX locks that these filesystems do not provide reliably.
 NETWORK_FILESYSTEMS = frozenset(
@@ -159,16 +166,7 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         conn.connection.driver_connection.execute(
             "BEGIN" if conn.info.get(DEFERRED_BEGIN) else begin_sql)
 
-    @event.listens_for(engine, "handle_error")
-    def _damaged(ctx: exc.ExceptionContext) -> None:
-        # A damaged page read by `status`, `requeue`, `db upgrade` or a start was a driver
-        # traceback. A master's write transaction keeps its own outcome (StoreWriteError:
-        # exit 3); a file that is no database at all is said so by `cannot_open`.
-        writing = ctx.connection is not None and ctx.connection.info.get(WRITING)
-        if _is_corrupt(ctx.original_exception) and not writing:
-            raise DatabaseOpenError(
-                f"{db_path} is damaged ({ctx.original_exception}): restore a copy; "
-                f"`sqlite3 {db_path} .recover` may save what is left") from None
+    _name_damage(engine, db_path)
 
     # Connect now, so that a path that cannot be a database fails here with a message that
     # says why, not later inside the caller's first transaction as a driver traceback.
@@ -182,6 +180,21 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
         engine.dispose()
         raise
     return engine
+
+
+def _name_damage(engine: Engine, db_path: Path) -> None:
+    """A damaged page read by `status`, `check`, `requeue`, `db upgrade` or a start was a
+    driver traceback: it becomes a DatabaseOpenError that says so and what to do. A master's
+    write transaction keeps its own outcome (StoreWriteError: exit 3); a file that is no
+    database at all is said so by `cannot_open`."""
+    @event.listens_for(engine, "handle_error")
+    def _damaged(ctx: exc.ExceptionContext) -> None:
+        info = ctx.connection.info if ctx.connection is not None else {}
+        if _is_corrupt(ctx.original_exception) and not (info.get(WRITING)
+                                                         or info.get(RAW_ERRORS)):
+            raise DatabaseOpenError(
+                f"{db_path} is damaged ({ctx.original_exception}): restore a copy; "
+                f"`sqlite3 {db_path} .recover` may save what is left") from None
 
 
 def _is_corrupt(e: BaseException) -> bool:
@@ -427,6 +440,8 @@ def _readonly_engine(db_path: Path, *, immutable: bool) -> Engine:
     def _begin(conn: Connection) -> None:
         conn.connection.driver_connection.execute("BEGIN")
 
+    _name_damage(engine, db_path)
+
     try:
         with engine.connect():
             pass
@@ -434,3 +449,31 @@ def _readonly_engine(db_path: Path, *, immutable: bool) -> Engine:
         engine.dispose()
         raise
     return engine
+
+
+def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T]
+              ) -> tuple[T, ReadOnlyView]:
+    """`read(conn)` in one read transaction on the file at `path`, opened with
+    `open_readonly`, and how it was opened. A WAL file that no connection had open is read
+    without creating `-wal`/`-shm` beside it; if something wrote it meanwhile (a master that
+    started), it is read again as an ordinary reader, whose view SQLite keeps consistent."""
+    for at_rest in (True, False):
+        engine = open_readonly(path, at_rest=at_rest)
+        view = readonly_view(engine)
+        try:
+            with engine.connect() as conn:
+                conn.begin()
+                try:
+                    got = read(conn)
+                finally:
+                    conn.rollback()  # it read; nothing to commit (a COMMIT of a read
+                    # transaction on a damaged file raised "malformed")
+        except (StoreError, exc.DBAPIError, sqlite3.Error):
+            if view.unchanged():
+                raise
+            continue
+        finally:
+            engine.dispose()
+        if view.unchanged():
+            return got, view
+    raise AssertionError("not reached: the second reading is not at rest")
