@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.cmd == "run":
             cfg = resolve_run(ns)
             if not under_mpi_launcher():
-                return self_launch(ns, args)
+                return self_launch(ns, args, cfg)
             from .runtime import run
             return run(cfg)
         from . import commands

@@ -12,12 +12,15 @@ import sys
 from pathlib import Path
 
 from store.audit import audit_path
-from store.campaign import Store, campaign_locked, lock_held, lock_holder
+from store.campaign import Store
 from store.engine import read_file
 from store.errors import StoreError, StoreWriteError
+from store.lock import campaign_locked, lock_holder, locks_readable
+from store.probe import probe
 from store.schema import TaskState
 from store.stats import (
     held_reasons,
+    last_master,
     read_stats,
     recent_failures,
     result_statuses,
@@ -40,13 +43,13 @@ def status(db: Path, as_json: bool) -> int:
         by_status = result_statuses(conn)
         failures = recent_failures(conn) if set(by_status) - {"ok"} else []
         held = held_reasons(conn) if s.tasks["deferred"] or s.tasks["failed"] else {}
-        return s, by_status, failures, held
+        return s, by_status, failures, held, last_master(conn)
     try:
-        (s, by_status, failures, held), view = read_file(db, read)
+        (s, by_status, failures, held, last), view = read_file(db, read)
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
-    master = _master_state(lock_holder(db), lock_held(db))
+    master = _master_state(last, lock_holder(db))
     if as_json:
         print(json.dumps({**s.as_json(), "results_by_status": by_status, "master": master},
                          indent=2, sort_keys=True))
@@ -71,7 +74,9 @@ def status(db: Path, as_json: bool) -> int:
     shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
     print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))
     if s.dropped_testcases:
-        print(f"dropped test cases: {s.dropped_testcases} in {s.dropped_results} results (over the command executor's limits or --max-message-bytes; each result's detail says which)")
+        print(f"dropped test cases: {s.dropped_testcases} in {s.dropped_results} results "
+              f"(over the command executor's limits or --max-message-bytes; each result's "
+              f"detail says which)")
     if failures:
         print("latest results that are not ok:")
         for task_id, rank, status, detail in failures:
@@ -80,16 +85,20 @@ def status(db: Path, as_json: bool) -> int:
     return 0
 
 
-def _master_state(holder: tuple[int, str] | None, held: bool | None) -> dict | None:
-    """The last master that held the campaign's lock, and whether it runs: the kernel's lock
-    table says (the database is on a node-local disk, so the master runs here); without one,
-    whether its pid still exists on this host; None if it cannot be told."""
-    if holder is None:
+def _master_state(last: tuple[int, str] | None, holder: int | None) -> dict | None:
+    """The campaign's latest master, and whether it runs: the kernel's table of locks says
+    who holds the file now (the database is on a node-local disk, so its master runs here);
+    without one (no /proc), whether the latest master's pid exists on this host; None if it
+    cannot be told."""
+    if holder is not None:
+        return {"pid": holder, "host": socket.gethostname(), "running": True}
+    if last is None:
         return None
-    pid, host = holder
-    if held is None and host == socket.gethostname():
-        held = process_exists(pid)
-    return {"pid": pid, "host": host, "running": held}
+    pid, host = last
+    running: bool | None = False
+    if not locks_readable():
+        running = process_exists(pid) if host == socket.gethostname() else None
+    return {"pid": pid, "host": host, "running": running}
 
 
 def check(db: Path, as_json: bool) -> int:
@@ -177,6 +186,8 @@ def id_list(ids: list[int], whole_up_to: int = 50, runs_shown: int = 20) -> str:
 
 
 def db_upgrade(db: Path) -> int:
+    """Create the campaign file, or bring it to this code's schema, one revision per
+    transaction; never under a running master."""
 
     def announce(before: str, target: str) -> None:
         print(f"coordinator: upgrading {db} from schema {before} to {target} (a revision that "
@@ -184,11 +195,9 @@ def db_upgrade(db: Path) -> int:
               file=sys.stderr, flush=True)
 
     try:
-        if db.parent.is_dir():
-            with campaign_locked(db):  # never under a running master
-                before, after = upgrade(db, announce=announce)
-        else:
-            before, after = upgrade(db, announce=announce)  # (which explains the missing dir)
+        probe(db, current=False)  # what is not a campaign is refused before anything else
+        with campaign_locked(db):  # never under a running master
+            before, after = upgrade(db, announce=announce)
     except StoreWriteError as e:
         # A full disk, a read-only file, tables that do not match the revision stamp: each
         # revision runs in one transaction, so the failed one changed nothing.
@@ -196,7 +205,7 @@ def db_upgrade(db: Path) -> int:
               f"nothing (each runs in one transaction): fix the cause and run it again",
               file=sys.stderr)
         return ExitStatus.STORE
-    except OSError as e:  # the lock file beside it: a read-only or full directory
+    except OSError as e:  # the file cannot be opened to take its lock: read-only, full
         print(f"coordinator: cannot upgrade {db}: {e}; nothing was changed", file=sys.stderr)
         return ExitStatus.STORE
     except StoreError as e:

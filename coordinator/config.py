@@ -108,6 +108,9 @@ class RunConfig:
     max_attempts: int | None  # None: the store's default for `retries`
     synchronous: str
     executor: str                  # command | python | demo
+    #: Whether the command line chose the executor (--executor, --callable or a command): a
+    #: --resume without one runs the campaign's own (`preflight`).
+    executor_given: bool
     argv: list[str]
     callable_spec: str | None
     timeout_s: float
@@ -177,11 +180,6 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     if len(sources) > 1:
         raise ConfigError("choose one task source: --demo N, --tasks FILE or --afl-out DIR")
     demo = ns.demo
-    if not sources and not resume:
-        # The embedded default: a built-in demo workload. Not on --resume, which continues the
-        # stored tasks (a new campaign under --resume gets it from runtime, once it is known
-        # to be new): a forgotten source must not add 300 demo tasks to a real campaign.
-        demo = DEFAULT_DEMO_TASKS
     if ns.afl_out is not None and not ns.fuzzer:
         raise ConfigError("--afl-out needs --fuzzer NAME (the AFL instance whose queue to read)")
     if ns.fuzzer and ns.afl_out is None:
@@ -220,6 +218,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--afl-out {ns.afl_out} is not a directory (AFL's -o directory)")
 
     executor = ns.executor
+    executor_given = executor is not None or bool(argv) or ns.callable is not None
     if executor is None:
         executor = "command" if argv else "python" if ns.callable else "demo"
     if executor == "command" and not argv:
@@ -227,6 +226,19 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
                           "-- ./target_symcc @@")
     if executor == "python" and not ns.callable:
         raise ConfigError("the python executor needs --callable module:function")
+    if not sources and not resume:
+        # The embedded default, a built-in demo workload, is the demo executor's alone: a
+        # user's callable or command ran on 300 demo payloads and made a campaign of 300
+        # errors. (--resume continues the stored tasks; a new campaign under --resume is
+        # checked once it is known to be new: `preflight`.)
+        if executor == "python":
+            raise ConfigError("--callable runs on tasks you give it: add --tasks FILE (one JSON "
+                              "object per line) or --afl-out DIR (--demo N runs it on the N "
+                              "built-in demo payloads)")
+        if executor == "command":
+            raise ConfigError("the command executor runs on each task's input file: add "
+                              "--tasks FILE (payloads with a \"path\") or --afl-out DIR")
+        demo = DEFAULT_DEMO_TASKS
     if executor == "command" and demo is not None:
         raise ConfigError("the command executor runs a command on each task's input file, and "
                           "--demo tasks have none: give it --tasks FILE (payloads with a "
@@ -257,7 +269,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     return RunConfig(
         db=ns.db, resume=resume, retries=retries,
         max_attempts=max_attempts,
-        synchronous=ns.synchronous, executor=executor, argv=argv, callable_spec=ns.callable,
+        synchronous=ns.synchronous, executor=executor, executor_given=executor_given,
+        argv=argv, callable_spec=ns.callable,
         timeout_s=timeout, watchdog_s=watchdog, demo=demo, tasks_file=ns.tasks,
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
         max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file,
@@ -281,12 +294,17 @@ def campaign_settings(cfg: RunConfig) -> dict[str, object]:
             "fuzzer": cfg.fuzzer, "name": cfg.name if cfg.afl_out is not None else None}
 
 
+def how_it_runs(cfg: RunConfig) -> str:
+    """The executor as the command line gives it: `--callable X`, `-- CMD ...`, or none."""
+    return _how(campaign_settings(cfg))
+
+
 def _how(s: dict) -> str:
     if s.get("executor") == "python":
         return f"--callable {s.get('callable')}"
     if s.get("executor") == "command":
         return "-- " + " ".join(s.get("command") or [])
-    return "no --callable and no command"
+    return "the demo executor (no --callable and no command)"
 
 
 def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .config import RunConfig
+from .errors import UsageError
 from .exits import ExitStatus, signalled
 from .processes import process_exists
 
@@ -68,7 +70,19 @@ def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
     return flags
 
 
-def self_launch(ns: argparse.Namespace, args: list[str]) -> int:
+def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
+    """Check what can refuse the run (`preflight`, well under a second), then launch the
+    job and supervise it."""
+    # Here, not at the top: every rank imports the command line, and a worker must not load
+    # the store that the check reads.
+    from store.errors import StoreError
+
+    from .preflight import check_run
+    try:
+        check_run(cfg)
+    except (StoreError, UsageError) as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
     mpiexec = find_mpiexec(ns.mpiexec)
     if mpiexec is None and ns.mpiexec:
         print(f"coordinator: --mpiexec {ns.mpiexec}: no such executable (give its path, or a "

@@ -8,7 +8,6 @@ waiting.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
@@ -25,14 +24,12 @@ from store.stats import read_stats, result_statuses, stats_text
 from store.tasks import enqueue_tasks, origins_starting_with
 
 from .config import (
-    DEFAULT_DEMO_TASKS,
     RunConfig,
     campaign_settings,
     check_resume,
     describe,
 )
 from .errors import UsageError
-from .executors import build_executor
 from .exits import ExitStatus
 from .launcher import exit_status_path
 from .master import (
@@ -44,6 +41,8 @@ from .master import (
     Summary,
 )
 from .output import TestcaseWriter, replace_text
+from .preflight import check_run
+from .preflight import writer as test_case_writer
 from .processes import exit_now, host_and_pid
 from .sources import AflQueueSource, afl_queue_missing, demo_tasks, load_tasks_jsonl
 from .transport import SendFailed, Transport
@@ -116,11 +115,14 @@ class MasterRank:
     def _start(self) -> None:
         """Everything that can refuse the run, in the order that changes nothing until the
         database is opened; the master is built, holding the campaign's lock."""
-        cfg = self.cfg
-        # Refused here, before the workers build theirs from what it resolved.
-        self.resolved_argv = getattr(build_executor(cfg), "argv", None)
+        # Refused here, before the database is opened and the workers build their executor
+        # from what it resolved.
+        checked = check_run(self.cfg)
+        cfg = self.cfg = checked.cfg
+        self.resolved_argv, self.notes = checked.argv, [*checked.notes]
         initial = self._initial_tasks()
-        sources, writer = self._outputs()  # checked before the database is touched
+        sources = [AflQueueSource(cfg.afl_out, cfg.fuzzer)] if cfg.afl_out is not None else []
+        writer = test_case_writer(cfg)
         self.store = Store.open(
             cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
             policy=RetryPolicy(cfg.retries, cfg.max_attempts),
@@ -128,11 +130,6 @@ class MasterRank:
             settings=campaign_settings(cfg),
             check_settings=lambda stored: self.notes.extend(check_resume(cfg, stored)),
             lock_wait_s=cfg.lock_wait_s, on_lock_wait=LockWaiter(cfg.db, cfg.lock_wait_s))
-        if (cfg.resume and self.store.incarnation == 1 and cfg.demo is None
-                and cfg.tasks_file is None and cfg.afl_out is None
-                and cfg.executor != "command"):  # (demo tasks have no input to run it on)
-            initial = demo_tasks(DEFAULT_DEMO_TASKS)  # a new campaign: the embedded default
-            self.cfg = dataclasses.replace(cfg, demo=DEFAULT_DEMO_TASKS)  # (as `describe` says)
         if initial:
             self._import(initial)
         self.master = self._make_master(sources, writer)
@@ -160,19 +157,6 @@ class MasterRank:
             # the same path included) is the same task, and is not run twice.
             _say(f"{len(initial) - len(added)} of {len(initial)} tasks were already in the "
                  f"campaign or repeated (the same payload) and were not added again")
-
-    def _outputs(self) -> tuple[list[AflQueueSource], TestcaseWriter]:
-        """The AFL source and the test-case writer; raises (a refusal) if the output directory
-        or the AFL layout cannot be used. Neither creates nor removes anything, so a refusal
-        changes nothing (the writer reads its directory in `_make_master`, under the
-        campaign's lock)."""
-        cfg = self.cfg
-        if cfg.afl_out is not None:
-            return ([AflQueueSource(cfg.afl_out, cfg.fuzzer)],
-                    TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True, scan=False,
-                                   afl_sync=(cfg.afl_out, cfg.name)))
-        return [], TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"),
-                                  afl_style=False, scan=False)
 
     def _make_master(self, sources: list[AflQueueSource], writer: TestcaseWriter) -> Master:
         """The master, built before any work moves (the store holds the campaign's lock)."""

@@ -10,11 +10,9 @@ deferred tasks that can still run are reclaimed in front of them, before any new
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,10 +31,21 @@ from .engine import (
     refuse_empty_file,
     write_tx,
 )
-from .errors import CampaignExistsError, CampaignLockedError, NoCampaignYet, StoreError
+from .errors import (
+    CampaignExistsError,
+    NoCampaignYet,
+    StoreError,
+)
 from .journal import RetryPolicy, Tx
+from .lock import lock_campaign
+from .probe import probe
 from .schema import EventKind, campaign, tasks
-from .versioning import check_revision, current_revision, head_revision, upgrade
+from .versioning import (
+    check_revision,
+    current_revision,
+    head_revision,
+    upgrade,
+)
 from .workers import forget_incarnation
 
 
@@ -89,11 +98,15 @@ class Store:
         """
         path = Path(path)
         policy = policy or RetryPolicy()
-        engine = open_engine(path, synchronous=synchronous,
-                             busy_timeout_ms=engine_module.MASTER_BUSY_TIMEOUT_MS)
-        lock_fd = None
+        # Read first: a file that is not a campaign (another program's database, a damaged
+        # one, a second name of one) is refused before anything writes it; opening it for
+        # writing would already switch it to WAL mode for good.
+        new = not probe(path, current=False).exists
+        lock_fd = lock_campaign(path)  # the file's own lock (it creates a new file, empty)
+        engine = None
         try:
-            lock_fd = _lock_campaign(path)
+            engine = open_engine(path, synchronous=synchronous,
+                                 busy_timeout_ms=engine_module.MASTER_BUSY_TIMEOUT_MS)
             # Reads in a plain BEGIN: a write lock held elsewhere (a `sqlite3` shell) is waited
             # for by the incarnation's write below, which says so, not by a read.
             with engine.connect() as conn, read_tx(conn):
@@ -120,9 +133,11 @@ class Store:
                 tx.flush()
                 bitmap = conn.execute(select(campaign.c.bitmap_version)).scalar_one()
         except BaseException:
-            engine.dispose()
-            if lock_fd is not None:
-                os.close(lock_fd)
+            if engine is not None:
+                engine.dispose()
+            if new and path.is_file() and path.stat().st_size == 0:
+                path.unlink()  # refused before it held anything: as if never started
+            os.close(lock_fd)
             raise
         store = cls(path, engine, incarnation, epoch, policy, report, clock, bitmap,
                     lock_wait_s, on_lock_wait)
@@ -138,6 +153,7 @@ class Store:
         if not path.exists():
             raise StoreError(f"{path}: no such campaign database")
         refuse_empty_file(path)
+        probe(path)  # read first: what is not a current campaign is never written
         engine = open_engine(path)
         try:
             with engine.connect() as conn, read_tx(conn):
@@ -184,6 +200,8 @@ class Store:
             self._conn = None
         self.engine.dispose()
         if self._lock_fd is not None:
+            # After the engine's connections: closing a descriptor of the file drops the
+            # process's POSIX locks on it, which are SQLite's.
             os.close(self._lock_fd)  # releases the campaign to the next master
             self._lock_fd = None
 
@@ -192,77 +210,6 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold the campaign's lock (as a master does) for a maintenance step that must not run
-    under a master, like a schema upgrade; CampaignLockedError while one runs."""
-    fd = _lock_campaign(Path(path), record=False)  # the file keeps naming the last master
-    try:
-        yield
-    finally:
-        os.close(fd)
-
-
-def _lock_path(path: str | os.PathLike[str]) -> Path:
-    # The file's, however it is named: through a symbolic link a second master would
-    # otherwise take a lock of its own on the same campaign.
-    real = Path(os.path.realpath(path))
-    return real.with_name(real.name + ".lock")
-
-
-def lock_holder(path: str | os.PathLike[str]) -> tuple[int, str] | None:
-    """(pid, host) of the last master that held the campaign's lock, as it wrote them; None
-    if none ever did. Whether it still runs is for the caller to find out: read without
-    taking the lock, which a master starting at that moment would then be refused."""
-    lock = _lock_path(path)
-    try:
-        words = lock.read_text(errors="replace").split()
-    except OSError:
-        return None
-    if len(words) == 4 and words[0] == "pid" and words[1].isdigit() and words[2] == "on":
-        return int(words[1]), words[3]
-    return None
-
-
-def lock_held(path: str | os.PathLike[str]) -> bool | None:
-    """Whether a master holds the campaign's lock now, from the kernel's table of locks
-    (Linux `/proc/locks`: no pid to be reused, and nothing taken). None if it cannot tell."""
-    lock = _lock_path(path)
-    try:
-        st = lock.stat()
-        table = Path("/proc/locks").read_text()
-    except FileNotFoundError:
-        return False if not lock.exists() else None
-    except OSError:
-        return None
-    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    return any(f.split()[1:2] == ["FLOCK"] and ours in f.split() for f in table.splitlines())
-
-
-def _lock_campaign(path: Path, *, record: bool = True) -> int:
-    """Hold `PATH.lock` exclusively for the master's life (released when the process ends,
-    however it ends). Only one master may run a campaign; readers and `requeue` need no lock.
-    `record`: write this process's pid and host in it (a master's, which `status` shows)."""
-    lock = _lock_path(path)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise CampaignLockedError(
-            f"{path} is in use by another master ({holder or 'pid unknown'}) or by a "
-            f"`coordinator db upgrade`; stop it first (the master's pid is in {lock}), or "
-            f"choose another --db path") from None
-    except BaseException:
-        os.close(fd)
-        raise
-    if record:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    return fd
 
 
 def _no_campaign_yet(conn: Connection) -> bool:
@@ -312,4 +259,5 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch
+
 

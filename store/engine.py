@@ -14,10 +14,8 @@ import sqlite3
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import quote
 
 from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
 
@@ -27,6 +25,12 @@ from .errors import (
     StoreError,
     StoreWriteError,
     UnsafeDatabaseError,
+)
+from .readonly import (
+    ReadOnlyView,
+    cannot_open,
+    check_sqlite_version,
+    readonly_connector,
 )
 
 T = TypeVar("T")
@@ -80,18 +84,6 @@ def filesystem_type(path: Path) -> str | None:
         if (target == mount_point or target.startswith(prefix)) and len(mount_point) > len(best):
             best, best_type = mount_point, fields[2]
     return best_type
-
-
-#: `DELETE ... RETURNING` (the fenced rollback) needs 3.35; revision 0002 uses `UPDATE ... FROM`.
-MIN_SQLITE = (3, 35, 0)
-
-
-def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_info) -> None:
-    if version < MIN_SQLITE:
-        raise UnsafeDatabaseError(
-            f"this Python's SQLite is {'.'.join(map(str, version))}; the coordinator needs "
-            f"{'.'.join(map(str, MIN_SQLITE))} or newer (use a newer Python build, or one "
-            f"linked against a newer libsqlite3)")
 
 
 def refuse_empty_file(path: Path) -> None:
@@ -204,19 +196,6 @@ def _is_corrupt(e: BaseException) -> bool:
     return code & 0xFF == 11 if code is not None else "malformed" in str(e)  # SQLITE_CORRUPT
 
 
-def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
-    cause = getattr(e, "orig", None) or e
-    if path.is_dir():
-        why = "is a directory; --db names the campaign's database file"
-    elif not path.parent.is_dir():
-        why = f"cannot be created: the directory {path.parent} does not exist"
-    elif isinstance(cause, sqlite3.DatabaseError) and "not a database" in str(cause):
-        why = "is not an SQLite database (some other kind of file, or a damaged one)"
-    else:
-        why = f"cannot be opened: {cause}"
-    return DatabaseOpenError(f"{path} {why}")
-
-
 def read_pragmas(conn: Connection) -> dict[str, object]:
     """The pragmas actually in force on `conn` (tests read them back)."""
     names = ("journal_mode", "synchronous", "foreign_keys", "busy_timeout", "journal_size_limit")
@@ -297,58 +276,6 @@ def write_tx(conn: Connection, operation: str, *, lock_wait_s: float = 0.0,
 
 # -- read-only opening -----------------------------------------------------------------------
 
-#: SQLite's file header: its first 16 bytes, and the offset of its read version (2: WAL).
-_SQLITE_MAGIC = b"SQLite format 3\x00"
-_READ_VERSION_AT = 19
-
-
-@dataclass(frozen=True)
-class ReadOnlyView:
-    """How `open_readonly` opened a file (`readonly_view(engine)`).
-
-    `mode` is one of:
-
-    - `shared`: an ordinary read-only connection. In WAL mode it shares the `-shm` index
-      with a master, sees every commit up to its read transaction's start, and never makes
-      the master wait.
-    - `at rest`: a WAL file with no `-wal` beside it, which no connection has open (SQLite
-      deletes it as the last one closes). An ordinary reader would create `-wal` and `-shm`
-      and leave them behind, so the file is read as immutable (no locks, nothing created);
-      `unchanged()` tells afterwards whether something wrote it meanwhile (a master that
-      started), in which case what was read may be torn.
-    - `immutable`: a WAL file whose `-shm` cannot be created (a read-only directory or
-      medium): read as immutable. Commits still in its `-wal` are not seen, so the view may
-      be stale if a master is live; `note()` says so.
-    """
-
-    path: Path
-    mode: str
-    wal_bytes: int  # size of the `-wal` when opened (0: none)
-    stamp: tuple[int, ...] | None = None  # the file's stat when opened (`at rest` only)
-
-    SHARED = "shared"
-    AT_REST = "at rest"
-    IMMUTABLE = "immutable"
-
-    @property
-    def immutable(self) -> bool:
-        return self.mode != self.SHARED
-
-    def unchanged(self) -> bool:
-        """Whether the file is as it was when opened (always true for `shared`, whose reads
-        are isolated by SQLite's own locks)."""
-        return self.stamp is None or _file_stamp(self.path) == self.stamp
-
-    def note(self) -> str | None:
-        if self.mode != self.IMMUTABLE:
-            return None
-        unseen = (f"; the {self.wal_bytes} bytes of its -wal (commits not yet copied into "
-                  f"the file) are not read" if self.wal_bytes else "")
-        return (f"opened as immutable: SQLite cannot create {self.path.name}-shm beside it "
-                f"(read-only directory or medium), so the view may be stale if a master is "
-                f"live{unseen}")
-
-
 _VIEWS: weakref.WeakKeyDictionary[Engine, ReadOnlyView] = weakref.WeakKeyDictionary()
 
 
@@ -357,97 +284,20 @@ def readonly_view(engine: Engine) -> ReadOnlyView:
     return _VIEWS[engine]
 
 
-def _file_stamp(path: Path) -> tuple[int, ...] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def open_readonly(path: str | os.PathLike[str], *, at_rest: bool = True) -> Engine:
-    """An engine that only reads the SQLite file at `path`, for audits and inspection.
-
-    It never writes: a `mode=ro` URI, `PRAGMA query_only`, no persistent pragma, and a plain
-    deferred BEGIN (a WAL reader never makes a running master wait). A missing path, a
-    directory, an empty file or one that is not SQLite is refused with one line, and nothing
-    is created beside it. How the file was opened is `readonly_view(engine)`; `at_rest=False`
-    refuses the immutable reading of a WAL file nobody has open (a caller whose first read
-    found it changed reads it again as `shared`).
-    """
-    check_sqlite_version()
-    db_path = Path(path).absolute()
-    if db_path.is_dir():
-        raise DatabaseOpenError(f"{db_path} is a directory; --db names the campaign's "
-                                f"database file")
-    if not db_path.exists():
-        raise DatabaseOpenError(f"{db_path} does not exist (nothing was created)")
-    # SQLite keeps -wal and -shm beside the file a symbolic link names.
-    real = Path(os.path.realpath(db_path))
-    stamp = _file_stamp(real)
-    try:
-        with open(real, "rb") as f:
-            header = f.read(100)
-    except OSError as e:
-        raise DatabaseOpenError(f"{db_path} cannot be read: {e.strerror}") from None
-    if not header:
-        raise NoCampaignYet(db_path, " (an empty file)")
-    wal = (header.startswith(_SQLITE_MAGIC) and len(header) > _READ_VERSION_AT
-           and header[_READ_VERSION_AT] == 2)
-    wal_file = real.with_name(real.name + "-wal")
-    wal_bytes = wal_file.stat().st_size if wal_file.exists() else 0
-    mode = ReadOnlyView.AT_REST if wal and at_rest and not wal_file.exists() \
-        else ReadOnlyView.SHARED
-    try:
-        engine = _readonly_engine(db_path, immutable=mode == ReadOnlyView.AT_REST)
-    except (exc.DBAPIError, sqlite3.Error) as e:
-        cause = getattr(e, "orig", None) or e
-        code = getattr(cause, "sqlite_errorcode", 0) & 0xFF
-        # SQLITE_CANTOPEN / SQLITE_READONLY: the -shm a WAL reader shares cannot be made.
-        if not (wal and mode == ReadOnlyView.SHARED and code in (8, 14)):
-            raise cannot_open(db_path, e) from e
-        mode = ReadOnlyView.IMMUTABLE
-        try:
-            engine = _readonly_engine(db_path, immutable=True)
-        except (exc.DBAPIError, sqlite3.Error) as e2:
-            raise cannot_open(db_path, e2) from e2
-    _VIEWS[engine] = ReadOnlyView(real, mode, wal_bytes,
-                                  stamp if mode == ReadOnlyView.AT_REST else None)
-    return engine
-
-
-def _readonly_engine(db_path: Path, *, immutable: bool) -> Engine:
-    # Quoted: the path is part of a URI, where "?", "#" and "%" mean something.
-    uri = f"file:{quote(str(db_path))}?mode=ro" + ("&immutable=1" if immutable else "")
-
-    def connect() -> sqlite3.Connection:
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-        try:
-            conn.execute("PRAGMA query_only = ON")
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            # The first read opens the WAL index: a file that cannot be shared, or is no
-            # database, fails here rather than in the caller's first transaction.
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
+    """An engine that only reads the SQLite file at `path`, for audits and inspection
+    (`readonly.readonly_connector` says how it is opened, and what is refused);
+    `readonly_view(engine)` tells how it was."""
+    connect, view = readonly_connector(path, at_rest=at_rest)
     # The URL only names the file (for messages); `connect` opens it.
-    engine = create_engine(URL.create("sqlite", database=str(db_path)), creator=connect)
+    engine = create_engine(URL.create("sqlite", database=str(view.named)), creator=connect)
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
         conn.connection.driver_connection.execute("BEGIN")
 
-    _name_damage(engine, db_path)
-
-    try:
-        with engine.connect():
-            pass
-    except BaseException:
-        engine.dispose()
-        raise
+    _name_damage(engine, view.named)
+    _VIEWS[engine] = view
     return engine
 
 

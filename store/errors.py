@@ -7,6 +7,8 @@ is a bug, passed on unchanged).
 
 from __future__ import annotations
 
+import re
+
 
 class StoreError(Exception):
     """Root of every error the store raises on purpose."""
@@ -31,22 +33,52 @@ class NoCampaignYet(DatabaseOpenError):
 
 
 class SchemaVersionError(StoreError):
-    """The database's schema revision is not the one this code was written for."""
+    """The database's schema revision is not the one this code was written for: an older one
+    (`coordinator db upgrade` brings it forward), a newer one (a newer coordinator wrote it),
+    or a stamp no coordinator writes (another tool changed it)."""
 
-    def __init__(self, path: str, found: str | None, expected: str, newer: bool):
-        self.path, self.found, self.expected, self.newer = path, found, expected, newer
-        if newer:
-            msg = (
-                f"{path}: schema revision {found} is newer than this coordinator knows "
-                f"(head {expected}); upgrade the coordinator, do not open it with this version"
-            )
+    def __init__(self, path: str, found: str | None, expected: str, newer: bool = False):
+        self.path, self.found, self.expected = path, found, expected
+        # Revisions are four digits that grow: one past the head is a newer coordinator's.
+        self.unknown = found is not None and not re.fullmatch(r"\d{4}", found)
+        self.newer = not self.unknown and (newer or (found is not None and found > expected))
+        if self.unknown:
+            msg = (f"{path}: its schema stamp {found!r:.40} (alembic_version) is not a revision "
+                   f"this coordinator or a newer one writes (they are four digits; this one's "
+                   f"head is {expected}): another tool changed it; restore a copy")
+        elif self.newer:
+            msg = (f"{path}: schema revision {found} is newer than this coordinator knows "
+                   f"(head {expected}); upgrade the coordinator, do not open it with this "
+                   f"version")
         else:
-            msg = (
-                f"{path}: schema revision {found or '(none)'} is older than this coordinator's "
-                f"{expected}; bring it forward with `coordinator db upgrade --db {path}` "
-                f"(or `alembic -x db={path} upgrade head` from the repository root)"
-            )
+            msg = (f"{path}: schema revision {found or '(none)'} is older than this "
+                   f"coordinator's {expected}; bring it forward with `coordinator db upgrade "
+                   f"--db {path}` (or `alembic -x db={path} upgrade head` from the repository "
+                   f"root)")
         super().__init__(msg)
+
+
+class ForeignDatabaseError(DatabaseOpenError):
+    """An SQLite file with tables but no campaign schema stamp: another program's database.
+    Every revision, the baseline included, writes its tables and the stamp in one
+    transaction, so a campaign always has one."""
+
+    def __init__(self, path: object, tables: list[str]):
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        super().__init__(f"{path} is an SQLite database of something else (tables {shown}), "
+                         f"not a coordinator campaign; choose another --db path")
+
+
+class UnstampedCampaignError(DatabaseOpenError):
+    """A campaign's tables without a schema stamp (its `alembic_version` is empty): not a
+    file a coordinator wrote like this (each revision writes its tables and stamp in one
+    transaction), so which revision its tables are is not known."""
+
+    def __init__(self, path: object):
+        super().__init__(f"{path} holds a campaign's tables but no schema stamp (its "
+                         f"alembic_version table is empty): it was changed by hand or by another "
+                         f"tool; restore a copy, or stamp the revision its tables match with "
+                         f"`alembic -x db={path} stamp REVISION`")
 
 
 class CampaignExistsError(StoreError):

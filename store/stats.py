@@ -6,6 +6,7 @@ event tables, so they survive restarts and always equal the rows a post-mortem w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, func, select, text
@@ -142,3 +143,17 @@ def stats_text(s: Stats) -> str:
         f"Dispatch watchdog timeouts: {s.watchdog_timeouts}",
         f"Dispatch watchdog worker recoveries: {s.watchdog_recoveries}",
     ]) + "\n"
+
+
+#: The note a master's incarnation event carries (`master_rank`: "master pid=P host=H ...").
+_MASTER_NOTE = re.compile(r"\bmaster pid=(\d+) host=(\S+)")
+
+
+def last_master(conn: Connection) -> tuple[int, str] | None:
+    """(pid, host) of the master of the latest incarnation, from its `campaign` event; None
+    if no start recorded one (an older start, or a store opened without a note)."""
+    row = conn.execute(text(
+        f"SELECT detail FROM events WHERE kind = 'campaign' AND {COUNTED_KIND_SQL} "
+        f"ORDER BY id DESC LIMIT 1")).first()
+    m = _MASTER_NOTE.search(row[0] or "") if row is not None else None
+    return (int(m[1]), m[2]) if m else None

@@ -14,20 +14,19 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from alembic.util import CommandError
 from sqlalchemy import Connection, exc, inspect
 
 import migrations
 
 from .engine import open_engine
 from .errors import (
-    DatabaseOpenError,
     NoCampaignYet,
     SchemaVersionError,
     StoreWriteError,
 )
+from .probe import probe
+from .revisions import known_revisions, revision_of
 
 
 def alembic_config() -> Config:
@@ -54,32 +53,18 @@ def revisions_in_order() -> list[str]:
 
 
 def current_revision(conn: Connection) -> str | None:
-    """The file's revision stamp. Several stamps (a hand edit; a campaign has one) are refused
-    with what they say, rather than Alembic's "more than one head" traceback."""
-    try:
-        return MigrationContext.configure(conn).get_current_revision()
-    except CommandError:
-        found = sorted(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())
-        raise DatabaseOpenError(
-            f"{conn.engine.url.database}: its alembic_version table holds {len(found)} "
-            f"revisions ({', '.join(found)}) where a campaign has one: it was changed by hand "
-            f"or by another tool; restore a copy, or keep only the revision its tables match"
-        ) from None
+    """The file's revision stamp (None: no schema yet). What no coordinator file looks like
+    is refused with what it is (`revisions.revision_of`), never Alembic's traceback."""
+    tables = set(inspect(conn).get_table_names())
+    stamps = (list(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())
+              if "alembic_version" in tables else [])
+    return revision_of(conn.engine.url.database, tables, stamps)
 
 
 def refuse_foreign(conn: Connection, path: str | os.PathLike[str]) -> None:
-    """An SQLite file with tables but no revision stamp was never a campaign: every revision,
-    the baseline included, writes its tables and the stamp in one transaction. Upgrading it
-    would write our tables into someone else's database (or fail on a name both use, such
-    as `tasks`). Only the stamp table itself, as a downgrade to base leaves it, is ours."""
-    if current_revision(conn) is not None:
-        return
-    tables = sorted(t for t in inspect(conn).get_table_names()
-                    if not t.startswith("sqlite_") and t != "alembic_version")
-    if tables:
-        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
-        raise DatabaseOpenError(f"{path} is an SQLite database of something else (tables "
-                                f"{shown}), not a coordinator campaign; choose another --db path")
+    """Raises for another program's database (or a campaign without its stamp): upgrading
+    it would write our tables into someone else's database."""
+    current_revision(conn)
 
 
 def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
@@ -99,7 +84,12 @@ def upgrade(path: str | os.PathLike[str], revision: str = "head", *,
             announce: Callable[[str, str], None] | None = None) -> tuple[str | None, str]:
     """Create or upgrade the database at `path`; returns (revision before, revision after).
     `announce(before, target)` is called before an existing campaign is changed: a revision
-    that copies a table takes seconds per million rows, and the caller may want to say so."""
+    that copies a table takes seconds per million rows, and the caller may want to say so.
+    What is not a campaign (another program's database, a damaged file, a second name of
+    one, a stamp no coordinator writes) is refused before anything writes it."""
+    found = probe(path, current=False)
+    if found.revision is not None and found.revision not in known_revisions():
+        raise SchemaVersionError(str(path), found.revision, head_revision())
     engine = open_engine(path)
     try:
         with engine.connect() as conn:

@@ -57,8 +57,18 @@ def test_command_executor_on_demo_tasks_is_refused(tmp_path):
     """Demo tasks carry no input file: every run would end in an error result."""
     with pytest.raises(ConfigError, match="--demo tasks have none"):
         resolve(tmp_path, "--demo", "5", "--", "./target", "@@")
-    with pytest.raises(ConfigError, match="--demo tasks have none"):
-        resolve(tmp_path, "--", "./target", "@@")  # the default source is the demo
+    with pytest.raises(ConfigError, match=r"input file: add --tasks FILE .* or --afl-out DIR"):
+        resolve(tmp_path, "--", "./target", "@@")  # the default source is the demo's alone
+
+
+def test_a_callable_without_a_task_source_is_refused_naming_the_flag(tmp_path):
+    """`--callable` without `--tasks` ran the user's function on 300 demo payloads and made a
+    campaign of 300 errors (exit 0): the demo payloads are the demo executor's alone."""
+    with pytest.raises(ConfigError, match="--callable runs on tasks you give it: add --tasks"):
+        resolve(tmp_path, "--callable", "m:f")
+    assert resolve(tmp_path, "--callable", "m:f", "--demo", "3").demo == 3  # asked for
+    assert resolve(tmp_path, "--callable", "m:f", "--resume").demo is None  # stored tasks
+    assert resolve(tmp_path).demo == 300  # the embedded default, demo executor
 
 
 def test_a_ceiling_at_or_below_the_retry_budget_is_refused(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sqlite3
 import subprocess
 
@@ -292,10 +291,6 @@ def test_db_upgrade_waits_for_no_master(db_path):
     up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
                          str(db_path)], capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and "already at" in up.stdout, up.stderr
-    # The upgrade held the lock without taking the master's place in it: `status` still
-    # names the last master, not the upgrade's pid.
-    from store.campaign import lock_holder
-    assert lock_holder(db_path) == (os.getpid(), socket.gethostname())
 
 
 def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
@@ -359,16 +354,14 @@ def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
     """What `status` reports: from the kernel's lock table, so a reused pid cannot pass for
     a running master."""
 
-    from store.campaign import lock_held, lock_holder
-    assert (lock_holder(db_path), lock_held(db_path)) == (None, False)  # never run
+    from store.lock import lock_holder
+    assert lock_holder(db_path) is None  # never run
     store = Store.open(db_path)
     try:
-        assert lock_holder(db_path) == (os.getpid(), socket.gethostname())
-        assert lock_held(db_path) is True
+        assert lock_holder(db_path) == os.getpid()
     finally:
         store.close()
-    assert lock_held(db_path) is False
-    assert lock_holder(db_path) == (os.getpid(), socket.gethostname())  # the last one
+    assert lock_holder(db_path) is None
 
 
 def test_a_path_is_the_file_it_names_however_it_is_spelled(tmp_path):
@@ -377,8 +370,7 @@ def test_a_path_is_the_file_it_names_however_it_is_spelled(tmp_path):
     a symbolic link to a running campaign took a lock of its own."""
     for name in ("c?mode=ro.db", "p%41.db"):
         Store.open(tmp_path / name).close()
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [
-        "c?mode=ro.db", "p%41.db"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c?mode=ro.db", "p%41.db"]
     running = Store.open(tmp_path / "real.db")
     try:
         (tmp_path / "link.db").symlink_to("real.db")

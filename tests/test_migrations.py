@@ -188,21 +188,24 @@ def test_store_open_creates_a_new_file_at_head(tmp_path: Path):
         engine.dispose()
 
 
-def test_store_open_refuses_a_newer_revision(tmp_path: Path):
+@pytest.mark.parametrize("stamp, says", [
+    ("0099", "newer than this coordinator knows"),
+    # Another tool's stamp is no newer coordinator's: it was called "newer" all the same.
+    ("ffffffff9999", "is not a revision this coordinator or a newer one writes"),
+])
+def test_store_open_refuses_a_newer_or_an_unknown_revision(tmp_path: Path, stamp, says):
     db = tmp_path / "newer.db"
     _with_campaign(db)
-    _set_revision(db, "ffffffff9999")
+    _set_revision(db, stamp)
     before = _dump(db)
-    with pytest.raises(SchemaVersionError) as info:
+    with pytest.raises(SchemaVersionError, match=says) as info:
         Store.open(db, resume=True)
     err = info.value
-    assert err.newer is True
-    assert err.found == "ffffffff9999"
+    assert (err.newer, err.unknown) == ((True, False) if stamp == "0099" else (False, True))
+    assert err.found == stamp and stamp in str(err)
     assert err.expected == versioning.head_revision()
-    assert "newer" in str(err)
-    assert "ffffffff9999" in str(err)
     # versioning.upgrade refuses it too, and neither touched the file.
-    with pytest.raises(SchemaVersionError, match="newer"):
+    with pytest.raises(SchemaVersionError, match=says):
         versioning.upgrade(db)
     assert _dump(db) == before
 

@@ -633,6 +633,61 @@ def test_a_lock_held_past_lock_wait_stops_the_run_with_exit_3(tmp_path):
     check_conservation(db, expected_tasks=3000)
 
 
+def test_a_hard_link_to_a_running_campaign_gets_no_master_and_changes_nothing(tmp_path):
+    """`ln campaign.db alias.db`, then a resume on the alias while a master runs on the
+    original: the second master started with its own alias.db-wal, died with a FenceError,
+    and a later `status` on the alias replayed that WAL into the shared file (done 1,500 ->
+    1,172, a wrong index). Now the alias is refused at once and the run is untouched."""
+    db = tmp_path / "campaign.db"
+    alias = tmp_path / "alias.db"
+    proc = start(["run", "--db", str(db), "--demo", "1500", "--demo-work-ms", "2",
+                  "--no-progress"])
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 50)
+        os.link(db, alias)
+        second = run(["run", "--db", str(alias), "--resume", "--no-progress"], timeout=60)
+        assert second.returncode == ExitStatus.USAGE, second.stderr[-2000:]
+        assert "has 2 names (hard links to one file)" in second.stderr
+        for command in (["status"], ["check"]):
+            seen = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db",
+                                   str(alias)], capture_output=True, text=True, timeout=60)
+            assert seen.returncode == ExitStatus.USAGE and "has 2 names" in seen.stderr
+        assert not alias.with_name("alias.db-wal").exists()
+        os.unlink(alias)
+        done = finish(proc, timeout=180)
+    finally:
+        kill_job(proc)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=1500)
+    assert status_json(db)["tasks"]["done"] == 1500
+
+
+def test_a_resume_without_the_callable_runs_the_campaigns_own(tmp_path):
+    """`--resume` without the executor's arguments was refused although the campaign stores
+    them: it now runs the stored callable, and says so."""
+    spec = tmp_path / "work.py"
+    spec.write_text("def square(task):\n    return task['data']['n'] ** 2\n")
+    db = tmp_path / "c.db"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"data": {{"n": {i}}}}}\n' for i in range(40)))
+    proc = start(["run", "--db", str(db), "--tasks", str(tasks), "--callable",
+                  f"{spec}:square", "--no-progress"])
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 1)
+        kill_job(proc)
+    finally:
+        kill_job(proc)
+    again = run(["run", "--db", str(db), "--resume", "--no-progress"], timeout=120)
+    assert again.returncode == ExitStatus.OK, again.stderr[-3000:]
+    assert f"runs the campaign's own executor, as its first run did: --callable {spec}:square" \
+        in again.stderr
+    check_conservation(db, expected_tasks=40)
+    assert query(db, "SELECT count(*) FROM results WHERE status = 'ok' AND value = "
+                     "json_extract((SELECT payload FROM tasks WHERE id = task_id), "
+                     "'$.data.n') * json_extract((SELECT payload FROM tasks WHERE id = task_id),"
+                     " '$.data.n')") == [(40,)]
+
+
 def test_every_worker_runs_the_program_the_master_resolved(tmp_path):
     """Workers on other nodes may have another PATH: a bare program name resolved there could
     be another binary. The master resolves the command once and sends it to every worker."""

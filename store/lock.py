@@ -1,0 +1,102 @@
+"""One master per campaign *file*: the lock is the file's own, whatever its name.
+
+A master holds an exclusive `flock` on the database file itself for its whole life (released
+when the process ends, however it ends). A lock kept in a file beside it (`NAME.lock`) followed
+the name: through a hard link a second master took a lock of its own on the same campaign,
+started its own `-wal`, and a later command on that name applied the stale WAL to the shared
+file. `flock` locks the inode, so every name of the file shares one lock; and a file with
+more than one name is refused anyway (`refuse_aliases`). SQLite's own locks are POSIX record
+locks, which Linux keeps apart from `flock`s on local filesystems (network ones are refused).
+
+Light: the stdlib only, for the checks `coordinator run` makes before it launches MPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import CampaignLockedError, DatabaseOpenError
+
+
+def refuse_aliases(path: str | os.PathLike[str]) -> None:
+    """One campaign file, one name. SQLite keeps a `-wal` and a `-shm` per *name*: two names
+    of one file can hold two masters (under another lock scheme), and a command on one name
+    can apply a WAL left by the other to the shared file (1,500 done tasks became 1,172, and
+    an index went wrong)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return
+    if st.st_nlink > 1 and not os.path.isdir(path):
+        raise DatabaseOpenError(
+            f"{path} has {st.st_nlink} names (hard links to one file): SQLite keeps a -wal per "
+            f"name, so a command on one name could apply another name's WAL to the shared file "
+            f"and undo commits; keep one name (list them with `find / -xdev -samefile {path}`) "
+            f"and remove the others")
+
+
+def lock_campaign(path: str | os.PathLike[str]) -> int:
+    """Hold the campaign file's lock: an open descriptor of the file (created empty if it is
+    not there yet: a new campaign) with an exclusive `flock`. Close it, after the database's
+    own connections, to release the campaign. CampaignLockedError while another process
+    holds it."""
+    refuse_aliases(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = lock_holder(path)
+        raise CampaignLockedError(
+            f"{path} is in use by another master"
+            + (f" (pid {holder})" if holder else "")
+            + " or by a `coordinator db upgrade`; stop it first"
+            + (f" (`kill -TERM {holder}` stops a master gracefully)" if holder else "")
+            + ", or choose another --db path") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    refuse_aliases(path)  # (a link made while it was being opened)
+    return fd
+
+
+@contextlib.contextmanager
+def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the campaign's lock (as a master does) for a maintenance step that must not run
+    under a master, like a schema upgrade; CampaignLockedError while one runs. The file must
+    exist: nothing is created for a step on a file that is not there."""
+    if not os.path.exists(path):
+        yield
+        return
+    fd = lock_campaign(path)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def lock_holder(path: str | os.PathLike[str]) -> int | None:
+    """The pid of the process on this host that holds the campaign file's lock now (a master,
+    or a `db upgrade`), from the kernel's table of locks (Linux `/proc/locks`: no pid to be
+    reused, nothing taken); None if none does, or it cannot be told (no /proc)."""
+    try:
+        st = os.stat(path)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        f = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == ours and f[4].isdigit():
+            return int(f[4])
+    return None
+
+
+def locks_readable() -> bool:
+    """Whether `lock_holder` can tell at all (it reads Linux's /proc/locks)."""
+    return os.access("/proc/locks", os.R_OK)

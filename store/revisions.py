@@ -1,0 +1,63 @@
+"""The schema revisions this code knows, in order, read from the migration scripts' own
+`revision`/`down_revision` lines without importing Alembic (which takes a quarter second):
+for the checks a start makes before MPI starts. `versioning` holds Alembic's view of the same
+scripts; a test holds the two equal."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import migrations
+
+from .errors import DatabaseOpenError, ForeignDatabaseError, UnstampedCampaignError
+
+_FIELD = re.compile(r"^(revision|down_revision)\s*=\s*(?:'([^']*)'|\"([^\"]*)\"|None)\s*$", re.M)
+
+
+@lru_cache(maxsize=1)
+def known_revisions() -> tuple[str, ...]:
+    """Every revision, oldest first (the chain from the baseline to the head)."""
+    parent: dict[str, str | None] = {}
+    for script in (Path(migrations.__file__).parent / "versions").glob("*.py"):
+        fields = {m[1]: m[2] or m[3] or None for m in _FIELD.finditer(script.read_text())}
+        if fields.get("revision"):
+            parent[fields["revision"]] = fields.get("down_revision")
+    order: list[str] = []
+    child = {p: r for r, p in parent.items()}
+    rev = child.get(None)
+    while rev is not None:
+        order.append(rev)
+        rev = child.get(rev)
+    if len(order) != len(parent):
+        raise RuntimeError(f"the migration scripts do not form one chain: {sorted(parent)}")
+    return tuple(order)
+
+
+def head() -> str:
+    return known_revisions()[-1]
+
+
+#: The tables every campaign has had since the baseline: a file holding them is a campaign.
+CAMPAIGN_TABLES = frozenset({"campaign", "tasks", "dispatches", "results"})
+
+
+def revision_of(path: object, tables: set[str], stamps: list[str]) -> str | None:
+    """The file's revision from its tables and its `alembic_version` rows; None for a file
+    with no schema yet (empty, or a downgrade to base, which leaves the stamp table alone).
+    Raises for what no coordinator file looks like: another program's database, a campaign
+    whose stamp was emptied, several stamps."""
+    if len(stamps) > 1:
+        raise DatabaseOpenError(
+            f"{path}: its alembic_version table holds {len(stamps)} revisions "
+            f"({', '.join(sorted(stamps))}) where a campaign has one: it was changed by hand or "
+            f"by another tool; restore a copy, or keep only the revision its tables match")
+    if stamps:
+        return stamps[0]
+    ours = {t for t in tables if not t.startswith("sqlite_") and t != "alembic_version"}
+    if not ours:
+        return None
+    if CAMPAIGN_TABLES <= ours:
+        raise UnstampedCampaignError(path)
+    raise ForeignDatabaseError(path, sorted(ours))

@@ -1,0 +1,78 @@
+"""One master per campaign file, whatever its name (store/lock.py), and no command on a file
+with a second name (a hard link), which would keep a -wal of its own."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from conftest import Farm
+
+from coordinator.exits import ExitStatus
+from store.campaign import Store
+from store.errors import CampaignLockedError, DatabaseOpenError
+from store.lock import lock_holder
+
+COMMANDS = (["status"], ["check"], ["requeue"], ["db", "upgrade"],
+            ["run", "--resume", "--np", "2"])
+
+
+def _campaign(db_path) -> None:
+    farm = Farm(db_path)
+    farm.enqueue({"data": 1})
+    farm.close()
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_campaign_with_a_second_name_is_refused_by_every_command(db_path):
+    """`ln campaign.db alias.db`: a master on the alias kept its own alias.db-wal beside the
+    running one's, and a later `status` on the alias applied it to the shared file (done
+    1,500 -> 1,172, a wrong index). No command touches a file with two names."""
+    _campaign(db_path)
+    alias = db_path.with_name("alias.db")
+    os.link(db_path, alias)
+    before = _files(db_path.parent)
+    for command in COMMANDS:
+        for name in (db_path, alias):
+            done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db",
+                                   str(name)], capture_output=True, text=True, timeout=60)
+            assert done.returncode == ExitStatus.USAGE, (command, done.stderr)
+            assert "has 2 names (hard links to one file)" in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+    assert _files(db_path.parent) == before
+    with pytest.raises(DatabaseOpenError, match="has 2 names"):
+        Store.open(alias, resume=True)
+    os.unlink(alias)
+    Store.open(db_path, resume=True).close()  # one name again: fine
+
+
+def test_the_lock_is_the_files_own_whatever_the_name(tmp_path):
+    """Through a symbolic link (or any other spelling) a second master meets the first's
+    lock: it is a `flock` on the file itself, and no `.lock` file is left beside it."""
+    real = tmp_path / "real.db"
+    running = Store.open(real)
+    try:
+        assert lock_holder(real) == os.getpid()
+        (tmp_path / "link.db").symlink_to("real.db")
+        for name in (tmp_path / "link.db", tmp_path / "." / "real.db"):
+            with pytest.raises(CampaignLockedError, match=f"pid {os.getpid()}"):
+                Store.open(name, resume=True)
+    finally:
+        running.close()
+    assert lock_holder(real) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.db", "real.db"]
+
+
+def test_a_start_refused_after_it_took_a_new_files_lock_leaves_nothing_behind(tmp_path):
+    """The lock is the file's own, so a new campaign's file is made (empty) to take it: a
+    start that fails after that removes it, as if it had never started."""
+    db = tmp_path / "new.db"
+    with pytest.raises(ValueError, match="synchronous"):
+        Store.open(db, synchronous="SOMETIMES")
+    assert list(tmp_path.iterdir()) == []

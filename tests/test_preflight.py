@@ -1,0 +1,128 @@
+"""What can refuse a run is checked before MPI starts (coordinator/preflight.py): by the
+self-launching `coordinator run` before it runs `mpiexec`, and by the master again."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Farm
+
+from coordinator.cli import _parser
+from coordinator.config import campaign_settings, resolve_run
+from coordinator.errors import UsageError
+from coordinator.exits import ExitStatus
+from coordinator.preflight import check_run
+from store.errors import CampaignExistsError, ForeignDatabaseError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def config(db: Path, *args: str):
+    return resolve_run(_parser().parse_args(["run", "--db", str(db), *args]))
+
+
+def _stored_campaign(db: Path, settings: dict) -> None:
+    """A campaign whose first run stored `settings` (campaign.settings)."""
+    from store.campaign import Store
+    Store.open(db, settings=settings).close()
+
+
+def test_a_resume_without_the_executor_takes_the_campaigns_own_and_says_so(tmp_path):
+    """`--resume` without `--callable` was refused although the campaign stores it."""
+    db = tmp_path / "c.db"
+    spec = tmp_path / "work.py"
+    spec.write_text("def solve(task):\n    return 1\n")
+    first = config(db, "--tasks", str(tmp_path / "t.jsonl"), "--callable", f"{spec}:solve")
+    _stored_campaign(db, campaign_settings(first))
+    checked = check_run(config(db, "--resume"))
+    assert (checked.cfg.executor, checked.cfg.callable_spec) == ("python", f"{spec}:solve")
+    assert checked.notes == [f"--resume runs the campaign's own executor, as its first run "
+                             f"did: --callable {spec}:solve"]
+    # Another callable of the same kind is the user's call: run, with a note at the start.
+    other = check_run(config(db, "--resume", "--callable", f"{spec}:solve"))
+    assert other.notes == [] and other.cfg.callable_spec == f"{spec}:solve"
+
+
+def test_a_resume_of_an_afl_campaign_without_its_queue_watches_the_stored_one(tmp_path):
+    db = tmp_path / "c.db"
+    (tmp_path / "afl" / "main" / "queue").mkdir(parents=True)
+    target = tmp_path / "target"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    first = config(db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--",
+                   str(target), "@@")
+    _stored_campaign(db, campaign_settings(first))
+    checked = check_run(config(db, "--resume"))
+    assert (checked.cfg.afl_out, checked.cfg.fuzzer, checked.cfg.name) == (
+        (tmp_path / "afl").absolute(), "main", "symcc")
+    assert checked.argv == [str(target.absolute()), "@@"]
+    assert len(checked.notes) == 2 and "AFL queue" in checked.notes[1]
+
+
+def test_a_resume_with_another_kind_of_executor_is_still_refused(tmp_path):
+    from coordinator.config import ConfigError, check_resume
+    db = tmp_path / "c.db"
+    first = config(db, "--tasks", "t.jsonl", "--callable", "m:f")
+    _stored_campaign(db, campaign_settings(first))
+    cfg = config(db, "--resume", "--executor", "demo")
+    with pytest.raises(ConfigError, match="runs its tasks with the python executor"):
+        check_resume(check_run(cfg).cfg, campaign_settings(first))
+
+
+def test_a_resume_on_a_new_file_with_a_callable_and_no_tasks_is_refused(tmp_path):
+    """`SYMCC_RESUME=1` on a new file ran the callable on 300 demo payloads."""
+    db = tmp_path / "new.db"
+    with pytest.raises(UsageError, match="holds no campaign yet, and --callable m:f needs "
+                                         "tasks: add --tasks FILE or --afl-out DIR"):
+        check_run(config(db, "--resume", "--callable", "m:f"))
+    assert check_run(config(db, "--resume")).cfg.demo == 300  # the demo executor's own
+    assert not db.exists()
+
+
+def test_an_existing_campaign_or_a_foreign_file_is_refused_before_mpi(tmp_path):
+    db = tmp_path / "c.db"
+    farm = Farm(db)
+    farm.close()
+    with pytest.raises(CampaignExistsError, match="pass --resume"):
+        check_run(config(db))
+    other = tmp_path / "other.db"
+    import sqlite3
+    with sqlite3.connect(other) as c:
+        c.execute("CREATE TABLE users (x)")
+    c.close()
+    with pytest.raises(ForeignDatabaseError):
+        check_run(dataclasses.replace(config(db), db=other))
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tasks", "missing.jsonl", "--callable", "m:f"], "cannot read tasks file"),
+    (["--tasks", "{tasks}", "--callable", "no_such_module:f"], "cannot import 'no_such_module'"),
+    (["--resume"], "already holds"),  # (with no --resume: see the next line)
+])
+def test_the_self_launcher_refuses_before_it_runs_mpiexec(tmp_path, args, says):
+    """These were found after MPI had started (2-8 s); `mpiexec` is now never run for them.
+    A stand-in mpiexec records any run of it."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"data": 1}\n')
+    ran = tmp_path / "mpiexec-ran"
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f"#!/bin/sh\ntouch {ran}\nexit 0\n")
+    mpiexec.chmod(0o755)
+    db = tmp_path / "c.db"
+    if says == "already holds":
+        farm = Farm(db)
+        farm.close()
+        args, says = [], "already holds a campaign"
+    args = [a.replace("{tasks}", str(tasks)) for a in args]
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK")}
+    done = subprocess.run([sys.executable, "-m", "coordinator", "run", "--db", str(db),
+                           "--mpiexec", str(mpiexec), *args], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == ExitStatus.USAGE, done.stderr
+    assert says in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert not ran.exists()
