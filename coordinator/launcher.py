@@ -51,6 +51,13 @@ LAUNCHER_FAILED = "PMIx server's listener thread failed to start"
 LAUNCHER_FAILED_STATUS = 213
 
 
+#: Open MPI's launcher notices a host cut off the network only through TCP keepalive, by
+#: default after 300 s + 9 x 20 s (a job whose master had saved everything waited 487 s):
+#: these give up after about a minute (30 s + 3 x 10 s).
+OOB_KEEPALIVE = (("oob_tcp_keepalive_time", 30), ("oob_tcp_keepalive_intvl", 10),
+                 ("oob_tcp_keepalive_probes", 3))
+
+
 def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
     """The flags a newcomer would otherwise have to know: Open MPI refuses root without
     --allow-run-as-root and more ranks than cores without --oversubscribe; `ulfm` asks Open
@@ -63,6 +70,8 @@ def mpiexec_flags(mpiexec: str, np: int, ulfm: bool = False) -> list[str]:
     flags = ["-n", str(np)]
     if "Open MPI" in version or "OpenRTE" in version or "prte" in version.lower():
         flags.append("--oversubscribe")
+        for name, value in OOB_KEEPALIVE:
+            flags += ["--prtemca", name, str(value)]
         if os.geteuid() == 0:
             flags.append("--allow-run-as-root")
         if ulfm:

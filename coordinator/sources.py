@@ -94,6 +94,8 @@ class AflQueueSource:
         # (inode, mtime_ns) of the queue directory when it was last listed, if trusted
         self._listed: tuple[int, int] | None = None
         self._relist_at = 0.0
+        #: Entries that are not regular files (symbolic links, pipes, ...): never read.
+        self.skipped = 0
 
     @property
     def origin_prefix(self) -> str:
@@ -164,14 +166,20 @@ class AflQueueSource:
     ) -> NewInput | None:
         path = self.queue_dir / name
         try:
-            st = path.stat()
+            st = os.lstat(path)  # the entry itself: a symbolic link is never followed
         except FileNotFoundError:
             return None
         except OSError:
             still_unsettled[name] = (-1, -1)  # unreadable for now; look again next poll
             return None
         if not stat.S_ISREG(st.st_mode):
+            # A symbolic link (as root, one to /etc/passwd was read, stored in the campaign
+            # and fed to the target), a pipe, a device: not a queue entry AFL wrote.
             self._handled.add(name)
+            self.skipped += 1
+            print(f"coordinator: AFL queue entry {_as_text(path)} skipped: "
+                  f"{_kind_of(st.st_mode)}, not a regular file ({self.skipped} skipped so far)",
+                  file=sys.stderr, flush=True)
             return None
         if st.st_size > MAX_INPUT_BYTES:
             self._handled.add(name)
@@ -184,11 +192,14 @@ class AflQueueSource:
             still_unsettled[name] = observed
             return None
         try:
-            content = path.read_bytes()
+            content = _read_regular(path, st)
         except FileNotFoundError:
             return None
         except OSError:
             still_unsettled[name] = observed
+            return None
+        if content is None:  # replaced by something else since its lstat: look again
+            still_unsettled[name] = (-1, -1)
             return None
         if len(content) != st.st_size:
             still_unsettled[name] = (len(content), st.st_mtime_ns)  # grew while we read it
@@ -212,6 +223,24 @@ class AflQueueSource:
         return NewInput(payload=payload, input_bytes=content,
                         origin=f"afl:{self.fuzzer}/{_as_text(name)}",
                         canonical=canonical)
+
+
+def _read_regular(path: pathlib.Path, seen: os.stat_result) -> bytes | None:
+    """The bytes of the regular file `path` as `lstat` saw it; None if the name now holds
+    something else (swapped for a link between the two). Opened without following a link,
+    and without blocking on a pipe."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
+            return None
+        return f.read(MAX_INPUT_BYTES + 1)
+
+
+def _kind_of(mode: int) -> str:
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "an entry of another kind")
 
 
 def _as_text(path: str | os.PathLike[str]) -> str:
