@@ -7,6 +7,7 @@ is imported at the top: the operator commands and the master are loaded by what 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import sys
@@ -146,6 +147,10 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="S",
                    help="when no live rank can take work (each parked past --watchdog), end "
                         "the run after S seconds unless one answers (default 120)")
+    r.add_argument("--start-wait", action=Once, type=non_negative_float, default=60.0,
+                   metavar="S",
+                   help="a rank that reports no READY this long after the start is treated as "
+                        "lost: no work, not waited for at the stop (default 60)")
     r.add_argument("--lock-wait", action=Once, type=non_negative_float,
                    default=DEFAULT_LOCK_WAIT_S, metavar="S",
                    help="while another process holds the campaign's write lock (a sqlite3 "
@@ -220,6 +225,13 @@ def _parser() -> argparse.ArgumentParser:
                         "fixing the target or restoring missing inputs")
     q.add_argument("--id", type=_task_id, action="append", dest="ids", metavar="TASK_ID",
                    help="only this task (repeatable)")
+    q.add_argument("--rank", type=int_range(1), default=None, metavar="R",
+                   help="done tasks whose result rank R committed, whatever its status (their "
+                        "results are discarded): a rank that answered wrongly")
+    q.add_argument("--since", type=_moment, default=None, metavar="T",
+                   help="done tasks whose result was committed at or after T (an ISO 8601 time, "
+                        "UTC unless it says otherwise, or seconds since the epoch), whatever its "
+                        "status; with --rank, that rank's from then on")
 
     d = sub.add_parser("db", help="schema maintenance")
     dsub = d.add_subparsers(dest="db_cmd", required=True, metavar="upgrade")
@@ -227,6 +239,24 @@ def _parser() -> argparse.ArgumentParser:
                                         "schema (same as `alembic -x db=PATH upgrade head`)")
     u.add_argument("--db", type=Path, required=True)
     return p
+
+
+def _moment(text: str) -> float:
+    """A point in time for `requeue --since`: seconds since the epoch, or ISO 8601 (UTC
+    unless it names its offset)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time (ISO 8601, e.g. "
+                                         f"2026-12-01T14:00, or seconds since the epoch)"
+                                         ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
 
 
 def _inject_spec(text: str) -> dict[str, float]:

@@ -21,6 +21,7 @@ from store.schema import TaskState
 from store.stats import (
     held_reasons,
     last_master,
+    other_messages_text,
     read_stats,
     recent_failures,
     result_statuses,
@@ -82,6 +83,8 @@ def status(db: Path, as_json: bool) -> int:
         for task_id, rank, status, detail in failures:
             print(f"  task {task_id} (rank {rank}): {status}: {detail_summary(detail)}")
     print(stats_text(s), end="")
+    if (other := other_messages_text(s)) is not None:
+        print(other)
     return 0
 
 
@@ -132,6 +135,13 @@ def check(db: Path, as_json: bool) -> int:
 def requeue(ns: argparse.Namespace) -> int:
     states = {"failed": (TaskState.FAILED,), "deferred": (TaskState.DEFERRED,),
               "all": (TaskState.FAILED, TaskState.DEFERRED), "error": ()}[ns.state]
+    # By their results: done tasks whose result is to be discarded (its run failed, or it
+    # came from a rank, or a time, the operator no longer trusts).
+    by_result = ns.state == "error" or ns.rank is not None or ns.since is not None
+    if by_result and ns.state in ("failed", "deferred"):
+        print("coordinator: --rank and --since requeue done tasks by their result; --state "
+              f"{ns.state} does not go with them", file=sys.stderr)
+        return ExitStatus.USAGE
     try:
         store = Store.attach(ns.db)
     except StoreError as e:
@@ -145,8 +155,10 @@ def requeue(ns: argparse.Namespace) -> int:
         while True:
             after = done[-1] if done else 0
             with store.transaction("manual requeue") as tx:
-                chunk = (requeue_error_results(tx, ids=ns.ids, after_id=after,
-                                               limit=REQUEUE_CHUNK) if ns.state == "error" else
+                chunk = (requeue_error_results(
+                            tx, ids=ns.ids, after_id=after, limit=REQUEUE_CHUNK, rank=ns.rank,
+                            since=ns.since, any_status=ns.state != "error")
+                         if by_result else
                          requeue_tasks(tx, states=states, ids=ns.ids, after_id=after,
                                        limit=REQUEUE_CHUNK))
             done += chunk
@@ -162,6 +174,8 @@ def requeue(ns: argparse.Namespace) -> int:
     left = sorted(set(ns.ids or ()) - set(done))
     if left:
         wanted = {"all": "failed or deferred", "error": "done with a result that is not ok"}
+        if by_result and ns.state != "error":
+            wanted["all"] = "done with a result that matches"
         print(f"coordinator: not requeued (no such task, or not "
               f"{wanted.get(ns.state, ns.state)}): {id_list(left)}", file=sys.stderr)
     return 0

@@ -127,6 +127,7 @@ class RunConfig:
     stats_interval_s: float
     grace_s: float
     stall_grace_s: float
+    start_wait_s: float
     lock_wait_s: float
     stop_wait_s: float
     max_message_bytes: int
@@ -275,7 +276,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
         max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file,
         stats_interval_s=ns.stats_interval,
-        grace_s=ns.grace, stall_grace_s=ns.stall_grace,
+        grace_s=ns.grace, stall_grace_s=ns.stall_grace, start_wait_s=ns.start_wait,
         lock_wait_s=ns.lock_wait, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, worker_spin_ms=ns.worker_spin_ms,
         progress=bool(ns.progress),

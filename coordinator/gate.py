@@ -30,6 +30,7 @@ from .protocol import (
     classify_result,
     mint_token,
     ready_info,
+    ready_problem,
 )
 from .wire import (
     MAX_COUNT,
@@ -46,6 +47,18 @@ log = logging.getLogger(__name__)
 class Inbound:
     rank: int
     body: object  # a decoded mapping, anything else a decoder produced, or Undecodable
+    raw: bytes | bytearray | None = None  # the message's bytes, for `validate` to read again
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A message the master received outside the READY and RESULT phases (a STOP_ACK for no
+    STOP, a tag it never receives): quarantined as it is, nothing else."""
+
+    rank: int
+    channel: Channel
+    reason: QuarantineReason
+    detail: str
 
 
 @dataclass
@@ -68,7 +81,7 @@ class ResultRound:
     active: dict[int, dsp.ActiveDispatch] | None = None
 
 
-def validate_result(body: Mapping[str, Any]) -> tuple[Any, str | None]:
+def validate_result(body: Mapping[str, Any], raw: object = None) -> tuple[Any, str | None]:
     """The default payload check for a current RESULT: (the parsed result, None), or
     (None, why it is invalid). The master plugs in the strict wire schema instead; either
     way the gate then checks that the value can be stored (`dispatches.encode_value`)."""
@@ -97,13 +110,21 @@ def _value_of(parsed: Any) -> object:
     return parsed.get("value") if isinstance(parsed, Mapping) else getattr(parsed, "value", None)
 
 
+def _reason(body: object, status: str) -> QuarantineReason:
+    """The classifier's status, or what made the message undecodable if it has a name of its
+    own (`oversized`)."""
+    named = body.reason if isinstance(body, Undecodable) else None
+    return QuarantineReason(named or status)
+
+
 def _detail(body: object) -> str | None:
     return body.detail if isinstance(body, Undecodable) else None
 
 
 class Gate:
     def __init__(self, store: Store, *,
-                 validate: Callable[[Mapping[str, Any]], tuple[Any, str | None]] = validate_result,
+                 validate: Callable[[Mapping[str, Any], Any], tuple[Any, str | None]]
+                 = validate_result,
                  commit: Callable[[Tx, dsp.ActiveDispatch, Any, str | None],
                                   dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any], int] | None = None):
@@ -134,6 +155,10 @@ class Gate:
             expected = a.token if a is not None else parked_token
             status = classify_ready(m.body, expected,
                                     consistent=a.consistent if a is not None else True)
+            problem = (ready_problem(m.body, m.rank)  # type: ignore[arg-type]
+                       if status is not ReadyStatus.MALFORMED else None)
+            if problem is not None:
+                status = ReadyStatus.MALFORMED
             out.statuses.append((m.rank, status))
             unparked = status is ReadyStatus.CURRENT and parked_token is not None
             if status is ReadyStatus.IDLE or unparked:
@@ -151,12 +176,12 @@ class Gate:
                 active[m.rank] = a.with_ready_mark()
             else:
                 token = m.body.get(READY_TOKEN_KEY) if isinstance(m.body, Mapping) else None
-                detail = _detail(m.body)
+                detail = problem or _detail(m.body)
                 if status is ReadyStatus.UNOWNED:
                     detail = (f"ownership rows disagree for dispatch {a.token if a else None}: "
                               f"its task is not active")
                     log.error("rank %d: %s", m.rank, detail)
-                tx.quarantine(Channel.READY, QuarantineReason(status.value), m.rank,
+                tx.quarantine(Channel.READY, _reason(m.body, status.value), m.rank,
                               token=token, expected=expected, detail=detail)
         return out
 
@@ -193,7 +218,7 @@ class Gate:
             status = classify_result(m.body, expected)
             if status is ResultStatus.CURRENT:
                 assert a is not None and isinstance(m.body, Mapping)
-                parsed, why = self.validate(m.body)
+                parsed, why = self.validate(m.body, m.raw)
                 value_json = None
                 if why is None:
                     # Encoded once, here, for every validator: what cannot be stored is an
@@ -228,7 +253,7 @@ class Gate:
                 continue
             out.statuses.append((m.rank, status))
             token = m.body.get("token") if isinstance(m.body, Mapping) else None
-            tx.quarantine(Channel.RESULT, QuarantineReason(status.value), m.rank,
+            tx.quarantine(Channel.RESULT, _reason(m.body, status.value), m.rank,
                           token=token, expected=expected, detail=_detail(m.body))
             if status in INVALIDATING:
                 assert a is not None
@@ -236,6 +261,10 @@ class Gate:
         # One batch for the round's commits (R5: a commit also drops an earlier invalid mark).
         dsp.commit_results(tx, out.committed, committed_from)
         return out
+
+    def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:
+        for m in strays:
+            tx.quarantine(m.channel, m.reason, m.rank, detail=m.detail)
 
     # -- phase 4: recovery sweep -----------------------------------------------------------
     def sweep(self, tx: Tx) -> list[dsp.Recovery]:

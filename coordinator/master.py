@@ -27,7 +27,7 @@ from store import tasks as task_ops
 from store.campaign import Store
 from store.engine import write_lock_holders
 from store.journal import Tx
-from store.schema import EventKind, TaskState, WorkerState
+from store.schema import Channel, EventKind, QuarantineReason, TaskState, WorkerState
 from store.semantic import content_hash
 from store.stats import Stats, read_stats, stats_text
 from store.workers import (
@@ -39,13 +39,13 @@ from store.workers import (
     worker_states,
 )
 
-from .gate import Gate, Inbound
+from .gate import Gate, Inbound, Stray
 from .output import TestcaseWriter, input_id, replace_text
 from .processes import describe_process, fence, process_exists
 from .progress import Progress
-from .protocol import ReadyStatus, mint_token
+from .protocol import ReadyStatus, ResultStatus, mint_token
 from .sources import NewInput
-from .transport import Backoff, SendFailed, Transport
+from .transport import ANY_TAG, Backoff, Received, SendFailed, Transport
 from .wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENCODE_ERRORS,
@@ -57,8 +57,11 @@ from .wire import (
     Work,
     check_result,
     decode_inbound,
+    decode_ready,
+    decode_result,
     encode,
     failure_detail,
+    oversized,
 )
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,7 @@ class MasterConfig:
     progress: bool = False
     linger_s: float = 0.0005         # group commit: hold a round open this long for more answers
     stall_grace_s: float = 120.0     # no rank can take work this long: the run ends
+    start_wait_s: float = 60.0       # a rank silent this long after the start is lost
 
 
 @dataclass
@@ -122,6 +126,16 @@ class Master:
         self._next_stats = 0.0
         self._stop_seq = 0
         self._next_stall_check = 0.0
+        self._strays: list[Stray] = []           # quarantined with the next round
+        self._ack_inbox: list[Received] = []      # STOP_ACKs drained with other messages
+        self._forged_acks = 0
+        self._health = RankHealth()
+        self._lost: set[int] = set()             # never reported READY: no work, not waited for
+        self._refused: set[int] = set()          # sent mostly garbage: no work, ended at the end
+        self._dead: set[int] = set()             # the runtime reported them dead
+        self._started_at = time.monotonic()
+        self._lost_checked = False
+        transport.max_message_bytes = config.max_message_bytes
         self._stalled_since: float | None = None  # monotonic; None: some rank can work
         self._progress = Progress(enabled=config.progress)
         self.stats_error: str | None = None  # why the last stats file write failed
@@ -182,15 +196,18 @@ class Master:
         round's commits gets work without waiting for another COMMIT."""
         dispatching = self._stop_signal is None
         results, readies = self._receive()
+        # Outside a stop, no STOP_ACK is awaited: each is quarantined.
+        self._strays += [self._stray(r) for r in self._ack_inbox]
+        self._ack_inbox = []
         now = time.monotonic()
         poll_sources = bool(dispatching and self.sources and now >= self._next_source)
         watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
         want_dispatch = dispatching and bool(self._idle) and self._may_have_queued
-        died = [r for r in self.transport.take_failed() if r != 0]
+        died = self._take_failed()
         # Sends still to be marked do not by themselves justify a COMMIT: they ride along with
         # the next transaction (until then a rollback treats them as sent, the safe side).
         if not (readies or results or self._unsent or poll_sources or watchdog_due
-                or want_dispatch or died):
+                or want_dispatch or died or self._strays or self._lost_due(now)):
             return False
         new_inputs = self._poll_sources() if poll_sources else []
         plan: list[tuple[dsp.Planned, bytes]] = []
@@ -200,7 +217,10 @@ class Master:
             committed, retried, planned_early = self._apply_answers(
                 tx, results, readies, dispatching, plan)                 # phases 1–3
             self.summary.committed += len(committed)
+            self._note_strays(tx)
             recovered = self._retire_dead(tx, died)                  # ranks the MPI lost
+            recovered += self._refuse_garbage_ranks(tx)
+            self._lose_silent_ranks(now)
             recovered += self.gate.sweep(tx)                         # 4 recovery sweep
             if watchdog_due:                                         # 5 watchdog sweep
                 # Deadlines are seconds apart: checking a few times a second is enough.
@@ -226,10 +246,12 @@ class Master:
                      "the rank gets no work until it answers"), file=sys.stderr, flush=True)
         return bool(readies or plan or results)
 
-    def _retire_dead(self, tx: Tx, ranks: list[int]) -> list[dsp.Recovery]:
-        """Ranks the runtime reported dead (ULFM): their dispatches are recovered now, not at
-        the watchdog deadline (anything they sent before dying was applied just before), and
-        they get no more work. With no worker left the run stops, everything persisted."""
+    def _retire_dead(self, tx: Tx, ranks: list[int], why: str = "died",
+                     detail: str = "worker process died") -> list[dsp.Recovery]:
+        """Ranks the runtime reported dead (ULFM), or the master refuses: their dispatches
+        are recovered now, not at the watchdog deadline (anything they sent before was applied
+        just before), and they get no more work. With no worker left the run stops,
+        everything persisted."""
         if not ranks:
             return []
         active = dsp.active_by_rank(tx)
@@ -238,16 +260,15 @@ class Master:
             self._failed_ranks.add(rank)
             a = active.get(rank)
             rec = (dsp.recover_dispatch(tx, rank, a.token, cause=EventKind.WORKER_FAILED,
-                                        reason="worker process died",
-                                        worker_state=WorkerState.FAILED)
+                                        reason=detail, worker_state=WorkerState.FAILED)
                    if a is not None else None)
             if rec is None:
-                tx.event(EventKind.WORKER_FAILED, rank=rank, detail="worker process died")
+                tx.event(EventKind.WORKER_FAILED, rank=rank, detail=detail)
             else:
                 recovered.append(rec)
             # Also after a recovery: a rank whose READY was seen came back from it idle.
             set_workers(tx, [(rank, WorkerState.FAILED)])
-            print(f"coordinator: rank {rank} died" + (
+            print(f"coordinator: rank {rank} {why}" + (
                 f"; its task {rec.task_id} {_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}"
                 if rec is not None else ""), file=sys.stderr, flush=True)
         self._idle = [r for r in self._idle if r not in self._failed_ranks]
@@ -302,6 +323,7 @@ class Master:
                 planned_early = True
                 plan.extend(self._plan(tx, ready.active))                # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
+            self._health.note(ready.statuses, rr.statuses)
             active, parked = rr.active, ready.parked
             committed += rr.committed
             retried += rr.retried
@@ -325,11 +347,25 @@ class Master:
             late = self._receive_tag(TAG_RESULT)
             if late:
                 rr = self.gate.apply_results(tx, late, active=active)
+                self._health.note((), rr.statuses)
                 committed += rr.committed
                 retried += rr.retried
         return committed, retried, planned_early
 
     def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
+        results, readies = self._receive_answers()
+        self._receive_strays(results, readies)
+        if self._refused:  # drained and counted, never applied: the rank gets nothing more
+            for answers in (results, readies):
+                kept = [m for m in answers if m.rank not in self._refused]
+                self._strays += [Stray(m.rank, Channel.RESULT if answers is results else
+                                       Channel.READY, QuarantineReason.UNOWNED,
+                                       "from a rank the master refused")
+                                 for m in answers if m.rank in self._refused]
+                answers[:] = kept
+        return results, readies
+
+    def _receive_answers(self) -> tuple[list[Inbound], list[Inbound]]:
         """The RESULTs and READYs waiting now, decoded (undecodable ones as such).
 
         RESULT first: a worker sends it just before its READY, so a READY that arrives
@@ -341,8 +377,44 @@ class Master:
         return results, self._receive_tag(TAG_READY)
 
     def _receive_tag(self, tag: int) -> list[Inbound]:
+        # At most --max-message-bytes held per drain: a flood of large messages waits in
+        # MPI's queues (its sender's), not in the master's memory.
+        return [self._inbound(r) for r in
+                self.transport.drain(tag, max_bytes=self.config.max_message_bytes)]
+
+    def _inbound(self, r: Received) -> Inbound:
+        """A received RESULT or READY, decoded into what the gate classifies (its bytes kept
+        for a RESULT's payload, read only if it is current)."""
         limit = self.config.max_message_bytes
-        return [Inbound(r.rank, decode_inbound(r.data, limit)) for r in self.transport.drain(tag)]
+        if r.data is None or len(r.data) > limit:
+            return Inbound(r.rank, oversized(r.size if r.data is None else len(r.data), limit))
+        if r.tag == TAG_RESULT:
+            return Inbound(r.rank, decode_result(r.data), r.data)
+        return Inbound(r.rank, decode_ready(r.data))
+
+    def _receive_strays(self, results: list[Inbound], readies: list[Inbound]) -> None:
+        """Every message to the master is drained, whatever its tag: left in MPI's queue,
+        messages on tags it never receives piled up (320,000 brought it to 1.6 GiB in 47 s).
+        A RESULT or READY that arrived since its own drain joins it; anything else (a
+        STOP_ACK outside a stop, a foreign tag) is quarantined in the next round."""
+        for r in self.transport.drain(ANY_TAG, limit=1_000,
+                                      max_bytes=self.config.max_message_bytes):
+            if r.tag == TAG_RESULT:
+                results.append(self._inbound(r))
+            elif r.tag == TAG_READY:
+                readies.append(self._inbound(r))
+            elif r.tag == TAG_STOP_ACK:
+                self._ack_inbox.append(r)  # `_take_acks` judges it (or the next round)
+            else:
+                self._strays.append(self._stray(r))
+
+    def _stray(self, r: Received, why: str = "") -> Stray:
+        size = r.size if r.data is None else len(r.data)
+        if r.tag == TAG_STOP_ACK:
+            return Stray(r.rank, Channel.STOP_ACK, QuarantineReason.STALE,
+                         why or f"a STOP_ACK for no STOP sent to rank {r.rank}")
+        return Stray(r.rank, Channel.OTHER, QuarantineReason.FOREIGN_TAG,
+                     f"tag {r.tag}, {size} bytes: the master receives no message on it")
 
     def _linger(self, deadline: float) -> tuple[list[Inbound], list[Inbound]]:
         """The next answers to arrive before `deadline` (empty lists if none did)."""
@@ -596,7 +668,7 @@ class Master:
         (same host) its process no longer exists. Without ULFM, Open MPI's launcher answers a
         worker's death by signalling the master, which must not then requeue the task that
         killed it for free (a poison task would loop for ever across resumes)."""
-        self._failed_ranks.update(r for r in self.transport.take_failed() if r != 0)
+        self._failed_ranks.update(self._take_failed())
         here = socket.gethostname()
         gone = set()
         for rank, host, pid in dsp.holders(tx):
@@ -621,16 +693,73 @@ class Master:
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             pending.difference_update(self._take_acks(tokens))
-            for _ in self.transport.drain(TAG_RESULT):  # busy workers answer first: discard
-                pass
-            for _ in self.transport.drain(TAG_READY):
-                pass
-            pending -= set(self.transport.take_failed())
+            self._receive()  # busy workers answer first: discarded (the database may be down)
+            self._strays = []
+            pending -= set(self._take_failed())
             backoff.wait()
         return sorted(pending)
 
+    def _take_failed(self) -> list[int]:
+        """Ranks the runtime reported dead since the last call (ULFM), kept in `_dead`."""
+        died = [r for r in self.transport.take_failed() if r != 0]
+        self._dead.update(died)
+        return died
+
     def live_workers(self) -> list[int]:
-        return [r for r in range(1, self.transport.size) if r not in self._failed_ranks]
+        return [r for r in range(1, self.transport.size)
+                if r not in self._failed_ranks and r not in self._lost]
+
+    # -- ranks that misbehave -----------------------------------------------------------------
+    def _note_strays(self, tx: Tx) -> None:
+        strays, self._strays = self._strays, []
+        if strays:
+            self.gate.apply_strays(tx, strays)
+            self._health.note_bad(m.rank for m in strays)
+
+    def _refuse_garbage_ranks(self, tx: Tx) -> list[dsp.Recovery]:
+        """A rank that sends mostly what the master quarantines (a hostile or broken build)
+        gets no more work: its dispatch is recovered as a dead rank's, and the messages it
+        goes on sending are still drained and counted (sampled in the quarantine)."""
+        refuse = [r for r in self._health.garbage_senders() if r not in self._failed_ranks]
+        recovered = []
+        for rank in refuse:
+            self._refused.add(rank)
+            bad, good = self._health.counts(rank)
+            recovered += self._retire_dead(
+                tx, [rank], why=f"is refused: {bad} of its {bad + good} messages were "
+                                f"quarantined; it gets no more work",
+                detail=f"refused: {bad} of its {bad + good} messages were quarantined")
+        return recovered
+
+    def _lost_due(self, now: float) -> bool:
+        return not self._lost_checked and now - self._started_at >= self.config.start_wait_s
+
+    def _lose_silent_ranks(self, now: float) -> None:
+        """A rank that has not reported READY `start_wait_s` after the start (it never
+        started, or hangs before it could) would hold the stop and the stall watch for ever:
+        it is treated as lost. A READY from it later takes it back (a slow node)."""
+        heard = self._health.heard
+        for rank in sorted(self._lost & heard):
+            self._lost.discard(rank)
+            print(f"coordinator: rank {rank} reported READY at last; it gets work",
+                  file=sys.stderr, flush=True)
+        if not self._lost_due(now):
+            return
+        self._lost_checked = True
+        silent = [r for r in range(1, self.transport.size)
+                  if r not in heard and r not in self._failed_ranks]
+        if silent:
+            self._lost.update(silent)
+            self._idle = [r for r in self._idle if r not in self._lost]
+            print(f"coordinator: rank{'s' * (len(silent) != 1)} {_ranks(silent)} reported no "
+                  f"READY {self.config.start_wait_s:g} s after the start; treated as lost (no "
+                  f"work, not waited for at the stop; one that reports READY later gets work)",
+                  file=sys.stderr, flush=True)
+        if not self.live_workers() and self._stop_signal is None:
+            print("coordinator: no workers left; stopping (the campaign is saved: continue "
+                  "with --resume)", file=sys.stderr, flush=True)
+            self._stop_signal = NO_WORKERS_LEFT
+            self._stop_at = now
 
     def fence(self, ranks: list[int], term_wait_s: float = 1.0) -> list[int]:
         """End the given ranks' processes if they run on this host, by the pid each reported
@@ -642,7 +771,12 @@ class Master:
                 where = where_they_run(conn)
         except Exception:  # the database may be what failed; then nothing can be fenced
             return []
-        return fence(ranks, where, term_wait_s)
+
+        def refused(rank: int, pid: int | None, why: str) -> None:
+            if pid is not None:
+                print(f"coordinator: rank {rank} reported pid {pid}, which is not fenced: "
+                      f"{why}", file=sys.stderr, flush=True)
+        return fence(ranks, where, term_wait_s, refused)
 
     def _send_stop(self, rank: int, *, finalize: bool) -> str | None:
         """A tokenized STOP with a fresh token to `rank`: the token, or None if the send
@@ -659,13 +793,21 @@ class Master:
     def _take_acks(self, tokens: dict[int, str]) -> list[int]:
         """The ranks whose STOP_ACK waiting now echoes exactly their STOP's token."""
         acked = []
-        for got in self.transport.drain(TAG_STOP_ACK):
-            body = decode_inbound(got.data, 4096)
+        inbox, self._ack_inbox = self._ack_inbox, []
+        for got in [*inbox, *self.transport.drain(TAG_STOP_ACK, max_bytes=1 << 20)]:
+            body = decode_inbound(got.data, 4096) if got.data is not None else None
             token = body.get("token") if isinstance(body, dict) else None
             if got.rank in tokens and token == tokens[got.rank]:
                 acked.append(got.rank)
-            else:
-                log.warning("rank %d: STOP_ACK with a token that is not its STOP's", got.rank)
+                continue
+            # Quarantined (sampled, counted); said a few times, not once each (a forged flood
+            # printed 25,059 lines).
+            self._strays.append(self._stray(got, "a STOP_ACK whose token is not its STOP's"))
+            self._forged_acks += 1
+            if self._forged_acks <= 3:
+                log.warning("rank %d: STOP_ACK with a token that is not its STOP's%s", got.rank,
+                            " (further ones are counted in the quarantine, not said)"
+                            if self._forged_acks == 3 else "")
         return acked
 
     def _stop_workers(self) -> list[int]:
@@ -680,15 +822,16 @@ class Master:
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
-            for rank in self.transport.take_failed():  # died while stopping: nothing to ack
+            for rank in self._take_failed():  # died while stopping: nothing to ack
                 self._failed_ranks.add(rank)
                 pending.discard(rank)
             results, readies = self._receive()
-            if readies or results:
+            if readies or results or self._strays:
                 progressed = True
                 with self._tx("drain during stop") as tx:  # late messages: quarantined
                     self.gate.apply_ready(tx, readies)
                     self.gate.apply_results(tx, results)
+                    self._note_strays(tx)
                 shown_ready.update(m.rank for m in readies)
             for rank in sorted(pending & shown_ready - set(stop_tokens)):
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)
@@ -709,7 +852,12 @@ class Master:
         # reports that exit as a failure).
         with self._tx("workers stopped") as tx:
             set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])
-        return sorted(pending)
+            self._note_strays(tx)
+        # Ranks lost at the start or refused are alive as far as MPI knows, and would hold
+        # the job open: ended with the unacknowledged ones.
+        self._take_failed()
+        alive = (self._lost | self._refused) - self._dead
+        return sorted(pending | alive)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -743,3 +891,40 @@ class LockWaiter:
               + f" (a sqlite3 shell with a transaction open, a backup?); the run goes on once "
               f"it is released, answers that arrive meanwhile are kept; it stops after "
               f"--lock-wait {self.lock_wait_s:g} s", file=sys.stderr, flush=True)
+
+
+class RankHealth:
+    """What each rank's messages were: answers the master took, and ones it quarantined. A
+    rank past GARBAGE_AFTER quarantined messages, more than GARBAGE_RATIO times its good
+    ones, sends mostly garbage."""
+
+    GARBAGE_AFTER = 1_000
+    GARBAGE_RATIO = 10
+
+    def __init__(self) -> None:
+        self.good: dict[int, int] = {}
+        self.bad: dict[int, int] = {}
+        self.heard: set[int] = set()  # ranks whose READY came, whatever it said
+
+    def note(self, readies: Sequence[tuple[int, object]],
+             results: Sequence[tuple[int, object]]) -> None:
+        for rank, status in readies:
+            self.heard.add(rank)
+            self._count(rank, status in (ReadyStatus.IDLE, ReadyStatus.CURRENT))
+        for rank, status in results:
+            self._count(rank, status is ResultStatus.CURRENT)
+
+    def note_bad(self, ranks) -> None:
+        for rank in ranks:
+            self._count(rank, False)
+
+    def _count(self, rank: int, good: bool) -> None:
+        counts = self.good if good else self.bad
+        counts[rank] = counts.get(rank, 0) + 1
+
+    def counts(self, rank: int) -> tuple[int, int]:
+        return self.bad.get(rank, 0), self.good.get(rank, 0)
+
+    def garbage_senders(self) -> list[int]:
+        return sorted(r for r, bad in self.bad.items() if bad >= self.GARBAGE_AFTER
+                      and bad > self.GARBAGE_RATIO * self.good.get(r, 0))

@@ -20,7 +20,7 @@ from pathlib import Path
 from store.campaign import Store
 from store.errors import StoreError, StoreWriteError
 from store.journal import RetryPolicy
-from store.stats import read_stats, result_statuses, stats_text
+from store.stats import other_messages_text, read_stats, result_statuses, stats_text
 from store.tasks import enqueue_tasks, origins_starting_with
 
 from .config import (
@@ -177,6 +177,7 @@ class MasterRank:
             stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
             feedback=cfg.feedback, exit_when_drained=cfg.afl_out is None,
             progress=cfg.progress, stall_grace_s=cfg.stall_grace_s,
+            start_wait_s=cfg.start_wait_s,
         ), sources=[s.poll for s in sources], writer=writer)
 
     def _refuse(self, e: BaseException) -> int:
@@ -279,6 +280,8 @@ class MasterRank:
         elapsed = time.monotonic() - self.started
         t = s.tasks
         print(stats_text(s), end="", file=sys.stderr)
+        if (other := other_messages_text(s)) is not None:
+            print(other, file=sys.stderr)
         not_ok = ", ".join(f"{n} {st}" for st, n in sorted(by_status.items()) if st != "ok")
         if not_ok:
             not_ok += (": see `coordinator status`; once fixed, `coordinator requeue --state "

@@ -204,11 +204,77 @@ def wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
 
 # -- fencing ------------------------------------------------------------------------------------
 
+#: Where an MPI launcher puts a process's rank, and the name of its job (Open MPI / PMIx;
+#: MPICH's Hydra / PMI). A process is a rank of this job only if it has the master's job
+#: name and the rank, as its launcher set them.
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+JOB_VARS = ("PMIX_NAMESPACE", "PMI_KVSNAME", "PMI_JOBID", "OMPI_MCA_ess_base_jobid")
+
+
+def environment_of(pid: int) -> dict[str, str] | None:
+    """The environment process `pid` started with (/proc/PID/environ); None if it cannot be
+    read (gone, or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _job() -> tuple[dict[str, str], str | None]:
+    """This process's job name (its launcher's variables) and the variable of its rank."""
+    return ({v: os.environ[v] for v in JOB_VARS if v in os.environ},
+            next((v for v in RANK_VARS if v in os.environ), None))
+
+
+def find_rank_process(rank: int) -> int | None:
+    """The process of `rank` of this job on this host, found by its launcher's variables (the
+    first of those that have them: the commands a rank runs inherit its environment); None if
+    there is none here, or it cannot be told."""
+    ours, rank_var = _job()
+    if not ours or rank_var is None:
+        return None
+    parents = {}
+    for pid, fields in proc_stats():
+        env = environment_of(pid) if pid != os.getpid() else None
+        if env and env.get(rank_var) == str(rank) and all(
+                env.get(v) == value for v, value in ours.items()):
+            parents[pid] = int(fields[1])
+    roots = [pid for pid, ppid in parents.items() if ppid not in parents]
+    return roots[0] if len(roots) == 1 else None
+
+
+def not_our_rank(pid: int, rank: int) -> str | None:
+    """Why process `pid` cannot be taken for rank `rank` of this job (None: it is that rank).
+    A rank reports its pid in its READY; a rank that lies (or a bug) would otherwise have the
+    master stop and kill whatever process it named."""
+    ours, rank_var = _job()
+    if not ours or rank_var is None:
+        return "this master's launcher gave it no job name to check the process against"
+    theirs = environment_of(pid)
+    if theirs is None:
+        return f"process {pid}'s environment cannot be read"
+    if any(theirs.get(v) != value for v, value in ours.items()):
+        return f"process {pid} is not a process of this job"
+    if theirs.get(rank_var) != str(rank):
+        return f"process {pid} is not rank {rank} of this job"
+    return None
+
+
 def fence(ranks: Collection[int], where: Mapping[int, tuple[str, int, float]],
-          term_wait_s: float = 1.0) -> list[int]:
+          term_wait_s: float = 1.0,
+          refused: Callable[[int, int, str], None] = lambda rank, pid, why: None) -> list[int]:
     """End the given ranks' processes if they run on this host; the only way to end a rank
     that is hung (stopped) and so never answers MPI. `where`: rank -> (host, pid, when last
-    heard) as each rank reported it. Returns the ranks fenced.
+    heard) as each rank reported it. Returns the ranks fenced. A reported pid that is not
+    that rank's process in this job (`not_our_rank`) is left alone, and `refused(rank, pid,
+    why)` told; the rank's own process is then looked for by its launcher's variables.
 
     The commands they run are killed first, each with its process group; then
     TEARDOWN_SIGNAL (with SIGCONT, for a stopped rank), on which a worker also kills any
@@ -217,10 +283,22 @@ def fence(ranks: Collection[int], where: Mapping[int, tuple[str, int, float]],
     pids = {}
     for rank in ranks:
         host, pid, seen = where.get(rank, (None, None, None))
+        if host is not None and host != here:
+            continue  # another host's: not for this master to end
         # A process that started after the rank's last READY has taken a dead rank's pid.
-        if (host == here and pid != os.getpid() and
-                (process_started_at(pid) or math.inf) <= seen + CLOCK_SLACK_S):
-            pids[rank] = pid
+        why = ("it reported no pid" if pid is None else
+               "that pid is this master's" if pid == os.getpid() else
+               f"process {pid} started after that" if
+               (process_started_at(pid) or math.inf) > seen + CLOCK_SLACK_S else
+               not_our_rank(pid, rank))
+        if why is not None:
+            # The rank's own process, whatever it said (or a rank that never said).
+            found = find_rank_process(rank)
+            refused(rank, pid, why + (f"; its own process is pid {found}" if found else ""))
+            if found is None:
+                continue
+            pid = found
+        pids[rank] = pid
     # Stopped first, so that none of them can reap a command (and free its id for reuse)
     # between the search for their commands and the kill.
     for pid in pids.values():

@@ -97,6 +97,28 @@ def sanitize_profile_version(value: object) -> str:
     return value[:200] if isinstance(value, str) else ""
 
 
+#: What a reported pid may be (Linux keeps them below 2**22; the store holds 64-bit integers,
+#: and a READY with pid 2**64 - 1 ended the master when it was written).
+MAX_PID = 2**31 - 1
+MAX_HOST_CHARS = 255
+
+
+def ready_problem(msg: Mapping[str, Any], sender: int) -> str | None:
+    """Why a READY whose token passed cannot be taken as it is: a field a worker reports out
+    of its range (the rank it claims is not the one it sends from, a pid no process has, a
+    host name no host has). None if every field is in range; the version fields are not
+    checked here: they fail closed (`sanitize_bitmap_version`)."""
+    rank, pid, host = msg.get("rank"), msg.get("pid"), msg.get("host")
+    if rank is not None and (type(rank) is not int or rank != sender):
+        return f"it says it is rank {rank!r:.40}, and it came from rank {sender}"
+    if pid is not None and (type(pid) is not int or not 1 <= pid <= MAX_PID):
+        return f"pid {pid!r:.40} is not a process id"
+    if host is not None and (not isinstance(host, str) or not host or
+                             len(host) > MAX_HOST_CHARS):
+        return f"host {host!r:.60} is not a host name"
+    return None
+
+
 @dataclass(frozen=True)
 class ReadyInfo:
     """The fields of a READY the master takes once it is classified idle."""
@@ -113,6 +135,6 @@ def ready_info(msg: Mapping[str, Any], current_bitmap: int) -> ReadyInfo:
     return ReadyInfo(
         sanitize_bitmap_version(msg.get("bitmap_version"), current_bitmap),
         sanitize_profile_version(msg.get("empirical_profile_version")),
-        host[:255] if isinstance(host, str) else None,
-        pid if type(pid) is int and pid > 0 else None,
+        host if isinstance(host, str) and 0 < len(host) <= MAX_HOST_CHARS else None,
+        pid if type(pid) is int and 1 <= pid <= MAX_PID else None,
     )

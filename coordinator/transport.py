@@ -19,12 +19,20 @@ from mpi4py import MPI
 
 from .wire import TAG_READY, TAG_RESULT, TAG_START, TAG_STOP, TAG_STOP_ACK, TAG_WORK
 
+#: `poll`/`drain` on every tag.
+ANY_TAG = MPI.ANY_TAG
+
 
 @dataclass(frozen=True)
 class Received:
     rank: int
     tag: int
-    data: bytearray
+    data: bytearray | None  # None: over the receiver's bound, consumed without being kept
+    size: int = -1          # the message's bytes (as sent); -1: len(data)
+
+    @property
+    def oversized(self) -> bool:
+        return self.data is None
 
 
 class MasterGone(Exception):
@@ -128,6 +136,9 @@ class Transport:
         self._failed: set[int] = set()      # every rank the runtime reported dead
         tighten_timer_slack()
         self._new_failed: list[int] = []    # reported since the last take_failed()
+        #: A larger message is consumed without being held (`poll`); None: no bound (the
+        #: workers, which receive only from the master).
+        self.max_message_bytes: int | None = None
 
     # -- failure notification (ULFM) ---------------------------------------------------------
     def _note_failure(self) -> None:
@@ -156,27 +167,43 @@ class Transport:
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self, tag: int, source: int = MPI.ANY_SOURCE) -> Received | None:
+        """The next message on `tag` (ANY_TAG: on any), received into a buffer of its own
+        size; one over `max_message_bytes` is consumed into a small buffer and never held
+        (a 1.9 GB message raised the master's RSS to 1.9 GiB, one over 2 GiB ended it)."""
         try:
-            msg = self.comm.improbe(source=source, tag=tag, status=self._status)
+            # `Improbe`, not `improbe`: the latter allocates the message's size for a pickle
+            # before anything can look at it.
+            msg = self.comm.Improbe(source=source, tag=tag, status=self._status)
             if msg is None:
                 return None
-            buf = bytearray(self._status.Get_count(MPI.BYTE))
-            rank = self._status.Get_source()
+            rank, got_tag = self._status.Get_source(), self._status.Get_tag()
+            # Bytes, from the elements: `Get_count` is MPI_UNDEFINED past 2**31 - 1.
+            size = self._status.Get_elements(MPI.BYTE)
+            if self.max_message_bytes is not None and size > self.max_message_bytes:
+                _discard(msg, size)
+                return Received(rank, got_tag, None, size)
+            buf = bytearray(size)
             msg.Recv([buf, MPI.BYTE])
         except MPI.Exception as e:
             if not is_process_failure(e):
                 raise
             self._note_failure()
             return None
-        return Received(rank, tag, buf)
+        return Received(rank, got_tag, buf, size)
 
-    def drain(self, tag: int, limit: int = 10_000) -> Iterator[Received]:
-        """Everything already waiting on `tag` (bounded, so one phase cannot starve the rest)."""
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None,
+              ) -> Iterator[Received]:
+        """Everything already waiting on `tag`, bounded in count (one phase cannot starve
+        the rest) and, with `max_bytes`, in the bytes it holds (at least one message)."""
+        held = 0
         for _ in range(limit):
             got = self.poll(tag)
             if got is None:
                 return
             yield got
+            held += len(got.data) if got.data is not None else 0
+            if max_bytes is not None and held >= max_bytes:
+                return
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, data: bytes, dest: int, tag: int) -> None:
@@ -245,3 +272,29 @@ class Transport:
         sys.stderr.flush()
         time.sleep(0.5)  # MPICH's launcher drops output not yet forwarded when the job aborts
         self.comm.Abort(code)
+
+
+#: What an oversized message is received into, a piece at a time.
+_DISCARD_CHUNK = 1 << 20
+
+
+def _discard(msg: MPI.Message, size: int) -> None:
+    """Receive `msg` of `size` bytes without holding it: into one small buffer that a
+    datatype with a stride of 0 maps every piece onto. (A plain receive into a small buffer,
+    which MPI answers with a truncation error, crashed Open MPI for a rendezvous message.)"""
+    chunks, rest = divmod(size, _DISCARD_CHUNK)
+    parts = []
+    if chunks:
+        parts.append(MPI.BYTE.Create_vector(chunks, _DISCARD_CHUNK, 0))
+    if rest:
+        parts.append(MPI.BYTE.Create_contiguous(rest))
+    whole = (parts[0] if len(parts) == 1 else
+             MPI.Datatype.Create_struct([1] * len(parts), [0] * len(parts), parts))
+    whole.Commit()
+    try:
+        msg.Recv([bytearray(_DISCARD_CHUNK if chunks else max(rest, 1)), 1, whole])
+    finally:
+        whole.Free()
+        for part in parts:
+            if part is not whole:
+                part.Free()

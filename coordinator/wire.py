@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -41,11 +41,23 @@ MAX_COUNT = 2**31 - 1
 DETAIL_MAX_CHARS = 2000
 
 
+#: The most test cases the master takes from one RESULT (the command executor keeps no more
+#: itself): one RESULT of 100,000 held the master inside a round for ~95 s. The rest are
+#: dropped, and counted with the result.
+MAX_TESTCASES = 1000
+#: The most bytes of a result's value the master decodes: a value is decoded into Python
+#: objects (up to ~56 bytes each from one byte of msgpack: a 64 MiB "bomb" of empty arrays
+#: took 4.7 GiB), so it is bounded apart from the message. Bulk output belongs in test cases.
+MAX_VALUE_BYTES = 2 << 20
+
+
 @dataclass(frozen=True)
 class Undecodable:
-    """What arrived could not be decoded at all: the classifier sees a non-mapping."""
+    """What arrived could not be decoded at all: the classifier sees a non-mapping.
+    `reason` names a quarantine reason other than the classifier's (`oversized`)."""
 
     detail: str
+    reason: str | None = None
 
 
 class Work(msgspec.Struct, forbid_unknown_fields=True):
@@ -118,31 +130,166 @@ def encode(msg: msgspec.Struct | dict[str, Any]) -> bytes:
 ENCODE_ERRORS = (msgspec.EncodeError, TypeError, ValueError, OverflowError, RecursionError)
 
 
-def decode_inbound(data: bytes | bytearray | memoryview, max_bytes: int) -> object:
-    """Master side: bytes from a worker -> a plain value, or `Undecodable` with the reason."""
-    if len(data) > max_bytes:
-        return Undecodable(f"oversized message: {len(data)} bytes > {max_bytes}")
+# -- what the master decodes -------------------------------------------------------------------
+#
+# Straight into typed structs, so that a wrong shape fails at its first wrong byte and nothing
+# is built of what is not needed: a field the struct does not name is skipped unread, and the
+# fields it names hold scalars, or stay raw bytes until their size is checked.
+
+Scalar = None | bool | int | float | str
+
+
+class _ReadyIn(msgspec.Struct):
+    """A READY as the classifier sees it: scalars only (a list or a map in any field makes
+    the whole message malformed); what a field may hold is checked by the protocol rules."""
+
+    rank: Scalar = None
+    bitmap_version: Scalar = None
+    empirical_profile_version: Scalar = None
+    completed_dispatch_token: Scalar = None
+    host: Scalar = None
+    pid: Scalar = None
+    v: Scalar = None
+
+
+class _Envelope(msgspec.Struct):
+    """A RESULT as far as its classification needs it: its token. The rest is read only for
+    a current one (`check_result`): a stale one's payload proves nothing (R4)."""
+
+    token: Scalar = None
+
+
+class _ResultIn(msgspec.Struct, forbid_unknown_fields=True):
+    token: str
+    status: str
+    value: msgspec.Raw = msgspec.Raw()
+    testcases: msgspec.Raw = msgspec.Raw()
+    returncode: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    duration_s: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
+    detail: Annotated[str, msgspec.Meta(max_length=64 << 10)] = ""
+    dropped: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
+    v: int = WIRE_VERSION
+
+
+_ready_in = msgspec.msgpack.Decoder(_ReadyIn)
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+_result_in = msgspec.msgpack.Decoder(_ResultIn)
+_testcases = msgspec.msgpack.Decoder(
+    list[tuple[Annotated[str, msgspec.Meta(max_length=1024)], bytes]])
+_DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError)
+
+
+def decode_ready(data: bytes | bytearray | memoryview) -> dict[str, Any] | Undecodable:
+    """Master side: a READY's bytes -> its fields (a mapping for the classifier), or
+    `Undecodable` with the reason."""
     try:
-        return _untyped.decode(data)
-    except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        msg = _ready_in.decode(data)
+    except _DECODE_ERRORS as e:
+        return Undecodable(f"undecodable: {e}"[:300])
+    return {f: getattr(msg, f) for f in msg.__struct_fields__}
+
+
+def decode_result(data: bytes | bytearray | memoryview) -> dict[str, Any] | Undecodable:
+    """Master side: a RESULT's bytes -> its token (a mapping for the classifier), or
+    `Undecodable`; its payload is read by `check_result` if it is current."""
+    try:
+        return {"token": _envelope.decode(data).token}
+    except _DECODE_ERRORS as e:
         return Undecodable(f"undecodable: {e}"[:300])
 
 
-def check_result(body: dict[str, Any]) -> tuple[Result | None, str | None]:
-    """Strict validation of a current RESULT's payload: (result, None) or (None, why)."""
+def oversized(size: int, max_bytes: int) -> Undecodable:
+    return Undecodable(f"oversized message: {size} bytes > {max_bytes}", reason="oversized")
+
+
+def decode_inbound(data: bytes | bytearray | memoryview, max_bytes: int) -> object:
+    """Any message's bytes -> a plain value, or `Undecodable` with the reason (for messages
+    that are only looked at: a STOP_ACK)."""
+    if len(data) > max_bytes:
+        return oversized(len(data), max_bytes)
     try:
-        res = msgspec.convert(body, Result, strict=True)
-    except msgspec.ValidationError as e:
+        return _untyped.decode(data)
+    except _DECODE_ERRORS as e:
+        return Undecodable(f"undecodable: {e}"[:300])
+
+
+def check_result(body: Mapping[str, Any], raw: bytes | bytearray | None = None,
+                 ) -> tuple[Result | None, str | None]:
+    """Strict validation of a current RESULT's payload, from its bytes (`raw`; a mapping is
+    encoded first): (result, None) or (None, why). At most MAX_TESTCASES test cases are
+    taken, the rest counted as dropped; a value over MAX_VALUE_BYTES is refused."""
+    try:
+        if raw is None:
+            raw = encode(dict(body))
+        msg = _result_in.decode(raw)
+    except (*_DECODE_ERRORS, *ENCODE_ERRORS) as e:
         return None, f"payload: {e}"[:300]
-    if res.v != WIRE_VERSION:
-        return None, f"wire version {res.v}, expected {WIRE_VERSION}"
-    if res.status not in RESULT_STATUSES:
-        return None, f"status {res.status!r:.40} is not ok/error/timeout"
-    if not 0 <= res.dropped <= MAX_COUNT:
-        return None, f"dropped {res.dropped} is not a count"
-    # The value itself (msgpack allows what JSON does not) is checked by the gate, which
-    # encodes it once for storage.
-    return res, None
+    if msg.v != WIRE_VERSION:
+        return None, f"wire version {msg.v}, expected {WIRE_VERSION}"
+    if msg.status not in RESULT_STATUSES:
+        return None, f"status {msg.status!r:.40} is not ok/error/timeout"
+    value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
+    if len(value_raw) > MAX_VALUE_BYTES:
+        return None, (f"payload: its value is {len(value_raw)} bytes, over the "
+                      f"{MAX_VALUE_BYTES} a value may have (bulk output belongs in test cases)")
+    try:
+        # The value itself (msgpack allows what JSON does not) is checked by the gate, which
+        # encodes it once for storage.
+        value = _untyped.decode(value_raw) if len(value_raw) else None
+        testcases, over = (_first_testcases(testcases_raw, MAX_TESTCASES) if len(testcases_raw)
+                           else ([], 0))
+    except _DECODE_ERRORS as e:
+        return None, f"payload: {e}"[:300]
+    return Result(token=msg.token, status=msg.status, value=value, testcases=testcases,
+                  returncode=msg.returncode, duration_s=msg.duration_s, detail=msg.detail,
+                  dropped=min(msg.dropped + over, MAX_COUNT)), None
+
+
+def _first_testcases(raw: memoryview, limit: int) -> tuple[list[tuple[str, bytes]], int]:
+    """The first `limit` test cases of the msgpack array `raw` and how many more it holds,
+    without decoding those: the entries before are walked by their headers alone (each is
+    [name, bytes]), so a RESULT of 100,000 test cases costs what 1,000 do."""
+    count, pos = _array_header(raw, 0)
+    if count <= limit:
+        return _testcases.decode(raw), 0
+    start = pos
+    for _ in range(limit):
+        n, pos = _array_header(raw, pos)
+        if n != 2:
+            raise ValueError("a test case is not [name, bytes]")
+        pos = _skip_str_or_bin(raw, pos)
+        pos = _skip_str_or_bin(raw, pos)
+    head = b"\xdc" + limit.to_bytes(2, "big") if limit < 1 << 16 else \
+        b"\xdd" + limit.to_bytes(4, "big")
+    return _testcases.decode(head + bytes(raw[start:pos])), count - limit
+
+
+def _array_header(raw: memoryview, pos: int) -> tuple[int, int]:
+    b = raw[pos]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F, pos + 1
+    if b == 0xDC:
+        return int.from_bytes(raw[pos + 1:pos + 3], "big"), pos + 3
+    if b == 0xDD:
+        return int.from_bytes(raw[pos + 1:pos + 5], "big"), pos + 5
+    raise ValueError("test cases are not an array")
+
+
+def _skip_str_or_bin(raw: memoryview, pos: int) -> int:
+    b = raw[pos]
+    if 0xA0 <= b <= 0xBF:
+        n, at = b & 0x1F, pos + 1
+    elif b in (0xD9, 0xC4):
+        n, at = raw[pos + 1], pos + 2
+    elif b in (0xDA, 0xC5):
+        n, at = int.from_bytes(raw[pos + 1:pos + 3], "big"), pos + 3
+    elif b in (0xDB, 0xC6):
+        n, at = int.from_bytes(raw[pos + 1:pos + 5], "big"), pos + 5
+    else:
+        raise ValueError("a test case's name or bytes are not a string")
+    if at + n > len(raw):
+        raise ValueError("a test case runs past the message's end")
+    return at + n
 
 
 def decode_work(data: bytes | bytearray) -> Work:

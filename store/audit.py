@@ -330,8 +330,9 @@ def _statistics(f: _File) -> list[Violation]:
     kind = ViolationKind.STATISTICS
     stats = f.stats = read_stats(f.conn)
     quarantine: dict[str, dict[str, int]] = {c.value: {} for c in Channel}
-    for channel, reason, n in f.rows("SELECT channel, reason, count(*) FROM quarantine "
-                                     "NOT INDEXED GROUP BY channel, reason"):
+    counted_by = "sum(repeats)" if f.since("0009") else "count(*)"  # (a row per message)
+    for channel, reason, n in f.rows(f"SELECT channel, reason, {counted_by} FROM quarantine "
+                                     f"NOT INDEXED GROUP BY channel, reason"):
         quarantine.setdefault(channel, {})[reason] = n
     events = Counter(dict(f.rows("SELECT kind, count(*) FROM events NOT INDEXED "
                                  "GROUP BY kind").all()))

@@ -36,7 +36,7 @@ from .errors import (
     NoCampaignYet,
     StoreError,
 )
-from .journal import RetryPolicy, Tx
+from .journal import QuarantineSampler, RetryPolicy, Tx
 from .lock import lock_campaign
 from .probe import probe
 from .schema import EventKind, campaign, tasks
@@ -67,6 +67,7 @@ class Store:
         #: How long a write waits for a lock another process holds, and what it does between
         #: tries (`engine.write_tx`).
         self.lock_wait_s, self.on_lock_wait = lock_wait_s, on_lock_wait
+        self.quarantine_sampler = QuarantineSampler()
         self.policy, self.resume_report, self.clock = policy, resume_report, clock
         #: The master's current coverage-bitmap version (READY versions above it are future).
         self.bitmap_version = bitmap_version
@@ -183,7 +184,8 @@ class Store:
         conn = self._connection()
         with write_tx(conn, operation, lock_wait_s=self.lock_wait_s,
                       on_wait=on_lock_wait or self.on_lock_wait):
-            tx = Tx(conn, self.incarnation, self.clock(), self.policy)
+            tx = Tx(conn, self.incarnation, self.clock(), self.policy,
+                    sampler=self.quarantine_sampler)
             yield tx
             tx.flush()
 

@@ -54,6 +54,31 @@ class RetryPolicy:
             raise ValueError(f"max_attempts must be an integer >= 1, not {self.max_attempts!r}")
 
 
+class QuarantineSampler:
+    """Keeps the quarantine small whatever a rank sends, and its counts exact: the first
+    `rows_per_key` messages of each (rank, channel, reason) in an incarnation get a row each;
+    each later one adds to the `repeats` of the last of those rows. One per store (its
+    incarnation)."""
+
+    def __init__(self, rows_per_key: int = 100):
+        self.rows_per_key = rows_per_key
+        self._rows: dict[tuple[int, str, str], tuple[int, int]] = {}  # key -> (rows, last id)
+
+    def write(self, db: sqlite3.Connection, rows: list[dict[str, Any]]) -> None:
+        more: dict[int, int] = {}  # last row id -> messages to add to its repeats
+        for row in rows:
+            key = (row["rank"], row["channel"], row["reason"])
+            n, last = self._rows.get(key, (0, 0))
+            if n < self.rows_per_key:
+                last = db.execute(_INSERT_QUARANTINE, row).lastrowid
+                self._rows[key] = (n + 1, last)
+            else:
+                more[last] = more.get(last, 0) + 1
+        if more:
+            db.executemany("UPDATE quarantine SET repeats = repeats + ? WHERE id = ?",
+                           [(k, row_id) for row_id, k in more.items()])
+
+
 class WriteBehind(Protocol):
     """Row changes left pending in a transaction (`Tx.write_behind`)."""
 
@@ -70,6 +95,7 @@ class Tx:
     _quarantine: list[dict[str, Any]] = field(default_factory=list)
     _db: sqlite3.Connection | None = None
     _behind: WriteBehind | None = None
+    sampler: QuarantineSampler | None = None  # None: a row per message
 
     @property
     def conn(self) -> Connection:
@@ -140,7 +166,10 @@ class Tx:
             self.db.executemany(_INSERT_EVENT, self._events)
             self._events = []
         if self._quarantine:
-            self.db.executemany(_INSERT_QUARANTINE, self._quarantine)
+            if self.sampler is not None:
+                self.sampler.write(self.db, self._quarantine)
+            else:
+                self.db.executemany(_INSERT_QUARANTINE, self._quarantine)
             self._quarantine = []
 
     @contextlib.contextmanager

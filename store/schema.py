@@ -78,6 +78,8 @@ class WorkerState(str, enum.Enum):
 class Channel(str, enum.Enum):
     READY = "ready"
     RESULT = "result"
+    STOP_ACK = "stop_ack"  # an acknowledgement of a STOP the master did not send
+    OTHER = "other"        # a message on a tag the master never receives
 
 
 class QuarantineReason(str, enum.Enum):
@@ -86,6 +88,8 @@ class QuarantineReason(str, enum.Enum):
     STALE = "stale"
     UNOWNED = "unowned"
     PAYLOAD = "payload"      # a current RESULT whose payload failed validation
+    OVERSIZED = "oversized"  # larger than --max-message-bytes: consumed, never held
+    FOREIGN_TAG = "foreign_tag"  # on a tag the master never receives
 
 
 class LeaseKind(str, enum.Enum):
@@ -317,6 +321,10 @@ quarantine = Table(
     Column("token", Text, nullable=True),  # what the message said, if it was a string
     Column("expected", Text, nullable=True),  # the rank's active token at the time
     Column("detail", Text, nullable=True),
+    # The messages this row stands for: past the first rows of a rank's channel and reason in
+    # an incarnation, the row sampled last counts the rest (a rogue rank wrote 77,290 rows in
+    # 30 s), so the statistics, sum(repeats), stay exact while the table stays small.
+    Column("repeats", Integer, nullable=False, server_default=text("1")),
     _enum_check("channel", Channel),
     _enum_check("reason", QuarantineReason),
 )

@@ -18,7 +18,6 @@ from .schema import (
     EventKind,
     TaskState,
     campaign,
-    quarantine,
     results,
     tasks,
 )
@@ -47,8 +46,7 @@ class Stats:
         return {
             "tasks": self.tasks,
             "results": self.results,
-            "quarantine": {"result": self.quarantine.get("result", {}),
-                           "ready": self.quarantine.get("ready", {})},
+            "quarantine": {c.value: self.quarantine.get(c.value, {}) for c in Channel},
             "requeued": self.requeued,
             "deferred": self.deferred,
             "watchdog_timeouts": self.watchdog_timeouts,
@@ -65,21 +63,26 @@ class Stats:
 #: progress reads it every half second: 127 of 250 ms at a million tasks). The condition is the
 #: partial index's own text, so SQLite reads `ix_events_counted_kind` and never the per-task rows.
 _COUNT_EVENTS = text(f"SELECT kind, count(*) FROM events WHERE {COUNTED_KIND_SQL} GROUP BY kind")
+#: A row stands for `repeats` messages (revision 0009; one each before).
+_COUNT_QUARANTINE = text("SELECT channel, reason, sum(repeats) FROM quarantine "
+                         "GROUP BY channel, reason")
+_COUNT_QUARANTINE_ROWS = text("SELECT channel, reason, count(*) FROM quarantine "
+                              "GROUP BY channel, reason")
 #: Through `ix_results_dropped`: only the results that dropped test cases are read.
 _COUNT_DROPPED = text(f"SELECT count(*), total(dropped) FROM results WHERE {DROPPED_SQL}")
 
 
 def read_stats(conn: Connection) -> Stats:
-    q: dict[str, dict[str, int]] = {c.value: {} for c in Channel}
-    for channel, reason, n in conn.execute(
-            select(quarantine.c.channel, quarantine.c.reason, func.count())
-            .group_by(quarantine.c.channel, quarantine.c.reason)):
-        q[channel][reason] = n
-    ev = dict(conn.execute(_COUNT_EVENTS).all())
     revision = current_revision(conn)
-    # (A file before revision 0008, read by the audit, has no such column.)
-    dropped_results, dropped = (conn.execute(_COUNT_DROPPED).one()
-                                if revision is None or revision >= "0008" else (0, 0))
+    # (A file of an older revision, which the audit reads, lacks the newer columns.)
+    since = lambda rev: revision is None or revision >= rev  # noqa: E731
+    q: dict[str, dict[str, int]] = {c.value: {} for c in Channel}
+    for channel, reason, n in conn.execute(_COUNT_QUARANTINE if since("0009") else
+                                           _COUNT_QUARANTINE_ROWS):
+        q.setdefault(channel, {})[reason] = n
+    ev = dict(conn.execute(_COUNT_EVENTS).all())
+    dropped_results, dropped = (conn.execute(_COUNT_DROPPED).one() if since("0008")
+                                else (0, 0))
     return Stats(
         tasks=count_by_state(conn),
         results=conn.execute(select(func.count()).select_from(results)).scalar_one(),
@@ -143,6 +146,19 @@ def stats_text(s: Stats) -> str:
         f"Dispatch watchdog timeouts: {s.watchdog_timeouts}",
         f"Dispatch watchdog worker recoveries: {s.watchdog_recoveries}",
     ]) + "\n"
+
+
+def other_messages_text(s: Stats) -> str | None:
+    """What came on no READY or RESULT tag (a STOP_ACK for no STOP, a tag the master never
+    receives), as one line beside the six of `stats_text`; None if nothing did."""
+    counts = _other_messages(s)
+    return f"Quarantined other messages: {_reasons(counts)}" if counts else None
+
+
+def _other_messages(s: Stats) -> dict[str, int]:
+    return {f"{channel}:{reason}" if channel != Channel.OTHER.value else reason: n
+            for channel in (Channel.STOP_ACK.value, Channel.OTHER.value)
+            for reason, n in s.quarantine.get(channel, {}).items()}
 
 
 #: The note a master's incarnation event carries (`master_rank`: "master pid=P host=H ...").

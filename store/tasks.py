@@ -317,13 +317,18 @@ def requeue_tasks(tx: Tx, *, states: Sequence[TaskState] = (TaskState.FAILED,
 
 
 def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id: int = 0,
-                          limit: int | None = None) -> list[int]:
+                          limit: int | None = None, rank: int | None = None,
+                          since: float | None = None, any_status: bool = False) -> list[int]:
     """Operator requeue of done tasks whose run failed (result status not `ok`: a command's
     non-zero exit, a missing input, a callable that raised), after the cause was fixed: the
     result row is discarded (an event keeps its token, status and detail) and the task goes
     back to the tail with a fresh attempt budget. Only `done` tasks are touched, never a
     dispatched one, so it is safe while a master runs. `after_id` and `limit` as in
-    `requeue_tasks`."""
+    `requeue_tasks`.
+
+    `rank`, `since`: only the results that rank committed, or committed at or after that
+    time (a rank that answered wrongly: the coordinator checks which dispatch an answer
+    belongs to, not whether it is true); `any_status`: its `ok` results too."""
     recorded = exists().where(events.c.task_id == results.c.task_id,
                               events.c.token == results.c.token,
                               events.c.kind == EventKind.DISPATCHED.value)
@@ -331,10 +336,15 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
                 results.c.rank, results.c.incarnation, results.c.dispatched_at,
                 recorded.label("recorded"))
          .join(tasks, tasks.c.id == results.c.task_id)
-         .where(results.c.status != "ok", tasks.c.state == TaskState.DONE.value,
-                results.c.task_id > after_id))
+         .where(tasks.c.state == TaskState.DONE.value, results.c.task_id > after_id))
+    if not any_status:
+        q = q.where(results.c.status != "ok")
     if ids is not None:
         q = q.where(results.c.task_id.in_(list(ids)))
+    if rank is not None:
+        q = q.where(results.c.rank == rank)
+    if since is not None:
+        q = q.where(results.c.committed_at >= since)
     rows = tx.conn.execute(q.order_by(results.c.task_id).limit(limit)).all()
     pos = tail_position(tx)
     tx.db.executemany("DELETE FROM results WHERE task_id = ?", [(r.task_id,) for r in rows])
@@ -350,7 +360,7 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
                      at=r.dispatched_at, incarnation=r.incarnation)
         why = (r.detail or "").strip().splitlines()
         tx.event(EventKind.MANUAL_REQUEUE, task_id=r.task_id, token=r.token,
-                 detail=f"from done: its {r.status} result discarded"
+                 detail=f"from done: its {r.status} result from rank {r.rank} discarded"
                         + (f" ({why[-1][:200]})" if why else ""))
     return [r.task_id for r in rows]
 

@@ -12,6 +12,7 @@ from conftest import Farm
 
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
+from store.versioning import head_revision
 
 
 def _finished_campaign(db_path, n: int = 4) -> None:
@@ -34,7 +35,7 @@ def test_check_of_a_consistent_campaign_is_one_line_and_exit_0(db_path, capsys):
     before = _listing(db_path.parent)
     assert main(["check", "--db", str(db_path)]) == ExitStatus.OK
     out = capsys.readouterr().out
-    assert out == f"{db_path}: consistent (4 tasks, schema 0008)\n"
+    assert out == f"{db_path}: consistent (4 tasks, schema {head_revision()})\n"
     assert _listing(db_path.parent) == before  # nothing written, nothing created
 
 
@@ -76,3 +77,36 @@ def test_status_reads_a_finished_campaign_without_creating_anything(db_path, cap
     assert main(["status", "--db", str(db_path)]) == ExitStatus.OK
     assert "tasks: 4 = 4 done" in capsys.readouterr().out
     assert _listing(db_path.parent) == before
+
+
+def test_requeue_by_rank_or_since_discards_what_was_committed_then(db_path, capsys):
+    """The coordinator checks which dispatch an answer belongs to, not whether it is true:
+    what a rank committed (any status) can be put back, by rank and from a time on."""
+    import time
+
+    from store.audit import audit_path
+    farm = Farm(db_path)
+    farm.enqueue(*({"data": i} for i in range(3)))
+    for r in (1, 2):
+        farm.ready(r)
+    tokens = farm.dispatch(1, 2)
+    farm.result(1, tokens[1], value="wrong")
+    farm.result(2, tokens[2], status="error")
+    farm.ready(1, tokens[1])
+    later = farm.dispatch(1)
+    farm.result(1, later[1], value="wrong too")
+    farm.close()
+    assert main(["requeue", "--db", str(db_path), "--since", str(time.time() + 60)]) == 0
+    assert capsys.readouterr().out == "requeued 0 task(s)\n"
+    assert main(["requeue", "--db", str(db_path), "--rank", "1", "--state", "failed"]) \
+        == ExitStatus.USAGE
+    assert main(["requeue", "--db", str(db_path), "--rank", "1"]) == 0
+    assert capsys.readouterr().out == "requeued 2 task(s): 1, 3\n"
+    assert audit_path(db_path).ok
+    with contextlib.closing(sqlite3.connect(db_path)) as c:
+        assert c.execute("SELECT id, state FROM tasks ORDER BY id").fetchall() == [
+            (1, "queued"), (2, "done"), (3, "queued")]
+        assert c.execute("SELECT count(*) FROM events WHERE kind = 'manual_requeue' AND "
+                         "detail LIKE '%result from rank 1 discarded%'").fetchone() == (2,)
+    assert main(["requeue", "--db", str(db_path), "--since", "2000-01-01T00:00"]) == 0
+    assert capsys.readouterr().out == "requeued 1 task(s): 2\n"  # rank 2's error result

@@ -20,7 +20,7 @@ from processes import running
 from sqlalchemy import func, select
 
 from coordinator.master import Master, MasterConfig
-from coordinator.processes import commands_run_by
+from coordinator.processes import JOB_VARS, RANK_VARS, commands_run_by
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import Received
 from coordinator.wire import (
@@ -67,7 +67,7 @@ class ScriptedRanks:
         self.spam_readies = 0
         self.committed_during_spam = 0
 
-    def drain(self, tag: int, limit: int = 10_000):
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
         if tag == TAG_READY and self.spam_readies < SPAM_DRAINS:
             self.spam_readies += 1
             yield _ready(2, "")
@@ -123,7 +123,7 @@ class StaggeredRanks(ScriptedRanks):
         self.first_readies = [_ready(rank, "") for rank in delays]
         self.spam_readies = self.committed_during_spam = 0
 
-    def drain(self, tag: int, limit: int = 10_000):
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
         self.clock += 1
         if tag == TAG_STOP_ACK:
             yield from ScriptedRanks.drain(self, tag)
@@ -253,7 +253,7 @@ def test_a_round_with_no_answers_does_not_wait_for_any(tmp_path):
         for _ in range(3):
             before = ranks.clock
             master._round()  # a new input each time, the rank busy: a transaction, no answer
-            assert ranks.clock - before == 2  # one READY and one RESULT drain, no lingering
+            assert ranks.clock - before == 3  # a READY, a RESULT and an any-tag drain, no lingering
         with sqlite3.connect(tmp_path / "c.db") as db:
             queued = db.execute("SELECT count(*) FROM tasks WHERE state = 'queued'"
                                 ).fetchone()[0]
@@ -370,9 +370,10 @@ def test_a_rank_without_a_dispatch_does_not_hold_the_rounds_open(tmp_path, silen
         for _ in range(3):
             before = ranks.clock
             assert master._round()  # rank 1's RESULT and READY: commit, next WORK
-            # The RESULT drain, the READY drain, and the RESULT drain after the last READY
-            # (docs/protocol.md §3 order); a round lingering for rank 2 polls every 20 µs for 0.5 s.
-            assert ranks.clock - before == 3
+            # The RESULT drain, the READY drain, the drain of every other tag, and the RESULT
+            # drain after the last READY (docs/protocol.md §3 order); a round lingering for
+            # rank 2 polls every 20 µs for 0.5 s.
+            assert ranks.clock - before == 4
     finally:
         store.close()
     assert _worker_state(tmp_path / "c.db", 2) == ("parked" if silent == "parked" else None)
@@ -531,12 +532,27 @@ UNHANDLED_TEARDOWN_WORKER = textwrap.dedent("""\
     """)
 
 
+#: The launcher's variables a rank of this (pretend) job carries: the master fences only a
+#: process that has them (`processes.not_our_rank`).
+JOB = {"PMIX_NAMESPACE": "test-job@1"}
+
+
+@pytest.fixture
+def as_rank_0_of_a_job(monkeypatch):
+    """The test process as a job's master: its launcher's job name and rank 0."""
+    for var, value in {**JOB, "OMPI_COMM_WORLD_RANK": "0"}.items():
+        monkeypatch.setenv(var, value)
+
+
 @contextlib.contextmanager
-def unhandled_teardown_worker():
-    """UNHANDLED_TEARDOWN_WORKER running: (its Popen, the pids it printed); all of them
-    killed afterwards, whatever the test did."""
+def unhandled_teardown_worker(rank: int = 1, job: dict[str, str] = JOB):
+    """UNHANDLED_TEARDOWN_WORKER running as `rank` of `job`: (its Popen, the pids it
+    printed); all of them killed afterwards, whatever the test did."""
+    env = {k: v for k, v in os.environ.items() if k not in (*JOB_VARS, *RANK_VARS)}
+    if job:  # (no job: a process no launcher started)
+        env.update({**job, "OMPI_COMM_WORLD_RANK": str(rank)})
     worker = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, env=env)
     pids: list[int] = []
     try:
         pids = [int(p) for p in worker.stdout.readline().split()]
@@ -551,7 +567,7 @@ def unhandled_teardown_worker():
 
 @pytest.mark.timeout(60)
 def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_teardown(
-        tmp_path):
+        tmp_path, as_rank_0_of_a_job):
     """A worker's teardown handler kills its command; under load MPICH's launcher SIGKILLs
     the other ranks as soon as one of them leaves, before they ran theirs, and their commands
     ran on after the job (one CI run in a few). The master kills the commands itself."""
@@ -573,13 +589,15 @@ def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_tea
 
 
 @pytest.mark.timeout(60)
-def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(tmp_path):
+def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(
+        tmp_path, as_rank_0_of_a_job):
     """Only a rank's own process is fenced: not the pid an earlier incarnation's READY
     reported (a resumed master's ranks are new processes), nor a process that started after
     the rank's last READY (the rank died and its pid went to another process). Either could
-    be anything: a shell server, whose shells the master would kill as 'commands'."""
+    be anything: a shell server, whose shells the master would kill as 'commands'. Here that
+    process is no rank of the job: it is left alone however recent its pid's report."""
     with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-          unhandled_teardown_worker() as (other, pids)):
+          unhandled_teardown_worker(rank=2, job={}) as (other, pids)):
         with store.transaction("test") as tx:
             for rank in (1, 2):
                 accept_versions(tx, rank, 0, "", host=socket.gethostname(), pid=other.pid)
@@ -588,12 +606,55 @@ def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(tmp_
             db.execute("UPDATE workers SET last_seen = last_seen - 60 WHERE rank = 2")
         master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
         assert master.fence([1, 2], term_wait_s=0.2) == []
+        with sqlite3.connect(tmp_path / "c.db") as db:  # reported in time, but no rank
+            db.execute("UPDATE workers SET last_seen = last_seen + 60 WHERE rank = 2")
+        assert master.fence([1, 2], term_wait_s=0.2) == []
         time.sleep(0.3)
         assert other.poll() is None and all(map(running, pids))
-        with sqlite3.connect(tmp_path / "c.db") as db:  # the rank's own process is fenced
-            db.execute("UPDATE workers SET last_seen = last_seen + 60 WHERE rank = 2")
-        assert master.fence([1, 2], term_wait_s=0.2) == [2]
-        assert other.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+def test_a_ranks_own_process_is_fenced_whatever_pid_it_reported(tmp_path,
+                                                                as_rank_0_of_a_job):
+    """The rank's own process is found by its launcher's variables when what it reported is
+    not it (a pid of another process, a pid reported before it was restarted)."""
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
+              unhandled_teardown_worker(rank=2) as (worker, pids)):
+            with store.transaction("test") as tx:
+                accept_versions(tx, 2, 0, "", host=socket.gethostname(), pid=decoy.pid)
+            master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
+            assert master.fence([2], term_wait_s=0.2) == [2]
+            assert worker.wait(timeout=10) == -signal.SIGKILL
+            assert decoy.poll() is None
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who", ["another job's rank 1", "this job's rank 2", "no rank"])
+def test_a_pid_that_is_not_the_ranks_own_process_is_never_fenced(tmp_path, capsys,
+                                                                 as_rank_0_of_a_job, who):
+    """A rank reported another process's pid in its READY and ignored STOP: the fence
+    stopped and killed that process. Only a process of this job holding that rank is fenced;
+    anything else is left alone, and the master says why."""
+    rank, job = {"another job's rank 1": (1, {"PMIX_NAMESPACE": "other-job@1"}),
+                 "this job's rank 2": (2, JOB), "no rank": (1, {})}[who]
+    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
+          unhandled_teardown_worker(rank, job) as (other, pids)):
+        with store.transaction("test") as tx:
+            accept_versions(tx, 1, 0, "", host=socket.gethostname(), pid=other.pid)
+        master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
+        try:
+            assert master.fence([1], term_wait_s=0.2) == []
+            time.sleep(0.3)
+            assert other.poll() is None
+        finally:
+            other.kill()
+            other.wait()
+    assert f"rank 1 reported pid {other.pid}, which is not fenced" in capsys.readouterr().err
 
 
 class DyingRanks(ScriptedRanks):

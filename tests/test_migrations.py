@@ -6,6 +6,7 @@ factory (WAL, foreign keys, our own BEGIN IMMEDIATE), never an in-memory databas
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import subprocess
 import sys
@@ -619,3 +620,26 @@ def test_an_upgrade_that_fails_keeps_the_revisions_it_completed(tmp_path: Path):
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0005",)]
         assert conn.execute("SELECT count(*) FROM sqlite_master WHERE name = "
                             "'ix_results_status'").fetchone() == (1,)
+
+
+def test_0009_keeps_the_quarantine_and_goes_back_expanding_sampled_rows(tmp_path: Path):
+    """0009 copies `quarantine` for its new channels and reasons and adds `repeats`; going
+    back, a row that stood for several messages becomes that many rows, and rows of the new
+    kinds (which the old constraints refuse) go."""
+    db = tmp_path / "q.db"
+    versioning.upgrade(db, "0008")
+    with contextlib.closing(sqlite3.connect(db)) as c, c:
+        c.executemany("INSERT INTO quarantine (at, incarnation, channel, reason, rank) "
+                      "VALUES (1, 1, ?, ?, 1)", [("ready", "stale"), ("result", "missing")])
+    versioning.upgrade(db, "0009")
+    with contextlib.closing(sqlite3.connect(db)) as c, c:
+        assert c.execute("SELECT channel, reason, repeats FROM quarantine ORDER BY id").fetchall(
+        ) == [("ready", "stale", 1), ("result", "missing", 1)]
+        c.execute("UPDATE quarantine SET repeats = 4 WHERE channel = 'ready'")
+        c.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank, repeats) "
+                  "VALUES (2, 1, 'other', 'foreign_tag', 1, 9)")
+    _run_alembic(db, "downgrade", "0008")
+    with contextlib.closing(sqlite3.connect(db)) as c:
+        assert c.execute("SELECT channel, reason, count(*) FROM quarantine GROUP BY 1, 2 "
+                         "ORDER BY 1, 2").fetchall() == [("ready", "stale", 4),
+                                                          ("result", "missing", 1)]

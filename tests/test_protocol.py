@@ -126,3 +126,19 @@ def test_ready_pid_must_be_a_positive_int(pid):
 @pytest.mark.parametrize("pid", [1, 4242])
 def test_ready_pid_positive_int_is_kept(pid):
     assert ready_info({"pid": pid}, 0).pid == pid
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"rank": 2}, "it says it is rank 2, and it came from rank 1"),
+    ({"rank": True}, "it says it is rank True"),
+    ({"pid": 2**64 - 1}, "pid 18446744073709551615 is not a process id"),
+    ({"pid": 0}, "pid 0 is not a process id"),
+    ({"pid": "12"}, "pid '12' is not a process id"),
+    ({"host": ""}, "host '' is not a host name"),
+    ({"host": "h" * 256}, "is not a host name"),
+])
+def test_a_ready_field_out_of_range_is_named(fields, says):
+    """A READY with pid 2**64 - 1 ended the master when the store wrote it."""
+    from coordinator.protocol import ready_problem
+    assert says in ready_problem({**ready(T), **fields}, 1)
+    assert ready_problem(ready(T), 1) is None

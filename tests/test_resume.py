@@ -223,7 +223,7 @@ def test_done_tasks_whose_run_failed_can_be_requeued(farm):
     assert [r.task_id for r in rows(farm, results)] == [ok_id]
     [ev] = rows(farm, events, events.c.kind == "manual_requeue")
     assert (ev.task_id, ev.token) == (bad_id, sent[2])
-    assert ev.detail.startswith("from done: its error result discarded")
+    assert ev.detail.startswith("from done: its error result from rank 2 discarded")
     assert queue_order(farm) == [bad_id]
 
 

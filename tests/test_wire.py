@@ -108,3 +108,41 @@ def test_results_off_schema_are_refused(body):
     """Strict: nothing is coerced, nothing unknown is ignored; the reason is returned, not raised."""
     res, why = check_result(body)
     assert res is None and isinstance(why, str) and why
+
+
+def test_a_ready_is_decoded_into_scalars_only():
+    """Straight into a typed struct: a container in any field is malformed at once, and the
+    fields the master does not read are skipped unread."""
+    from coordinator.wire import decode_ready
+    good = encode({"rank": 1, "bitmap_version": 0, "empirical_profile_version": "",
+                   "completed_dispatch_token": T, "host": "h", "pid": 7, "extra": [[1]] * 9})
+    assert decode_ready(good)["completed_dispatch_token"] == T
+    for bad in ({"completed_dispatch_token": [T]}, {"pid": {"a": 1}}, [1, 2], "x"):
+        assert isinstance(decode_ready(encode(bad)), Undecodable), bad
+
+
+def test_a_results_payload_is_read_only_if_it_is_current():
+    """Classification reads the token alone (a stale RESULT's payload proves nothing, R4);
+    `check_result` reads the rest, strictly."""
+    from coordinator.wire import decode_result
+    body = encode({"token": T, "status": "ok", "value": [[]] * 1000, "junk": {"a": [1] * 50}})
+    assert decode_result(body) == {"token": T}
+    res, why = check_result({}, encode(Result(token=T, status="ok", value={"n": 1})))
+    assert why is None and res.value == {"n": 1}
+    _, why = check_result({}, encode({"token": T, "status": "ok", "duration_s": -1.0}))
+    assert why is not None and "duration_s" in why
+
+
+def test_a_value_past_its_bound_is_refused_and_test_cases_past_theirs_are_counted():
+    from coordinator.wire import MAX_TESTCASES, MAX_VALUE_BYTES
+    big = Result(token=T, status="ok", value="x" * (MAX_VALUE_BYTES + 1))
+    res, why = check_result({}, encode(big))
+    assert res is None and "over the" in why
+    many = Result(token=T, status="ok", dropped=5,
+                  testcases=[(f"t{i}", bytes([i % 256])) for i in range(MAX_TESTCASES + 250)])
+    res, why = check_result({}, encode(many))
+    assert why is None and len(res.testcases) == MAX_TESTCASES
+    assert res.testcases[-1] == (f"t{MAX_TESTCASES - 1}", bytes([(MAX_TESTCASES - 1) % 256]))
+    assert res.dropped == 255  # the 250 past the bound and the 5 the worker dropped itself
+    few = Result(token=T, status="ok", testcases=[("a", b"1"), ("b", b"2")])
+    assert check_result({}, encode(few))[0].testcases == [("a", b"1"), ("b", b"2")]

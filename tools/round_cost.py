@@ -62,7 +62,7 @@ class InstantWorkers:
             rank=rank, bitmap_version=0, empirical_profile_version="",
             completed_dispatch_token=token, host="bench", pid=rank))))
 
-    def drain(self, tag: int, limit: int = 10_000):
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
         q = self.queues.get(tag, deque())
         for _ in range(limit):
             if not q:

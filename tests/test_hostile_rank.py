@@ -1,0 +1,203 @@
+"""A broken or hostile rank cannot crash, hang, bloat or steer the master (issue 19).
+
+Each test runs a real job, MPMD: the master, one misbehaving rank (`bad_rank.py MODE`) and two
+honest workers, `mpiexec -n 1 coordinator run ... : -n 1 python bad_rank.py ... : -n 2
+coordinator run ...`. Every job is bounded in time (`finish`) and the master's memory is read
+from its own summary (`--summary-json`, peak RSS).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi_jobs import MPIEXEC, check_conservation, finish, mpi_kind, query, start
+
+from coordinator.exits import ExitStatus
+from coordinator.launcher import mpiexec_flags
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300),
+              pytest.mark.skipif(mpi_kind() != "openmpi",
+                                 reason="the hostile rank's checks run under Open MPI (issue "
+                                        "19); MPICH ends a job whose rank is fenced")]
+
+HERE = Path(__file__).resolve().parent
+MiB = 1 << 20
+
+
+def hostile_job(tmp_path: Path, mode: str, arg: str = "", *args: str,
+                tasks: int = 60, stop_wait: str = "5") -> tuple[object, Path, Path]:
+    """Start the job: (its Job, the campaign file, the summary file)."""
+    db, summary = tmp_path / "c.db", tmp_path / "summary.json"
+    rank = [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--demo", str(tasks),
+            "--no-progress", "--summary-json", str(summary), "--stop-wait", stop_wait, *args]
+    flags = [f for f in mpiexec_flags(MPIEXEC, 1, ulfm=True) if f not in ("-n", "1")]
+    command = [MPIEXEC, *flags, "-n", "1", *rank, ":", "-n", "1", sys.executable,
+               str(HERE / "bad_rank.py"), mode, *([arg] if arg else []), ":", "-n", "2", *rank]
+    env = {"PYTHONPATH": str(HERE.parent)}
+    return start([], command=command, env=env), db, summary
+
+
+def peak_rss_mib(summary: Path) -> float:
+    return json.loads(summary.read_text())["master_peak_rss_mib"]
+
+
+def quarantined(db: Path) -> dict[tuple[str, str], tuple[int, int]]:
+    """(channel, reason) -> (rows, messages they stand for)."""
+    return {(c, r): (n, m) for c, r, n, m in query(
+        db, "SELECT channel, reason, count(*), sum(repeats) FROM quarantine GROUP BY 1, 2")}
+
+
+def test_a_pid_the_store_cannot_hold_is_quarantined_not_fatal(tmp_path):
+    """One idle READY with pid 2**64 - 1 ended the master (exit 5): the store raised
+    OverflowError writing it. Every reported field is range-checked at the gate."""
+    job, db, _ = hostile_job(tmp_path, "pid")
+    done = finish(job, timeout=180)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    check_conservation(db, expected_tasks=60)
+    [(detail,)] = query(db, "SELECT detail FROM quarantine WHERE channel = 'ready'")
+    assert "pid 18446744073709551615 is not a process id" in detail
+
+
+@pytest.mark.parametrize("size", [300 * MiB, (2 << 30) + 5 * MiB])
+def test_an_oversized_message_is_consumed_without_being_held(tmp_path, size):
+    """A message over 2 GiB ended the master (exit 5), and one of 1.9 GB raised its RSS to
+    1.9 GiB although --max-message-bytes was 64 MiB: the size is now read from the probe and
+    the message consumed into a small buffer, quarantined as oversized."""
+    job, db, summary = hostile_job(tmp_path, "oversized", str(size))
+    done = finish(job, timeout=240)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=60)
+    assert quarantined(db) == {("result", "oversized"): (1, 1)}
+    [(detail,)] = query(db, "SELECT detail FROM quarantine")
+    assert detail == f"oversized message: {size} bytes > {64 * MiB}"
+    assert peak_rss_mib(summary) < 3 * 64, peak_rss_mib(summary)
+
+
+@pytest.mark.parametrize("where, n", [("value", 60_000_000), ("testcases", 15_000_000)])
+def test_a_decoding_bomb_in_a_current_result_costs_no_memory(tmp_path, where, n):
+    """A 64 MiB msgpack "bomb" (an array of empty arrays) raised the master's RSS to 4.7 GiB.
+    Messages are decoded into typed structs: a value over its bound is refused unread (the
+    task is retried), test cases past the first MAX_TESTCASES are counted, not built."""
+    job, db, summary = hostile_job(tmp_path, f"bomb-{where}", str(n), "--no-feedback")
+    done = finish(job, timeout=240)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=60)
+    assert peak_rss_mib(summary) < 3 * 64, peak_rss_mib(summary)
+    if where == "value":
+        [(detail,)] = query(db, "SELECT detail FROM quarantine WHERE reason = 'payload'")
+        assert "its value is" in detail and "over the 2097152 a value may have" in detail
+    else:
+        assert query(db, "SELECT sum(dropped) FROM results") == [(n - 1000,)]
+
+
+def test_messages_on_a_foreign_tag_are_drained_and_counted(tmp_path):
+    """Messages on tags the master never receives piled up in MPI's queue (320,000 brought
+    it to 1.6 GiB in 47 s). Every message to rank 0 is drained, whatever its tag; the
+    quarantine keeps a sample of rows and the exact count."""
+    job, db, summary = hostile_job(tmp_path, "foreign", "900", "--demo-work-ms", "50")
+    done = finish(job, timeout=240)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=60)
+    rows, messages = quarantined(db)[("other", "foreign_tag")]
+    assert messages == 900 and rows == 100
+    assert "Quarantined other messages: 900 (foreign_tag=900)" in done.stderr
+
+
+def test_a_flood_on_a_foreign_tag_costs_no_memory_and_refuses_its_rank(tmp_path):
+    """A rank whose messages are mostly garbage gets no more work (and is ended with the job);
+    however many it sends, they are drained at the master's pace and sampled."""
+    job, db, summary = hostile_job(tmp_path, "foreign", "300000", "--demo-work-ms", "50")
+    done = finish(job, timeout=240)
+    assert "rank 1 is refused: " in done.stderr, done.stderr[-3000:]
+    assert done.returncode == ExitStatus.UNACKED, done.stderr[-3000:]  # ended with the job
+    check_conservation(db, expected_tasks=60)
+    rows, messages = quarantined(db)[("other", "foreign_tag")]
+    assert messages >= 1_000 and rows == 100
+    assert peak_rss_mib(summary) < 3 * 64, peak_rss_mib(summary)
+
+
+def test_a_rank_that_never_starts_is_treated_as_lost(tmp_path):
+    """A rank that never joined the start-up barrier left the honest workers waiting in it
+    and the master with 300 tasks queued, past any bound. The verdict goes to each worker
+    alone, and a rank silent --start-wait seconds after the start is lost."""
+    job, db, _ = hostile_job(tmp_path, "silent", "", "--start-wait", "3",
+                             "--demo-work-ms", "200")
+    done = finish(job, timeout=180)
+    assert "rank 1 reported no READY 3 s after the start; treated as lost" in done.stderr
+    assert done.returncode == ExitStatus.UNACKED, done.stderr[-3000:]  # ended at the end
+    check_conservation(db, expected_tasks=60)
+    assert query(db, "SELECT count(*) FROM results") == [(60,)]
+
+
+def test_a_pid_that_is_not_the_ranks_own_is_never_fenced(tmp_path):
+    """A rank that sent another process's pid in its READY and then ignored STOP got that
+    process killed by the fence. The fence checks the process is that rank of this job."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        job, db, _ = hostile_job(tmp_path, "steer", str(victim.pid), "--watchdog", "3")
+        done = finish(job, timeout=180)
+        time.sleep(1)
+        assert victim.poll() is None, "the fence killed a process that is no rank"
+    finally:
+        victim.kill()
+        victim.wait()
+    assert f"rank 1 reported pid {victim.pid}, which is not fenced" in done.stderr, \
+        done.stderr[-3000:]
+    check_conservation(db, expected_tasks=60)
+
+
+def test_test_cases_past_the_masters_limit_are_dropped_and_counted(tmp_path):
+    """105 answers of 2,000 test cases made 210,000 tasks and files; one of 100,000 held the
+    master in one round ~95 s. The master keeps MAX_TESTCASES per RESULT, counts the rest."""
+    job, db, _ = hostile_job(tmp_path, "testcases", "5000", "--no-feedback")
+    done = finish(job, timeout=240)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    check_conservation(db)
+    assert query(db, "SELECT max(testcases), sum(dropped) FROM results") == [(1000, 4000)]
+    assert len(list((tmp_path / "c.db.out").iterdir())) == 1000
+
+
+def test_a_pickle_sent_to_other_ranks_is_never_unpickled(tmp_path):
+    """The start-up broadcast was a pickled bcast that a rank relays in Open MPI's tree: a
+    rogue at rank 1 had its pickle unpickled (its code run) by rank 3. Nothing that crosses
+    the wire is pickled; a worker takes its verdict from rank 0 alone."""
+    marker = tmp_path / "pwned"
+    job, db, _ = hostile_job(tmp_path, "pickle", str(marker))
+    done = finish(job, timeout=180)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    assert not marker.exists()
+    check_conservation(db, expected_tasks=60)
+
+
+def test_a_rank_sending_mostly_garbage_is_refused_and_its_rows_stay_few(tmp_path):
+    """77,290 quarantine rows came from one rogue in 30 s. Rows are sampled per rank and
+    reason (exact counts in `repeats`); a rank whose messages are mostly garbage gets no
+    more work, and the master says so."""
+    job, db, _ = hostile_job(tmp_path, "garbage", "20000", "--demo-work-ms", "100")
+    done = finish(job, timeout=240)
+    assert done.returncode == ExitStatus.UNACKED, done.stderr[-3000:]  # ended with the job
+    assert "rank 1 is refused: " in done.stderr
+    check_conservation(db, expected_tasks=60)
+    q = quarantined(db)
+    # The 20,000 (READYs malformed; RESULTs unowned: the rank held no dispatch), and the READY
+    # it sent after them, refused too.
+    assert 20_000 <= sum(m for _, m in q.values()) <= 20_001, q
+    assert sum(n for n, _ in q.values()) <= 300  # 100 per rank, channel and reason at most
+    assert query(db, "SELECT state FROM workers WHERE rank = 1") == [("failed",)]
+
+
+def test_forged_stop_acks_are_counted_not_printed(tmp_path):
+    """Each forged STOP_ACK printed a line (25,059 in one run)."""
+    job, db, _ = hostile_job(tmp_path, "acks", "10000", stop_wait="60")
+    done = finish(job, timeout=240)
+    assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+    assert done.stderr.count("STOP_ACK with a token") == 3
+    rows, messages = quarantined(db)[("stop_ack", "stale")]
+    assert messages == 10_000 and rows <= 100
+    check_conservation(db, expected_tasks=60)
