@@ -12,6 +12,7 @@ import textwrap
 import time
 
 import pytest
+from fakes import WorkerSide
 
 from coordinator.errors import UsageError
 from coordinator.executors import (
@@ -664,35 +665,6 @@ def test_a_callable_whose_import_exits_is_a_bad_spec(tmp_path):
         make_executor("python", callable_spec=f"{script}:work")
 
 
-class _WorkerSide:
-    """The part of `Transport` a worker uses: a script of messages from the master, and what
-    the worker sent back."""
-
-    rank, fault_tolerant = 1, False
-
-    def __init__(self, messages):
-        from collections import deque
-        self.inbox = deque(messages)
-        self.results: list[dict] = []
-        self.readies: list[dict] = []
-        self.backoffs: list = []
-
-    def wait_for_master(self, backoff, timeout_s):
-        self.backoffs.append(backoff)
-        return self.inbox.popleft() if self.inbox else None
-
-    def send_result(self, data: bytes) -> None:
-        import msgspec
-        self.results.append(msgspec.msgpack.decode(data))
-
-    def send_ready(self, data: bytes) -> None:
-        import msgspec
-        self.readies.append(msgspec.msgpack.decode(data))
-
-    def send_stop_ack(self, data: bytes) -> None:
-        pass
-
-
 class _Counting:
     needs_workdir = False
 
@@ -714,7 +686,7 @@ def test_the_worker_runs_no_work_whose_token_is_not_canonical(tmp_path):
     from coordinator.wire import TAG_STOP, TAG_WORK, Stop, Work, encode
     from coordinator.worker import _serve
     good = "a" * 64
-    side = _WorkerSide([
+    side = WorkerSide([
         Received(0, TAG_WORK, encode(Work(token=good.upper(), task={"data": 1}))),
         Received(0, TAG_WORK, encode(Work(token=good[:-1], task={"data": 2}))),
         Received(0, TAG_WORK, encode(Work(token=good, task={"data": 3}))),
@@ -733,7 +705,7 @@ def test_the_worker_waits_for_work_with_the_spin_window_it_was_given(tmp_path):
     from coordinator.transport import Received
     from coordinator.wire import TAG_STOP, TAG_WORK, Stop, Work, encode
     from coordinator.worker import serve
-    side = _WorkerSide([Received(0, TAG_WORK, encode(Work(token="a" * 64, task={"data": 1}))),
+    side = WorkerSide([Received(0, TAG_WORK, encode(Work(token="a" * 64, task={"data": 1}))),
                         Received(0, TAG_STOP, encode(Stop(token="b" * 64)))])
     assert serve(side, _Counting(), tmp_path, spin_s=0.025) == 0
     assert [b.yield_window for b in side.backoffs] == [0.025, 0.025]
