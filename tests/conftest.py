@@ -1,4 +1,6 @@
-"""Shared fixtures: real campaign files in tmp_path (WAL does not exist in memory)."""
+"""Shared fixtures and helpers: real campaign files in tmp_path (WAL does not exist in memory),
+the message-by-message master `Farm`, and what tests read back from its file. (The fake
+transports are in `fakes.py`.)"""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from coordinator.gate import Gate, Inbound
 from store.campaign import Store
 from store.journal import RetryPolicy
-from store.schema import TASK_TRANSITIONS, TaskState
-from store.tasks import NewTask, enqueue_tasks
+from store.schema import TASK_TRANSITIONS, TaskState, tasks, workers
+from store.tasks import NewTask, enqueue_tasks, take_queued
 
 # Open MPI refuses to run as root without these; harmless elsewhere.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -93,6 +96,60 @@ class Farm:
     def close(self) -> None:
         self.store.close()
         assert_task_transitions_allowed(self.path)
+
+
+# -- what tests read back from a Farm's file, and the steps they repeat ---------------------
+
+def rows(farm: Farm, table, *where):
+    with farm.store.reading() as conn:
+        return conn.execute(select(table).where(*where)).all()
+
+
+def task_state(farm: Farm, task_id: int) -> str:
+    return rows(farm, tasks, tasks.c.id == task_id)[0].state
+
+
+def worker_state(farm: Farm, rank: int) -> str:
+    return rows(farm, workers, workers.c.rank == rank)[0].state
+
+
+def started(farm: Farm, payload=None, rank=1) -> tuple[int, str]:
+    """One task dispatched to `rank`, which has shown its first READY."""
+    [tid] = farm.enqueue(payload or {"path": "/seed/a", "target_branch": 7})
+    farm.ready(rank, "")
+    token = farm.dispatch(rank)[rank]
+    return tid, token
+
+
+def snapshot(farm: Farm):
+    """Every row the protocol owns, for 'changes nothing' assertions (events excluded)."""
+    with sqlite3.connect(farm.path) as c:
+        return {t: sorted(c.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
+                for t in ("tasks", "dispatches", "leases", "workers", "results")}
+
+
+def fail_once(farm: Farm, rank: int = 1):
+    """The task at the head of the queue dispatched to `rank` and failed (an invalid RESULT
+    joined with its READY): the sweep's recoveries."""
+    farm.ready(rank, "")
+    tok = farm.dispatch(rank)[rank]
+    farm.result(rank, None)
+    farm.ready(rank, tok)
+    return farm.sweep()
+
+
+def defer(farm: Farm, payload, input_bytes=None) -> int:
+    """Enqueue a task and fail it twice (retries=1): it ends deferred."""
+    [tid] = farm.enqueue(payload, input_bytes=input_bytes)
+    for _ in range(2):
+        fail_once(farm)
+    assert rows(farm, tasks, tasks.c.id == tid)[0].state == "deferred"
+    return tid
+
+
+def queue_order(farm: Farm) -> list[int]:
+    with farm.store.transaction() as tx:
+        return [t.id for t in take_queued(tx, 100)]
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import dataclasses
 import sqlite3
 
 import pytest
-from conftest import Farm
+from conftest import Farm, fail_once, rows, snapshot, started, task_state, worker_state
 from sqlalchemy import select
 
 from coordinator.gate import Inbound
@@ -28,35 +28,6 @@ from store.schema import (
 from store.semantic import PayloadError, normalize, semantic_id
 from store.stats import read_stats, stats_text
 from store.workers import set_workers
-
-
-def rows(farm: Farm, table, *where):
-    with farm.store.reading() as conn:
-        return conn.execute(select(table).where(*where)).all()
-
-
-def task_state(farm: Farm, task_id: int) -> str:
-    return rows(farm, tasks, tasks.c.id == task_id)[0].state
-
-
-def worker_state(farm: Farm, rank: int) -> str:
-    return rows(farm, workers, workers.c.rank == rank)[0].state
-
-
-def started(farm: Farm, payload=None, rank=1) -> tuple[int, str]:
-    """One task dispatched to `rank`, which has shown its first READY."""
-    [tid] = farm.enqueue(payload or {"path": "/seed/a", "target_branch": 7})
-    farm.ready(rank, "")
-    token = farm.dispatch(rank)[rank]
-    return tid, token
-
-
-def snapshot(farm: Farm):
-    """Every row the protocol owns, for 'changes nothing' assertions (events excluded)."""
-    with sqlite3.connect(farm.path) as c:
-        return {t: sorted(c.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
-                for t in ("tasks", "dispatches", "leases", "workers", "results")}
-
 
 # -- the join (R2-R5) ------------------------------------------------------------------------
 
@@ -251,14 +222,6 @@ def test_pre_send_compensation_rewinds_exactly(farm):
 
 
 # -- retry policy (R7, R8) ---------------------------------------------------------------
-
-def fail_once(farm: Farm, rank: int = 1):
-    farm.ready(rank, "")
-    tok = farm.dispatch(rank)[rank]
-    farm.result(rank, None)
-    farm.ready(rank, tok)
-    return farm.sweep()
-
 
 def test_retries_one_requeues_then_defers_with_the_same_id(farm):
     [tid] = farm.enqueue({"path": "/seed/x", "focus_bytes": [1, 2]})

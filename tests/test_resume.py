@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from conftest import Farm
+from conftest import Farm, defer, fail_once, queue_order, rows
 from sqlalchemy import select
-from test_gate import fail_once, rows
 
 from store.dispatches import requeue_in_flight
 from store.journal import RetryPolicy
@@ -17,22 +16,7 @@ from store.tasks import (
     get_task,
     requeue_error_results,
     requeue_tasks,
-    take_queued,
 )
-
-
-def defer(farm: Farm, payload, input_bytes=None) -> int:
-    """Enqueue a task and fail it twice (retries=1): it ends deferred."""
-    [tid] = farm.enqueue(payload, input_bytes=input_bytes)
-    for _ in range(2):
-        fail_once(farm)
-    assert rows(farm, tasks, tasks.c.id == tid)[0].state == "deferred"
-    return tid
-
-
-def queue_order(farm: Farm) -> list[int]:
-    with farm.store.transaction() as tx:
-        return [t.id for t in take_queued(tx, 100)]
 
 
 def test_deferred_tasks_come_back_first_and_rebuilt_exactly(db_path, tmp_path):
