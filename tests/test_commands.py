@@ -76,3 +76,73 @@ def test_status_reads_a_finished_campaign_without_creating_anything(db_path, cap
     assert main(["status", "--db", str(db_path)]) == ExitStatus.OK
     assert "tasks: 4 = 4 done" in capsys.readouterr().out
     assert _listing(db_path.parent) == before
+
+
+def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, capsys):
+    """One transaction of 100,000 tasks held the write lock for 30 s, and a master running on
+    the campaign gave up waiting for it (database is locked) and died. Chunks of
+    REQUEUE_CHUNK tasks each commit on their own; the queue order is still the id order."""
+    import sqlite3
+
+    from coordinator import commands
+    from coordinator.cli import main
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(10)))
+    farm.close()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
+    monkeypatch.setattr(commands, "REQUEUE_CHUNK", 3)
+    assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
+    assert capsys.readouterr().out == f"requeued 10 task(s): {', '.join(map(str, ids))}\n"
+    with sqlite3.connect(db_path) as c:
+        order = [r[0] for r in c.execute(
+            "SELECT id FROM tasks WHERE state = 'queued' ORDER BY queue_pos, id")]
+        commits = c.execute("SELECT count(DISTINCT at) FROM events "
+                            "WHERE kind = 'manual_requeue'").fetchone()[0]
+    assert order == ids
+    assert commits == 4  # 3 + 3 + 3 + 1
+    # an id that is not there (or not in that state) is named, not passed over in silence
+    assert main(["requeue", "--db", str(db_path), "--id", str(ids[0]), "--id", "9999"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "requeued 0 task(s)\n"
+    assert out.err == (f"coordinator: not requeued (no such task, or not failed or deferred): "
+                       f"{ids[0]}, 9999\n")
+
+
+def test_cli_requeue_of_many_tasks_prints_runs_of_ids_not_every_id(db_path, capsys):
+    """50,000 requeued tasks printed one console line of 400 KB, every id in it."""
+    import sqlite3
+
+    from coordinator.cli import main
+    from coordinator.commands import id_list
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(60)))
+    farm.close()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
+    assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
+    assert capsys.readouterr().out == f"requeued 60 task(s): {ids[0]}-{ids[-1]}\n"
+    assert id_list([1, 2, 3]) == "1, 2, 3"
+    assert id_list([*range(1, 100, 2), 200, 201, 202], whole_up_to=3, runs_shown=3) == \
+        "1, 3, 5, ... and 48 more runs of ids"
+    assert id_list([59, *range(1, 59)], runs_shown=3) == "1-59"
+
+
+def test_dropped_test_cases_are_counted_in_status(db_path, capsys):
+    """A run whose outputs were over the executor's limits said so only in its result's
+    detail; the count is a column that `status` and its JSON sum."""
+    from coordinator.cli import main
+    farm = Farm(db_path)
+    farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    farm.ready(1), farm.ready(2), farm.ready(3)
+    tokens = farm.dispatch(1, 2, 3)
+    farm.result_raw(1, {"token": tokens[1], "status": "ok", "dropped": 2000,
+                        "detail": "dropped 2000 of 3000 output files (0 over 1 bytes; ...)"})
+    farm.result_raw(2, {"token": tokens[2], "status": "ok", "dropped": 5})
+    farm.result_raw(3, {"token": tokens[3], "status": "ok"})
+    farm.close()
+    assert main(["status", "--db", str(db_path)]) == 0
+    assert "dropped test cases: 2005 in 2 results" in capsys.readouterr().out
+    assert main(["status", "--db", str(db_path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["dropped_testcases"], got["dropped_results"]) == (2005, 2)

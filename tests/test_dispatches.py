@@ -8,13 +8,14 @@ import dataclasses
 import sqlite3
 
 import pytest
-from conftest import Farm, fail_once, rows, snapshot, started, worker_state
+from conftest import Farm, fail_once, queue_order, rows, snapshot, started, worker_state
 from sqlalchemy import select
 
 from coordinator.gate import Inbound
 from coordinator.protocol import ReadyStatus
 from store import dispatches as dsp
-from store.schema import TaskState, dispatches, leases, results, tasks
+from store.dispatches import requeue_in_flight
+from store.schema import TaskState, dispatches, events, leases, results, tasks, workers
 from store.stats import read_stats
 
 # -- rollback (R6, R7) -------------------------------------------------------------------
@@ -212,3 +213,43 @@ def test_a_rollback_in_the_round_sees_the_pending_ready_mark(farm):
 
     _statements(farm, round_)
     assert rows(farm, dispatches) == [] and worker_state(farm, 1) == "idle"
+
+
+# -- a graceful stop's requeue ---------------------------------------------------------------
+
+def test_graceful_stop_returns_in_flight_work_without_counting_it(farm):
+    ids = farm.enqueue({"data": 1}, {"data": 2})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.dispatch(1, 2)
+    with farm.store.transaction() as tx:
+        assert sorted(requeue_in_flight(tx, earlier_incarnations=False)) == ids
+    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+    assert [(t.state, t.attempts) for t in rows(farm, tasks)] == [("queued", 0)] * 2
+    assert queue_order(farm) == ids
+
+
+def test_graceful_stop_charges_the_attempt_of_a_worker_known_to_be_gone(farm):
+    """A dead worker's task may be what killed it: a stop must not requeue it for free (a
+    poison task would otherwise loop across resumes), while the live ranks' tasks are not
+    charged. A live rank whose READY was seen ends idle; one still running stays busy (its STOP
+    waits for its READY)."""
+    ids = farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    for r in (1, 2, 3):
+        farm.ready(r, "")
+    sent = farm.dispatch(1, 2, 3)
+    farm.ready(1, sent[1])  # its RESULT never came
+    with farm.store.reading() as conn:
+        task_of = dict(conn.execute(select(dispatches.c.rank, dispatches.c.task_id)).all())
+    with farm.store.transaction() as tx:
+        assert sorted(requeue_in_flight(tx, earlier_incarnations=False,
+                                        charged_ranks={2})) == ids
+    attempts = {t.id: t.attempts for t in rows(farm, tasks)}
+    assert [attempts[task_of[r]] for r in (1, 2, 3)] == [0, 1, 0]
+    assert [t.state for t in rows(farm, tasks)] == ["queued"] * 3
+    state = {w.rank: w.state for w in rows(farm, workers)}
+    assert (state[1], state[3]) == ("idle", "busy")
+    kinds = [(e.rank, e.token, e.detail) for e in rows(farm, events)
+             if e.kind == "stop_requeued"]
+    assert sorted(kinds) == [(1, sent[1], None), (2, sent[2], "worker gone"),
+                             (3, sent[3], None)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conftest import Farm, defer
+
 from store.stats import read_stats, stats_text
 
 
@@ -40,3 +42,15 @@ def test_stats_text_sorts_the_reasons_whatever_order_they_come_in():
     text = stats_text(s)
     assert "Quarantined worker results: 3 (malformed=2,stale=1)\n" in text
     assert "Quarantined worker ready messages: 7 (missing=4,unowned=3)\n" in text
+
+
+def test_status_groups_held_tasks_by_their_reason(db_path, tmp_path):
+    from store.stats import held_reasons
+    farm = Farm(db_path)
+    for i in range(3):
+        defer(farm, {"data": i})
+    with farm.store.reading() as conn:
+        [(reason, n)] = held_reasons(conn)["deferred"]
+        assert n == 3 and reason
+        assert "failed" not in held_reasons(conn)
+    farm.close()

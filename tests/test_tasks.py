@@ -4,11 +4,12 @@ at a time."""
 from __future__ import annotations
 
 import pytest
-from conftest import Farm, fail_once, rows, started, task_state
+from conftest import Farm, fail_once, queue_order, rows, started, task_state
 from sqlalchemy import select
 
 from store.journal import RetryPolicy
-from store.schema import TaskState, dispatches, events, tasks
+from store.schema import TaskState, dispatches, events, results, tasks
+from store.tasks import requeue_error_results
 
 # -- retry decision (R7) ---------------------------------------------------------------
 
@@ -68,3 +69,40 @@ def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm, field,
         active = {r.task_id for r in conn.execute(select(dispatches.c.task_id))}
     assert active == {held, *free[:2]}
     assert all(task_state(farm, t) == "queued" for t in waiting + free[2:])
+
+
+# -- enqueue and requeue ---------------------------------------------------------------------
+
+def test_a_known_payload_with_other_bytes_is_not_added_and_leaves_no_blob(farm):
+    """A task is its semantic payload: the same path with another input file is the same task
+    (not run twice), and its bytes must not be stored as a blob nothing refers to."""
+    first = farm.enqueue({"path": "seed/a"}, input_bytes=b"one")
+    assert farm.enqueue({"path": "seed/a"}, input_bytes=b"two") == []
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM blobs").scalar() == 1
+    assert [t.id for t in rows(farm, tasks)] == first
+
+
+def test_done_tasks_whose_run_failed_can_be_requeued(farm):
+    """A run that failed for a reason outside the task (a target missing on a node, inputs
+    gone) is committed as an `error` result and its task is done; after the fix the operator
+    requeues exactly those: the result is discarded (its event keeps the token and why), the
+    task goes to the tail, the ok result stays."""
+    ok_id, bad_id, other_id = farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.ready(3, "")
+    sent = farm.dispatch(1, 2, 3)
+    farm.result(1, sent[1], status="ok")
+    farm.result(2, sent[2], status="error")
+    with farm.store.transaction() as tx:  # ids narrow it: task 3 is still active anyway
+        assert requeue_error_results(tx, ids=[ok_id, other_id]) == []
+        assert requeue_error_results(tx) == [bad_id]
+        assert requeue_error_results(tx) == []  # once
+    assert [(t.id, t.state, t.attempts) for t in rows(farm, tasks)] == [
+        (ok_id, "done", 0), (bad_id, "queued", 0), (other_id, "active", 0)]
+    assert [r.task_id for r in rows(farm, results)] == [ok_id]
+    [ev] = rows(farm, events, events.c.kind == "manual_requeue")
+    assert (ev.task_id, ev.token) == (bad_id, sent[2])
+    assert ev.detail.startswith("from done: its error result discarded")
+    assert queue_order(farm) == [bad_id]
