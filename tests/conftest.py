@@ -152,6 +152,23 @@ def queue_order(farm: Farm) -> list[int]:
         return [t.id for t in take_queued(tx, 100)]
 
 
+@contextlib.contextmanager
+def write_lock_held_elsewhere(db_path, monkeypatch):
+    """Another process's write transaction (a `sqlite3` shell's BEGIN IMMEDIATE) on the file
+    while the block runs, with a busy timeout of 0.1 s for the connections our side opens
+    in it (one opened before keeps its own)."""
+    import store.engine
+    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    monkeypatch.setattr(store.engine, "MASTER_BUSY_TIMEOUT_MS", 100)
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_job_outlives_its_test() -> Iterator[None]:
     yield

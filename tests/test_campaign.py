@@ -1,11 +1,19 @@
 """`store.campaign` across real reopens: restart recovery (R9) of deferred tasks and of a dead
-master's dispatches, and the retry budget and attempt ceiling that outlive a restart."""
+master's dispatches, the retry budget and attempt ceiling that outlive a restart, and what
+opening a campaign checks (--resume, the one master's lock, the stored settings)."""
 
 from __future__ import annotations
 
-from conftest import Farm, defer, fail_once, queue_order, rows
+import os
+import socket
+import sqlite3
+
+import pytest
+from conftest import Farm, defer, fail_once, queue_order, rows, write_lock_held_elsewhere
 from sqlalchemy import select
 
+from store.campaign import Store
+from store.errors import CampaignExistsError, CampaignLockedError, StoreWriteError
 from store.journal import RetryPolicy
 from store.schema import dispatches, events, leases, tasks
 from store.tasks import NewTask, enqueue_tasks, get_task, requeue_tasks
@@ -138,3 +146,91 @@ def test_restarts_cannot_retry_a_poison_task_forever(db_path):
     t = rows(farm, tasks, tasks.c.id == tid)[0]
     assert (t.state, t.attempts, t.reason) == ("queued", 0, None)
     farm.close()
+
+
+# -- open: a new campaign or --resume, the campaign's lock, its settings ------------------------
+
+def test_existing_campaign_needs_resume(db_path, farm):
+    farm.enqueue({"data": 1})
+    farm.store.close()  # the master that made it is gone (it would hold the campaign's lock)
+    with pytest.raises(CampaignExistsError, match="--resume"):
+        Store.open(db_path)
+    again = Store.open(db_path, resume=True)
+    assert again.incarnation == 2 and again.epoch != farm.store.epoch
+    again.close()
+
+
+def test_a_second_master_on_the_same_campaign_is_refused(db_path):
+    """Nothing else stops two masters (each would fence the other's dispatches out); the lock
+    goes with the first one's close (or its process)."""
+    first = Store.open(db_path)
+    try:
+        with pytest.raises(CampaignLockedError, match=r"in use by another master \(pid \d+"):
+            Store.open(db_path, resume=True)
+    finally:
+        first.close()
+    again = Store.open(db_path, resume=True)
+    assert again.incarnation == 2
+    again.close()
+
+
+def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
+    """What `status` reports: from the kernel's lock table, so a reused pid cannot pass for
+    a running master."""
+
+    from store.campaign import lock_held, lock_holder
+    assert (lock_holder(db_path), lock_held(db_path)) == (None, False)  # never run
+    store = Store.open(db_path)
+    try:
+        assert lock_holder(db_path) == (os.getpid(), socket.gethostname())
+        assert lock_held(db_path) is True
+    finally:
+        store.close()
+    assert lock_held(db_path) is False
+    assert lock_holder(db_path) == (os.getpid(), socket.gethostname())  # the last one
+
+
+def test_a_master_starting_under_another_process_s_write_lock_says_why(db_path, monkeypatch):
+    """Store.open read the schema in BEGIN IMMEDIATE: past the busy timeout a raw driver
+    error escaped, which the start took for an internal error (exit 5, a traceback)."""
+    Store.open(db_path).close()
+    with write_lock_held_elsewhere(db_path, monkeypatch), \
+            pytest.raises(StoreWriteError, match="longer than the master waits"):
+        Store.open(db_path, resume=True)
+    Store.open(db_path, resume=True).close()
+
+
+def test_settings_are_kept_and_a_refused_resume_writes_nothing(db_path):
+    """campaign.settings is written once, with the new campaign; on resume the stored ones go
+    to the check, and a check that refuses leaves the file as it was (same incarnation)."""
+    Store.open(db_path, settings={"executor": "python", "callable": "m:f"}).close()
+    seen = []
+
+    def refuse(stored):
+        seen.append(stored)
+        raise ValueError("another executor")
+
+    with pytest.raises(ValueError, match="another executor"):
+        Store.open(db_path, resume=True, settings={"executor": "demo"}, check_settings=refuse)
+    assert seen == [{"callable": "m:f", "executor": "python"}]
+    again = Store.open(db_path, resume=True, settings={"executor": "demo"},
+                       check_settings=seen.append)
+    assert again.incarnation == 2  # the refused start did not count as one
+    again.close()
+    assert seen[-1] == {"callable": "m:f", "executor": "python"}  # never overwritten
+
+
+def test_a_campaign_without_settings_takes_the_first_resumes(db_path):
+    """A campaign from before revision 0004 (NULL), or one whose settings are not a JSON
+    object, is not checked once: that start's settings become the record."""
+    Store.open(db_path).close()  # no settings given: NULL, as after `db upgrade`
+    for stored in (None, "not json", "[1, 2]"):
+        with sqlite3.connect(db_path) as c:
+            c.execute("UPDATE campaign SET settings = ?", (stored,))
+        seen = []
+        Store.open(db_path, resume=True, settings={"executor": "python"},
+                   check_settings=seen.append).close()
+        assert seen == [None]
+        with sqlite3.connect(db_path) as c:
+            assert c.execute("SELECT settings FROM campaign").fetchone() == (
+                '{"executor": "python"}',)

@@ -1,17 +1,24 @@
 """The operator's commands (`coordinator status`, `check`, `requeue`, `db upgrade`) on real
-campaign files, through the command line's own `main`."""
+campaign files, through the command line's own `main` or run as `python -m coordinator`: their
+output, their exit status, and what they leave of a file they cannot use."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import sqlite3
+import subprocess
 
 import pytest
-from conftest import Farm
+from conftest import Farm, write_lock_held_elsewhere
 
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
+from store.campaign import Store
+from store.errors import DatabaseOpenError
+from store.versioning import upgrade
 
 
 def _finished_campaign(db_path, n: int = 4) -> None:
@@ -146,3 +153,120 @@ def test_dropped_test_cases_are_counted_in_status(db_path, capsys):
     assert main(["status", "--db", str(db_path), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["dropped_testcases"], got["dropped_results"]) == (2005, 2)
+
+
+def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, monkeypatch,
+                                                                   capsys):
+    """`coordinator requeue` read the schema revision in a write transaction: past the busy
+    timeout it ended in a driver traceback (exit 1), not with the cause (exit 3)."""
+    from coordinator.cli import main
+    Store.open(db_path).close()
+    with write_lock_held_elsewhere(db_path, monkeypatch):
+        assert main(["requeue", "--db", str(db_path)]) == ExitStatus.STORE
+    err = capsys.readouterr().err
+    assert "database is locked (another process held the campaign's write lock" in err, err
+    assert main(["requeue", "--db", str(db_path)]) == 0
+
+
+def test_status_and_requeue_leave_an_empty_file_empty(db_path):
+    """A read-only command on a 0-byte file (a start that failed early, a `touch`) must not
+    turn it into an SQLite database."""
+    db_path.write_bytes(b"")
+    for args in (["status"], ["requeue", "--state", "all"]):
+        got = _cli(*args, "--db", str(db_path))
+        assert got.returncode == ExitStatus.USAGE and "holds no campaign yet" in got.stderr, got.stderr
+        assert db_path.stat().st_size == 0
+
+
+def test_db_upgrade_waits_for_no_master(db_path):
+    """A schema change under a running master (batch migrations copy tables) is refused."""
+    import sys
+    master = Store.open(db_path)
+    try:
+        up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                             str(db_path)], capture_output=True, text=True, timeout=60)
+    finally:
+        master.close()
+    assert up.returncode == ExitStatus.USAGE and "in use by another master" in up.stderr
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(db_path)], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0 and "already at" in up.stdout, up.stderr
+    # The upgrade held the lock without taking the master's place in it: `status` still
+    # names the last master, not the upgrade's pid.
+    from store.campaign import lock_holder
+    assert lock_holder(db_path) == (os.getpid(), socket.gethostname())
+
+
+def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
+    """A revision that copies a table (0005 copies `results`: seconds per million rows) is
+    announced before it starts, so a long upgrade is not a silent one."""
+    import sys
+
+    from store import versioning
+    versioning.upgrade(db_path, "0004")
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(db_path)], capture_output=True, text=True, timeout=60, check=False)
+    assert up.returncode == 0, up.stderr
+    assert f"upgrading {db_path} from schema 0004 to {versioning.head_revision()}" in up.stderr
+    assert f"schema 0004 -> {versioning.head_revision()}" in up.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    import sys
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_a_file_with_two_revision_stamps_is_refused_clearly_by_every_command(db_path):
+    """A hand edit left two rows in alembic_version: Alembic's own answer is a traceback
+    ("more than one head"); every command names what the file says instead."""
+    upgrade(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("INSERT INTO alembic_version VALUES ('0099')")
+    for args in (["status"], ["db", "upgrade"], ["requeue", "--state", "all"]):
+        got = _cli(*args, "--db", str(db_path))
+        assert got.returncode == ExitStatus.USAGE, (args, got.stderr)
+        assert "alembic_version table holds 2 revisions" in got.stderr, (args, got.stderr)
+        assert "Traceback" not in got.stderr
+
+
+def test_an_upgrade_that_fails_changes_nothing_and_says_so(db_path):
+    """A stamp older than the tables (0003 on a file whose tables are newer): the revision that
+    fails is rolled back whole; exit 3, no traceback."""
+    upgrade(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0003'")
+    got = _cli("db", "upgrade", "--db", str(db_path))
+    assert got.returncode == ExitStatus.STORE, got.stderr
+    assert "cannot upgrade" in got.stderr and "duplicate column name: settings" in got.stderr
+    assert "Traceback" not in got.stderr
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0003",)]
+
+
+def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
+    """A page overwritten on disk made `status`, `requeue` and `db upgrade` end in a driver
+    traceback (exit 1), a start in "internal error" (exit 5). Each now says the file is
+    damaged and what to do (exit 2)."""
+    import sys
+    db = tmp_path / "c.db"
+    store = Store.open(db)
+    store.close()
+    with sqlite3.connect(db) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        roots = [r for (r,) in conn.execute("SELECT rootpage FROM sqlite_master WHERE name "
+                                            "IN ('campaign', 'alembic_version')")]
+    conn.close()
+    assert len(roots) == 2
+    data = bytearray(db.read_bytes())
+    for root in roots:  # the file opens; what is read from it first is garbage
+        data[(root - 1) * page:root * page] = b"\xff" * page
+    db.write_bytes(bytes(data))
+    for command in (["status"], ["requeue", "--state", "deferred"], ["db", "upgrade"]):
+        done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db", str(db)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == ExitStatus.USAGE, (command, done.stderr[-2000:])
+        assert "is damaged (database disk image is malformed): restore a copy" in done.stderr
+        assert "Traceback" not in done.stderr
+    with pytest.raises(DatabaseOpenError, match="is damaged"):
+        Store.open(db, resume=True)

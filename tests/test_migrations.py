@@ -225,6 +225,21 @@ def test_an_unversioned_database_with_a_table_of_our_name_is_not_a_campaign(tmp_
     assert _table_count(db, "tasks") == 1
 
 
+def test_an_sqlite_file_of_something_else_is_not_turned_into_a_campaign(tmp_path):
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+    conn.close()
+    with pytest.raises(DatabaseOpenError, match="something else .*users"):
+        Store.open(path)
+    with pytest.raises(DatabaseOpenError, match="something else"):
+        versioning.upgrade(path)
+    conn = sqlite3.connect(path)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["users"]
+    conn.close()
+
+
 def test_store_open_refuses_a_database_downgraded_to_base(tmp_path: Path):
     db = tmp_path / "base.db"
     Store.open(db).close()
