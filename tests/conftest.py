@@ -187,3 +187,11 @@ def farm(db_path: Path) -> Iterator[Farm]:
     f = Farm(db_path)
     yield f
     f.close()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """An empty directory for an executor to run in."""
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
