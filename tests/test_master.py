@@ -4,13 +4,7 @@ loop itself decides, like when a round that lingers for more answers must end an
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import sqlite3
-import subprocess
-import sys
-import textwrap
 import time
 
 import msgspec
@@ -27,17 +21,14 @@ from fakes import (
     ready_message,
     valid_result,
 )
-from processes import running
 from sqlalchemy import func, select
 
 from coordinator.master import Master, MasterConfig
-from coordinator.processes import commands_run_by
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.wire import TAG_READY, TAG_RESULT
 from store.campaign import Store
 from store.schema import results, tasks
 from store.tasks import NewTask, enqueue_tasks
-from store.workers import accept_versions
 
 
 @pytest.mark.timeout(60)
@@ -334,7 +325,6 @@ def test_a_rank_busy_at_the_stop_does_not_hold_back_the_stop_of_the_idle_ones(tm
     assert dict(stops)[2] < 60 <= dict(stops)[1], stops
 
 
-
 @pytest.mark.timeout(60)
 def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_path,
                                                                                capsys):
@@ -353,102 +343,6 @@ def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tm
     assert summary.committed == 20 and summary.rounds > 1  # a write failed at every round
     assert err.count(f"cannot write the stats file {gone / 'c.stats'}: No such file") == 1
     assert master.stats_error == "No such file or directory"
-
-
-def test_progress_refreshes_less_often_when_its_read_is_slow():
-    """A refresh counts whole tables (a quarter second at a million tasks): every half second,
-    that cut a large campaign's rate by 2-3x. The next refresh waits LOAD_FACTOR x the read."""
-    from coordinator.progress import Progress
-    p = Progress(enabled=True)
-    p._live = object()  # due() only asks whether a display is live; nothing is drawn here
-    assert p.due(100.0) and not p.due(100.4) and p.due(100.5)
-    p.took(100.5, 0.001)  # a cheap read changes nothing
-    assert p.due(101.0)
-    p.took(101.0, 0.25)
-    assert not p.due(101.0 + Progress.LOAD_FACTOR * 0.25 - 0.01)
-    assert p.due(101.0 + Progress.LOAD_FACTOR * 0.25)
-
-
-# A worker whose teardown handler never runs (as when the launcher SIGKILLs it first), running
-# a command in a session of its own, which has a child of its own. It prints the command's pid,
-# the command's child's, and that of a plain child of its own, which is no command.
-UNHANDLED_TEARDOWN_WORKER = textwrap.dedent("""\
-    import signal, subprocess, sys, time
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-    command = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; "
-         f"c = subprocess.Popen({sleep!r}); print(c.pid, flush=True); time.sleep(600)"],
-        start_new_session=True, stdout=subprocess.PIPE, text=True)
-    plain = subprocess.Popen(sleep)
-    print(command.pid, command.stdout.readline().strip(), plain.pid, flush=True)
-    time.sleep(600)
-    """)
-
-
-@contextlib.contextmanager
-def unhandled_teardown_worker():
-    """UNHANDLED_TEARDOWN_WORKER running: (its Popen, the pids it printed); all of them
-    killed afterwards, whatever the test did."""
-    worker = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
-                              stdout=subprocess.PIPE, text=True)
-    pids: list[int] = []
-    try:
-        pids = [int(p) for p in worker.stdout.readline().split()]
-        yield worker, pids
-    finally:
-        worker.kill()
-        worker.wait()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.timeout(60)
-def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_teardown(
-        tmp_path):
-    """A worker's teardown handler kills its command; under load MPICH's launcher SIGKILLs
-    the other ranks as soon as one of them leaves, before they ran theirs, and their commands
-    ran on after the job (one CI run in a few). The master kills the commands itself."""
-    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-          unhandled_teardown_worker() as (worker, pids)):
-        command, its_child, plain_child = pids
-        assert commands_run_by([worker.pid]) == [command]
-        with store.transaction("test") as tx:
-            accept_versions(tx, 1, 0, "", host=socket.gethostname(), pid=worker.pid)
-        master = Master(store, InstantWorkers(), MasterConfig(stats_file=None))
-        assert master.fence([1], term_wait_s=0.2) == [1]
-        assert worker.wait(timeout=10) == -signal.SIGKILL  # it ignored the teardown signal
-        deadline = time.monotonic() + 10
-        while (running(command) or running(its_child)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not running(command) and not running(its_child)
-        # Only the command's group: the worker's other children are the launcher's business.
-        assert running(plain_child)
-
-
-@pytest.mark.timeout(60)
-def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(tmp_path):
-    """Only a rank's own process is fenced: not the pid an earlier incarnation's READY
-    reported (a resumed master's ranks are new processes), nor a process that started after
-    the rank's last READY (the rank died and its pid went to another process). Either could
-    be anything: a shell server, whose shells the master would kill as 'commands'."""
-    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-          unhandled_teardown_worker() as (other, pids)):
-        with store.transaction("test") as tx:
-            for rank in (1, 2):
-                accept_versions(tx, rank, 0, "", host=socket.gethostname(), pid=other.pid)
-        with sqlite3.connect(tmp_path / "c.db") as db:
-            db.execute("UPDATE workers SET state = 'unknown' WHERE rank = 1")
-            db.execute("UPDATE workers SET last_seen = last_seen - 60 WHERE rank = 2")
-        master = Master(store, InstantWorkers(), MasterConfig(stats_file=None))
-        assert master.fence([1, 2], term_wait_s=0.2) == []
-        time.sleep(0.3)
-        assert other.poll() is None and all(map(running, pids))
-        with sqlite3.connect(tmp_path / "c.db") as db:  # the rank's own process is fenced
-            db.execute("UPDATE workers SET last_seen = last_seen + 60 WHERE rank = 2")
-        assert master.fence([1, 2], term_wait_s=0.2) == [2]
-        assert other.wait(timeout=10) == -signal.SIGKILL
 
 
 @pytest.mark.timeout(60)
