@@ -8,14 +8,16 @@ import contextlib
 import os
 import sqlite3
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from coordinator.gate import Gate, Inbound
 from store.campaign import Store
+from store.dispatches import mark_sent
 from store.journal import RetryPolicy
 from store.schema import TASK_TRANSITIONS, TaskState, tasks, workers
 from store.tasks import NewTask, enqueue_tasks, take_queued
@@ -77,9 +79,13 @@ class Farm:
         with self.store.transaction() as tx:
             return self.gate.apply_ready(tx, [Inbound(rank, body)])
 
-    def dispatch(self, *ranks: int, deadline_s: float | None = None):
+    def dispatch(self, *ranks: int, deadline_s: float | None = None, sent: bool = False):
+        """{rank: token} of the dispatches planned; `sent`: their WORK marked sent, as the
+        master does once it has left."""
         with self.store.transaction() as tx:
             plan = self.gate.plan_dispatches(tx, list(ranks), deadline_s=deadline_s)
+            if sent:
+                mark_sent(tx, [p.token for p in plan])
         return {p.rank: p.token for p in plan}
 
     def result(self, rank: int, token: object, status: object = "ok", value=None):
@@ -92,6 +98,27 @@ class Farm:
     def sweep(self):
         with self.store.transaction() as tx:
             return self.gate.sweep(tx)
+
+    def state(self) -> dict[str, list[tuple]]:
+        """The committed state, without what differs by construction (tokens, times, ids)."""
+        with self.store.reading() as conn:
+            q = lambda sql: [tuple(r) for r in conn.execute(text(sql)).all()]  # noqa: E731
+            return {
+                "tasks": q("SELECT semantic_id, state, attempts, dispatches, reason FROM tasks "
+                           "ORDER BY semantic_id"),
+                "results": q("SELECT t.semantic_id, r.rank, r.status, r.value FROM results r "
+                             "JOIN tasks t ON t.id = r.task_id ORDER BY 1"),
+                "dispatches": q("SELECT rank, task_id FROM dispatches ORDER BY rank"),
+                "leases": q("SELECT kind, key FROM leases ORDER BY kind, key"),
+                "workers": q("SELECT rank, state, parked_token FROM workers ORDER BY rank"),
+                "quarantine": q("SELECT channel, reason, rank FROM quarantine ORDER BY 1, 2, 3"),
+            }
+
+    def events(self) -> Counter[str]:
+        """How many events of each kind the file holds."""
+        with self.store.reading() as conn:
+            return Counter(dict(conn.execute(text(
+                "SELECT kind, count(*) FROM events GROUP BY kind")).all()))
 
     def close(self) -> None:
         self.store.close()

@@ -92,9 +92,17 @@ def test_failed_deferral_leaves_the_task_queued_and_reported(farm):
     assert rec.defer_failed and rec.outcome is TaskState.QUEUED
     t = rows(farm, tasks, tasks.c.id == tid)[0]
     assert t.state == "queued" and "deferral failed" in t.reason
+    assert t.attempts == 2  # the failure is counted all the same
     with farm.store.reading() as conn:
         s = read_stats(conn)
     assert s.deferred == 0 and s.events["defer_failed"] == 1
+    # Healed: the next failure is deferred as the policy says.
+    with sqlite3.connect(farm.path) as c:
+        c.execute("DROP TRIGGER refuse_defer")
+    [rec] = fail_once(farm)
+    assert rec.outcome is TaskState.DEFERRED and not rec.defer_failed
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert (t.state, t.attempts) == ("deferred", 3)
 
 
 def test_failed_deferral_puts_the_task_back_at_the_head(farm):

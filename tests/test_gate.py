@@ -4,51 +4,106 @@ parked rank. (What the store's own modules do is in test_dispatches.py, test_tas
 
 from __future__ import annotations
 
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
 import pytest
 from conftest import Farm, rows, snapshot, started, task_state, worker_state
+from sqlalchemy import text
 
-from coordinator.gate import Inbound
+from coordinator.gate import Gate, Inbound
 from coordinator.protocol import ReadyStatus, ResultStatus
+from store.campaign import Store
+from store.journal import RetryPolicy
 from store.schema import (
     TaskState,
     dispatches,
-    leases,
     results,
     tasks,
     workers,
 )
 from store.stats import read_stats
+from store.tasks import NewTask, enqueue_tasks
+
+POLICY = RetryPolicy(retries=1, max_attempts=4)
+DEADLINE_S = 5.0
+READY_KEY = "completed_dispatch_token"
+
 
 # -- the join (R2-R5) ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("order", ["ready_first", "result_first"])
-def test_valid_result_commits_in_either_order(farm, order):
-    tid, tok = started(farm)
-    if order == "ready_first":
-        farm.ready(1, tok)
-        assert worker_state(farm, 1) == "busy"  # current READY alone does not free the rank
-        farm.result(1, tok)
-    else:
-        farm.result(1, tok)
-        assert worker_state(farm, 1) == "busy"  # waits for its READY
-        farm.ready(1, tok)
-    assert task_state(farm, tid) == "done"
-    assert worker_state(farm, 1) == "idle"
-    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
-    assert [r.token for r in rows(farm, results)] == [tok]
+def _run_order(path: Path, first: str, result_body) -> tuple[dict[str, Any], Counter[str],
+                                                             list, str]:
+    """One of two tasks dispatched to rank 1 (its WORK sent), its READY and the RESULT
+    `result_body(token)` applied in the `first` order, then the sweep: the committed state,
+    the event counts, the sweep's recoveries and the token. Neither message alone frees
+    the rank."""
+    farm = Farm(path, policy=POLICY)
+    try:
+        farm.enqueue({"path": "/seeds/one", "target_branch": 9}, {"path": "/seeds/two"})
+        farm.ready(1)
+        token = farm.dispatch(1, sent=True)[1]
+        if first == "ready":
+            farm.ready(1, token)
+            assert worker_state(farm, 1) == "busy"  # a current READY alone does not free it
+            farm.result_raw(1, result_body(token))
+        else:
+            farm.result_raw(1, result_body(token))
+            assert worker_state(farm, 1) == "busy"  # it waits for its READY
+            farm.ready(1, token)
+        swept = farm.sweep()
+        return farm.state(), farm.events(), swept, token
+    finally:
+        farm.close()
 
 
-@pytest.mark.parametrize("order", ["ready_first", "result_first"])
-def test_invalid_result_joined_with_ready_recovers_in_either_order(farm, order):
-    tid, tok = started(farm)
-    steps = [lambda: farm.ready(1, tok), lambda: farm.result(1, None)]
-    for step in steps if order == "ready_first" else steps[::-1]:
-        step()
-    [rec] = farm.sweep()
-    assert (rec.rank, rec.token, rec.task_id, rec.outcome) == (1, tok, tid, TaskState.QUEUED)
-    assert task_state(farm, tid) == "queued"
-    assert worker_state(farm, 1) == "idle"
-    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+def test_ready_first_and_result_first_commit_the_same_state(tmp_path: Path):
+    def ok(token: str) -> dict[str, Any]:
+        return {"token": token, "status": "ok", "value": {"testcases": 3}}
+
+    a, a_events, a_swept, a_token = _run_order(tmp_path / "ready_first.db", "ready", ok)
+    b, b_events, b_swept, b_token = _run_order(tmp_path / "result_first.db", "result", ok)
+    assert a == b
+    assert a_events == b_events
+    assert a_swept == b_swept == []
+    # The only difference is when READY was seen: READY-first records the ready mark, which
+    # the result keeps; RESULT-first committed already, so its READY is an idle READY.
+    def committed(path: Path) -> list[tuple[str, bool]]:
+        with sqlite3.connect(path) as c:
+            return [(t, bool(r)) for t, r in c.execute(
+                "SELECT token, ready_at IS NOT NULL FROM results")]
+    assert committed(tmp_path / "ready_first.db") == [(a_token, True)]
+    assert committed(tmp_path / "result_first.db") == [(b_token, False)]
+    assert [s for _, s, *_ in a["tasks"]].count("done") == 1
+    assert a["results"] and a["dispatches"] == [] and a["leases"] == []
+    assert a["workers"] == [(1, "idle", None)]
+    assert a["quarantine"] == []
+
+
+@pytest.mark.parametrize("invalid", [
+    {"status": "bogus"},                      # current token, payload fails validation
+    {"status": "ok"},                         # token missing
+    {"token": "NOT-A-TOKEN", "status": "ok"},  # token malformed
+], ids=["payload", "missing", "malformed"])
+def test_ready_first_and_invalid_result_first_recover_the_same_way(tmp_path: Path, invalid):
+    def bad(token: str) -> dict[str, Any]:
+        body = dict(invalid)
+        if body.get("status") == "bogus":
+            body["token"] = token
+        return body
+
+    a, a_events, a_swept, a_token = _run_order(tmp_path / "ready_first.db", "ready", bad)
+    b, b_events, b_swept, b_token = _run_order(tmp_path / "result_first.db", "result", bad)
+    assert a == b and a_events == b_events
+    # The join recovered the dispatch: requeued at the head, attempt counted, rank idle.
+    for [rec], token in ((a_swept, a_token), (b_swept, b_token)):
+        assert (rec.rank, rec.token, rec.task_id, rec.outcome) == (1, token, 1, TaskState.QUEUED)
+    assert a["dispatches"] == [] and a["leases"] == [] and a["results"] == []
+    assert sorted((s, n) for _, s, n, *_ in a["tasks"]) == [("queued", 0), ("queued", 1)]
+    assert a["workers"] == [(1, "idle", None)]
+    assert a_events["recovered"] == 1 and a_events["requeued"] == 1
 
 
 def test_late_valid_result_cancels_the_recovery(farm):
@@ -66,6 +121,8 @@ def test_late_valid_result_cancels_the_recovery(farm):
 @pytest.mark.parametrize("case", ["ready_alone", "invalid_alone", "stale_result_current_ready",
                                   "stale_ready_current_invalid"])
 def test_these_never_recover(farm, case):
+    """Only a current READY joined with the current dispatch's invalid mark rolls it back
+    (R3): either half alone, or with a stale other half, leaves every row as it was."""
     tid, tok = started(farm)
     old = "ab" * 32
     if case == "ready_alone":
@@ -82,6 +139,13 @@ def test_these_never_recover(farm, case):
     assert farm.sweep() == []
     assert snapshot(farm) == before
     assert task_state(farm, tid) == "active"
+    # ... until the missing half comes: the current READY, or an invalid RESULT.
+    if case in ("invalid_alone", "stale_ready_current_invalid"):
+        farm.ready(1, tok)
+    else:
+        farm.result(1, None)
+    [rec] = farm.sweep()
+    assert rec.token == tok and task_state(farm, tid) == "queued"
 
 
 def test_stale_result_does_not_mark_the_current_dispatch(farm):
@@ -107,6 +171,86 @@ def test_duplicate_result_after_commit_is_quarantined_unowned(farm):
     out = farm.result(1, tok)
     assert out.statuses == [(1, ResultStatus.UNOWNED)]
     assert len(rows(farm, results)) == 1
+
+
+def _two_ranks_busy(farm: Farm) -> dict[int, str]:
+    """Two tasks, ranks 1 and 2 idle, then each dispatched one: {rank: token}."""
+    farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
+    farm.ready(1)
+    farm.ready(2)
+    return farm.dispatch(1, 2, sent=True)
+
+
+def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_path: Path):
+    """msgpack decodes what JSON cannot store (bytes). With the master's wire validator such a
+    current RESULT sets the invalid mark (reason payload); the other rank's commit in the same
+    drain still happens."""
+    from coordinator.wire import check_result
+
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        tokens = _two_ranks_busy(farm)
+        with farm.store.transaction() as tx:
+            farm.gate.apply_results(tx, [
+                Inbound(1, {"token": tokens[1], "status": "ok", "value": 1}),
+                Inbound(2, {"token": tokens[2], "status": "ok", "value": b"\x00raw"}),
+            ])
+        s = farm.state()
+        assert [r[1] for r in s["results"]] == [1]
+        assert s["quarantine"] == [("result", "payload", 2)]
+        assert s["dispatches"] == [(2, 2)]
+    finally:
+        farm.close()
+
+
+@pytest.mark.parametrize("validator", ["default", "wire"])
+def test_a_value_with_keys_of_mixed_types_is_an_invalid_payload_not_a_crash(tmp_path: Path,
+                                                                           validator: str):
+    """msgpack maps may mix int and str keys; JSON can hold them, but not in the sorted
+    canonical form a result is stored in. Such a RESULT once passed validation and then raised
+    TypeError inside the round's transaction (the master exited); whatever the validator, the
+    gate now finds it before the commit."""
+    from coordinator.wire import check_result
+
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    if validator == "wire":
+        farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        tokens = _two_ranks_busy(farm)
+        with farm.store.transaction() as tx:
+            out = farm.gate.apply_results(tx, [
+                Inbound(1, {"token": tokens[1], "status": "ok", "value": {"b": 1, "a": [2]}}),
+                Inbound(2, {"token": tokens[2], "status": "ok", "value": {1: 0, "a": 0}}),
+            ])
+        assert [c.rank for c in out.committed] == [1]
+        s = farm.state()
+        assert [(r[1], r[3]) for r in s["results"]] == [(1, '{"a": [2], "b": 1}')]
+        assert s["quarantine"] == [("result", "payload", 2)]
+        assert s["dispatches"] == [(2, 2)]
+    finally:
+        farm.close()
+
+
+def test_a_timeout_result_sends_the_task_to_the_retry_policy(tmp_path: Path):
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    try:
+        [tid] = farm.enqueue({"path": "/seeds/one"})
+        farm.ready(1)
+        token = farm.dispatch(1, sent=True)[1]
+        farm.result_raw(1, {"token": token, "status": "timeout"})
+        # Its READY not seen yet: the worker may still be busy with the run, so it is not
+        # free for new WORK until that READY arrives.
+        assert farm.state()["workers"] == [(1, "busy", None)]
+        farm.ready(1, token)
+        s = farm.state()
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]
+        assert s["results"] == [] and s["dispatches"] == []
+        assert s["workers"] == [(1, "idle", None)]
+        kinds = farm.events()
+        assert kinds["task_failed"] == 1 and kinds["retried"] == 1 and kinds["requeued"] == 0
+    finally:
+        farm.close()
 
 
 # -- READY classification against the store ----------------------------------------------
@@ -169,3 +313,36 @@ def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
     assert worker_state(farm, 1) == "idle"
     with farm.store.reading() as conn:
         assert read_stats(conn).watchdog_recoveries == 1
+
+
+def test_the_watchdog_retires_a_dispatch_only_after_its_deadline(tmp_path: Path):
+    clock = [1000.0]
+    store = Store.open(tmp_path / "c.db", policy=POLICY, clock=lambda: clock[0])
+    gate = Gate(store)
+    try:
+        with store.transaction() as tx:
+            enqueue_tasks(tx, [NewTask({"path": "/seeds/one"})])
+            gate.apply_ready(tx, [Inbound(1, {READY_KEY: ""})])
+        with store.transaction() as tx:
+            [plan] = gate.plan_dispatches(tx, [1], deadline_s=DEADLINE_S)
+        clock[0] += DEADLINE_S  # exactly at the deadline: not yet past it
+        with store.transaction() as tx:
+            assert gate.watchdog(tx) == []
+        clock[0] += 0.001
+        with store.transaction() as tx:
+            [rec] = gate.watchdog(tx)
+        assert (rec.rank, rec.token) == (1, plan.token)
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT state, parked_token FROM workers")).all() == [
+                ("parked", plan.token)]
+        # Parked: a READY with another token does not free it, the retired token does.
+        with store.transaction() as tx:
+            assert [s.value for _, s in gate.apply_ready(
+                tx, [Inbound(1, {READY_KEY: ""})]).statuses] == ["missing"]
+            assert gate.apply_ready(
+                tx, [Inbound(1, {READY_KEY: plan.token})]).recovered_workers == [1]
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT state, parked_token FROM workers")).all() == [
+                ("idle", None)]
+    finally:
+        store.close()
