@@ -107,14 +107,6 @@ def test_read_only_file_is_refused_with_a_clear_error(tmp_path):
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
 
 
-def test_journal_mode_in_force_is_wal(db_path):
-    """`PRAGMA journal_mode` returns the mode actually in force; ours must be wal."""
-    engine = open_engine(db_path)
-    with engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
-    engine.dispose()
-
-
 def test_network_filesystem_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("store.engine.filesystem_type", lambda p: "nfs")
     with pytest.raises(UnsafeDatabaseError, match="node-local"):
