@@ -9,7 +9,14 @@ import socket
 import sqlite3
 
 import pytest
-from conftest import Farm, defer, fail_once, queue_order, rows, write_lock_held_elsewhere
+from conftest import (
+    Farm,
+    defer,
+    fail_once,
+    queue_order,
+    rows,
+    write_lock_held_elsewhere,
+)
 from sqlalchemy import select
 
 from store.campaign import Store
