@@ -1,4 +1,6 @@
-"""Shared fixtures: real campaign files in tmp_path (WAL does not exist in memory)."""
+"""Shared fixtures and helpers: real campaign files in tmp_path (WAL does not exist in memory),
+the message-by-message master `Farm`, and what tests read back from its file. (The fake
+transports are in `fakes.py`.)"""
 
 from __future__ import annotations
 
@@ -6,16 +8,19 @@ import contextlib
 import os
 import sqlite3
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select, text
 
 from coordinator.gate import Gate, Inbound
 from store.campaign import Store
+from store.dispatches import mark_sent
 from store.journal import RetryPolicy
-from store.schema import TASK_TRANSITIONS, TaskState
-from store.tasks import NewTask, enqueue_tasks
+from store.schema import TASK_TRANSITIONS, TaskState, tasks, workers
+from store.tasks import NewTask, enqueue_tasks, take_queued
 
 # Open MPI refuses to run as root without these; harmless elsewhere.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -74,9 +79,13 @@ class Farm:
         with self.store.transaction() as tx:
             return self.gate.apply_ready(tx, [Inbound(rank, body)])
 
-    def dispatch(self, *ranks: int, deadline_s: float | None = None):
+    def dispatch(self, *ranks: int, deadline_s: float | None = None, sent: bool = False):
+        """{rank: token} of the dispatches planned; `sent`: their WORK marked sent, as the
+        master does once it has left."""
         with self.store.transaction() as tx:
             plan = self.gate.plan_dispatches(tx, list(ranks), deadline_s=deadline_s)
+            if sent:
+                mark_sent(tx, [p.token for p in plan])
         return {p.rank: p.token for p in plan}
 
     def result(self, rank: int, token: object, status: object = "ok", value=None):
@@ -90,9 +99,101 @@ class Farm:
         with self.store.transaction() as tx:
             return self.gate.sweep(tx)
 
+    def state(self) -> dict[str, list[tuple]]:
+        """The committed state, without what differs by construction (tokens, times, ids)."""
+        with self.store.reading() as conn:
+            q = lambda sql: [tuple(r) for r in conn.execute(text(sql)).all()]  # noqa: E731
+            return {
+                "tasks": q("SELECT semantic_id, state, attempts, dispatches, reason FROM tasks "
+                           "ORDER BY semantic_id"),
+                "results": q("SELECT t.semantic_id, r.rank, r.status, r.value FROM results r "
+                             "JOIN tasks t ON t.id = r.task_id ORDER BY 1"),
+                "dispatches": q("SELECT rank, task_id FROM dispatches ORDER BY rank"),
+                "leases": q("SELECT kind, key FROM leases ORDER BY kind, key"),
+                "workers": q("SELECT rank, state, parked_token FROM workers ORDER BY rank"),
+                "quarantine": q("SELECT channel, reason, rank FROM quarantine ORDER BY 1, 2, 3"),
+            }
+
+    def events(self) -> Counter[str]:
+        """How many events of each kind the file holds."""
+        with self.store.reading() as conn:
+            return Counter(dict(conn.execute(text(
+                "SELECT kind, count(*) FROM events GROUP BY kind")).all()))
+
     def close(self) -> None:
         self.store.close()
         assert_task_transitions_allowed(self.path)
+
+
+# -- what tests read back from a Farm's file, and the steps they repeat ---------------------
+
+def rows(farm: Farm, table, *where):
+    with farm.store.reading() as conn:
+        return conn.execute(select(table).where(*where)).all()
+
+
+def task_state(farm: Farm, task_id: int) -> str:
+    return rows(farm, tasks, tasks.c.id == task_id)[0].state
+
+
+def worker_state(farm: Farm, rank: int) -> str:
+    return rows(farm, workers, workers.c.rank == rank)[0].state
+
+
+def started(farm: Farm, payload=None, rank=1) -> tuple[int, str]:
+    """One task dispatched to `rank`, which has shown its first READY."""
+    [tid] = farm.enqueue(payload or {"path": "/seed/a", "target_branch": 7})
+    farm.ready(rank, "")
+    token = farm.dispatch(rank)[rank]
+    return tid, token
+
+
+def snapshot(farm: Farm):
+    """Every row the protocol owns, for 'changes nothing' assertions (events excluded)."""
+    with sqlite3.connect(farm.path) as c:
+        return {t: sorted(c.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
+                for t in ("tasks", "dispatches", "leases", "workers", "results")}
+
+
+def fail_once(farm: Farm, rank: int = 1):
+    """The task at the head of the queue dispatched to `rank` and failed (an invalid RESULT
+    joined with its READY): the sweep's recoveries."""
+    farm.ready(rank, "")
+    tok = farm.dispatch(rank)[rank]
+    farm.result(rank, None)
+    farm.ready(rank, tok)
+    return farm.sweep()
+
+
+def defer(farm: Farm, payload, input_bytes=None) -> int:
+    """Enqueue a task and fail it twice (retries=1): it ends deferred."""
+    [tid] = farm.enqueue(payload, input_bytes=input_bytes)
+    for _ in range(2):
+        fail_once(farm)
+    assert rows(farm, tasks, tasks.c.id == tid)[0].state == "deferred"
+    return tid
+
+
+def queue_order(farm: Farm) -> list[int]:
+    with farm.store.transaction() as tx:
+        return [t.id for t in take_queued(tx, 100)]
+
+
+@contextlib.contextmanager
+def write_lock_held_elsewhere(db_path, monkeypatch):
+    """Another process's write transaction (a `sqlite3` shell's BEGIN IMMEDIATE) on the file
+    while the block runs, with a busy timeout of 0.1 s for the connections our side opens
+    in it (one opened before keeps its own)."""
+    import store.engine
+    monkeypatch.setattr(store.engine, "BUSY_TIMEOUT_MS", 100)
+    monkeypatch.setattr(store.engine, "MASTER_BUSY_TIMEOUT_MS", 100)
+    other = sqlite3.connect(db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +214,11 @@ def farm(db_path: Path) -> Iterator[Farm]:
     f = Farm(db_path)
     yield f
     f.close()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """An empty directory for an executor to run in."""
+    path = tmp_path / "work"
+    path.mkdir()
+    return path

@@ -1,18 +1,22 @@
 """The operator's commands (`coordinator status`, `check`, `requeue`, `db upgrade`) on real
-campaign files, through the command line's own `main`."""
+campaign files, through the command line's own `main` or run as `python -m coordinator`: their
+output, their exit status, and what they leave of a file they cannot use."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import sqlite3
+import subprocess
 
 import pytest
-from conftest import Farm
+from conftest import Farm, write_lock_held_elsewhere
 
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
-from store.versioning import head_revision
+from store.campaign import Store
+from store.errors import DatabaseOpenError
+from store.versioning import head_revision, upgrade
 
 
 def _finished_campaign(db_path, n: int = 4) -> None:
@@ -110,3 +114,184 @@ def test_requeue_by_rank_or_since_discards_what_was_committed_then(db_path, caps
                          "detail LIKE '%result from rank 1 discarded%'").fetchone() == (2,)
     assert main(["requeue", "--db", str(db_path), "--since", "2000-01-01T00:00"]) == 0
     assert capsys.readouterr().out == "requeued 1 task(s): 2\n"  # rank 2's error result
+def test_cli_requeue_goes_in_short_chunks_in_id_order(db_path, monkeypatch, capsys):
+    """One transaction of 100,000 tasks held the write lock for 30 s, and a master running on
+    the campaign gave up waiting for it (database is locked) and died. Chunks of
+    REQUEUE_CHUNK tasks each commit on their own; the queue order is still the id order."""
+    import sqlite3
+
+    from coordinator import commands
+    from coordinator.cli import main
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(10)))
+    farm.close()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
+    monkeypatch.setattr(commands, "REQUEUE_CHUNK", 3)
+    assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
+    assert capsys.readouterr().out == f"requeued 10 task(s): {', '.join(map(str, ids))}\n"
+    with sqlite3.connect(db_path) as c:
+        order = [r[0] for r in c.execute(
+            "SELECT id FROM tasks WHERE state = 'queued' ORDER BY queue_pos, id")]
+        commits = c.execute("SELECT count(DISTINCT at) FROM events "
+                            "WHERE kind = 'manual_requeue'").fetchone()[0]
+    assert order == ids
+    assert commits == 4  # 3 + 3 + 3 + 1
+    # an id that is not there (or not in that state) is named, not passed over in silence
+    assert main(["requeue", "--db", str(db_path), "--id", str(ids[0]), "--id", "9999"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "requeued 0 task(s)\n"
+    assert out.err == (f"coordinator: not requeued (no such task, or not failed or deferred): "
+                       f"{ids[0]}, 9999\n")
+
+
+def test_cli_requeue_of_many_tasks_prints_runs_of_ids_not_every_id(db_path, capsys):
+    """50,000 requeued tasks printed one console line of 400 KB, every id in it."""
+    import sqlite3
+
+    from coordinator.cli import main
+    from coordinator.commands import id_list
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(60)))
+    farm.close()
+    with sqlite3.connect(db_path) as c:
+        c.execute("UPDATE tasks SET state = 'deferred', reason = 'test'")
+    assert main(["requeue", "--db", str(db_path), "--state", "deferred"]) == 0
+    assert capsys.readouterr().out == f"requeued 60 task(s): {ids[0]}-{ids[-1]}\n"
+    assert id_list([1, 2, 3]) == "1, 2, 3"
+    assert id_list([*range(1, 100, 2), 200, 201, 202], whole_up_to=3, runs_shown=3) == \
+        "1, 3, 5, ... and 48 more runs of ids"
+    assert id_list([59, *range(1, 59)], runs_shown=3) == "1-59"
+
+
+def test_dropped_test_cases_are_counted_in_status(db_path, capsys):
+    """A run whose outputs were over the executor's limits said so only in its result's
+    detail; the count is a column that `status` and its JSON sum."""
+    from coordinator.cli import main
+    farm = Farm(db_path)
+    farm.enqueue({"data": 1}, {"data": 2}, {"data": 3})
+    farm.ready(1), farm.ready(2), farm.ready(3)
+    tokens = farm.dispatch(1, 2, 3)
+    farm.result_raw(1, {"token": tokens[1], "status": "ok", "dropped": 2000,
+                        "detail": "dropped 2000 of 3000 output files (0 over 1 bytes; ...)"})
+    farm.result_raw(2, {"token": tokens[2], "status": "ok", "dropped": 5})
+    farm.result_raw(3, {"token": tokens[3], "status": "ok"})
+    farm.close()
+    assert main(["status", "--db", str(db_path)]) == 0
+    assert "dropped test cases: 2005 in 2 results" in capsys.readouterr().out
+    assert main(["status", "--db", str(db_path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["dropped_testcases"], got["dropped_results"]) == (2005, 2)
+
+
+def test_requeue_while_another_process_holds_the_write_lock_exits_3(db_path, monkeypatch,
+                                                                   capsys):
+    """`coordinator requeue` read the schema revision in a write transaction: past the busy
+    timeout it ended in a driver traceback (exit 1), not with the cause (exit 3)."""
+    from coordinator.cli import main
+    Store.open(db_path).close()
+    with write_lock_held_elsewhere(db_path, monkeypatch):
+        assert main(["requeue", "--db", str(db_path)]) == ExitStatus.STORE
+    err = capsys.readouterr().err
+    assert "database is locked (another process held the campaign's write lock" in err, err
+    assert main(["requeue", "--db", str(db_path)]) == 0
+
+
+def test_status_and_requeue_leave_an_empty_file_empty(db_path):
+    """A read-only command on a 0-byte file (a start that failed early, a `touch`) must not
+    turn it into an SQLite database."""
+    db_path.write_bytes(b"")
+    for args in (["status"], ["requeue", "--state", "all"]):
+        got = _cli(*args, "--db", str(db_path))
+        assert got.returncode == ExitStatus.USAGE and "holds no campaign yet" in got.stderr, got.stderr
+        assert db_path.stat().st_size == 0
+
+
+def test_db_upgrade_waits_for_no_master(db_path):
+    """A schema change under a running master (batch migrations copy tables) is refused."""
+    import sys
+    master = Store.open(db_path)
+    try:
+        up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                             str(db_path)], capture_output=True, text=True, timeout=60)
+    finally:
+        master.close()
+    assert up.returncode == ExitStatus.USAGE and "in use by another master" in up.stderr
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(db_path)], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0 and "already at" in up.stdout, up.stderr
+
+
+def test_db_upgrade_of_an_older_campaign_says_what_it_does_first(db_path):
+    """A revision that copies a table (0005 copies `results`: seconds per million rows) is
+    announced before it starts, so a long upgrade is not a silent one."""
+    import sys
+
+    from store import versioning
+    versioning.upgrade(db_path, "0004")
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(db_path)], capture_output=True, text=True, timeout=60, check=False)
+    assert up.returncode == 0, up.stderr
+    assert f"upgrading {db_path} from schema 0004 to {versioning.head_revision()}" in up.stderr
+    assert f"schema 0004 -> {versioning.head_revision()}" in up.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    import sys
+    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_a_file_with_two_revision_stamps_is_refused_clearly_by_every_command(db_path):
+    """A hand edit left two rows in alembic_version: Alembic's own answer is a traceback
+    ("more than one head"); every command names what the file says instead."""
+    upgrade(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("INSERT INTO alembic_version VALUES ('0099')")
+    for args in (["status"], ["db", "upgrade"], ["requeue", "--state", "all"]):
+        got = _cli(*args, "--db", str(db_path))
+        assert got.returncode == ExitStatus.USAGE, (args, got.stderr)
+        assert "alembic_version table holds 2 revisions" in got.stderr, (args, got.stderr)
+        assert "Traceback" not in got.stderr
+
+
+def test_an_upgrade_that_fails_changes_nothing_and_says_so(db_path):
+    """A stamp older than the tables (0003 on a file whose tables are newer): the revision that
+    fails is rolled back whole; exit 3, no traceback."""
+    upgrade(db_path)
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0003'")
+    got = _cli("db", "upgrade", "--db", str(db_path))
+    assert got.returncode == ExitStatus.STORE, got.stderr
+    assert "cannot upgrade" in got.stderr and "duplicate column name: settings" in got.stderr
+    assert "Traceback" not in got.stderr
+    with sqlite3.connect(db_path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0003",)]
+
+
+def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
+    """A page overwritten on disk made `status`, `requeue` and `db upgrade` end in a driver
+    traceback (exit 1), a start in "internal error" (exit 5). Each now says the file is
+    damaged and what to do (exit 2)."""
+    import sys
+    db = tmp_path / "c.db"
+    store = Store.open(db)
+    store.close()
+    with sqlite3.connect(db) as conn:
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        roots = [r for (r,) in conn.execute("SELECT rootpage FROM sqlite_master WHERE name "
+                                            "IN ('campaign', 'alembic_version')")]
+    conn.close()
+    assert len(roots) == 2
+    data = bytearray(db.read_bytes())
+    for root in roots:  # the file opens; what is read from it first is garbage
+        data[(root - 1) * page:root * page] = b"\xff" * page
+    db.write_bytes(bytes(data))
+    for command in (["status"], ["requeue", "--state", "deferred"], ["db", "upgrade"]):
+        done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db", str(db)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == ExitStatus.USAGE, (command, done.stderr[-2000:])
+        assert "is damaged (database disk image is malformed): restore a copy" in done.stderr
+        assert "Traceback" not in done.stderr
+    with pytest.raises(DatabaseOpenError, match="is damaged"):
+        Store.open(db, resume=True)

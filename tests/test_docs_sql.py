@@ -3,12 +3,12 @@ the page says: a schema revision that renames a column or an index must not leav
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sqlite3
 from pathlib import Path
 
 import pytest
+from fakes import InstantWorkers
 
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import demo_tasks
@@ -27,14 +27,6 @@ QUERIES = dict(re.findall(r"### (\d+)\.[^\n]*\n(?:.*?\n)*?```sql\n(.*?)```", SEC
                           flags=re.DOTALL))
 
 
-def _instant_workers(n: int):
-    spec = importlib.util.spec_from_file_location("round_cost", ROOT / "tools" / "round_cost.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.InstantWorkers(n)
-
-
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory) -> Path:
     """A finished 30-task campaign run by the real master, plus one quarantined READY."""
@@ -44,7 +36,7 @@ def campaign(tmp_path_factory) -> Path:
     try:
         with store.transaction("import") as tx:
             enqueue_tasks(tx, [t.as_task() for t in demo_tasks(30)])
-        summary = Master(store, _instant_workers(3), MasterConfig(
+        summary = Master(store, InstantWorkers(3), MasterConfig(
             stats_file=d / "stats", progress=False, linger_s=0, grace_s=1,
             stop_wait_s=1)).run()
         assert summary.committed == 30

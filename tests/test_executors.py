@@ -84,13 +84,6 @@ def write_script(tmp_path: pathlib.Path, name: str, body: str) -> str:
     return str(path)
 
 
-@pytest.fixture
-def workdir(tmp_path: pathlib.Path) -> pathlib.Path:
-    path = tmp_path / "work"
-    path.mkdir()
-    return path
-
-
 # ---------------------------------------------------------------------------------- command
 
 
@@ -589,55 +582,6 @@ def test_command_program_is_never_substituted(tmp_path, workdir, monkeypatch):
         CommandExecutor(["@@"], timeout_s=30)
 
 
-def test_a_result_the_master_could_not_accept_is_sent_as_an_error(tmp_path, workdir):
-    """A file name that is not UTF-8 used to kill the worker in the encoder (every retry, and
-    the whole job under MPICH); a callable's value with a lone surrogate did too."""
-    from coordinator.executors import ExecOutcome
-    from coordinator.wire import decode_inbound
-    from coordinator.worker import Sender
-    target = tmp_path / "odd.sh"
-    target.write_text('#!/bin/sh\nprintf abc > "$SYMCC_OUTPUT_DIR/$(printf "bad\\377")"\n')
-    target.chmod(0o755)
-    out = CommandExecutor([str(target)], timeout_s=30).run({}, b"x", workdir)
-    assert out.status == "ok" and out.testcases == [("bad\\xff", b"abc")]
-    sender = Sender(None, max_message_bytes=4096)
-    sent = decode_inbound(sender.result_bytes("a" * 64, out), 4096)
-    assert sent["status"] == "ok" and sent["testcases"] == [["bad\\xff", b"abc"]]
-    odd_value = ExecOutcome("ok", value={"k": "\udcff"})
-    bad = decode_inbound(sender.result_bytes("a" * 64, odd_value), 4096)
-    assert (bad["status"], bad["token"]) == ("error", "a" * 64)
-    assert "cannot be sent" in bad["detail"]
-    too_big = ExecOutcome("ok", value="x" * 5000, testcases=[("a", b"1"), ("b", b"2")],
-                          dropped=3)
-    big = decode_inbound(sender.result_bytes("a" * 64, too_big), 4096)
-    assert big["status"] == "error" and "over --max-message-bytes 4096" in big["detail"]
-    assert big["dropped"] == 5 and big["testcases"] == []  # its 2 and the 3 already dropped
-
-
-def test_a_teardown_signalled_while_the_command_starts_still_kills_it(workdir, monkeypatch):
-    """The worker's teardown handler can run while Popen waits for the exec, before the new
-    group is registered: it must then run once the group is known, or the command would
-    escape it. Here the 'signal' arrives inside Popen; the teardown kills what is running."""
-    from coordinator import executors, processes
-    real_popen = subprocess.Popen
-    seen: list[list[int]] = []
-
-    def teardown() -> None:
-        seen.append(sorted(processes.running_commands.groups))
-        processes.kill_running_commands()
-
-    def popen(*args, **kwargs):
-        processes.teardown_when_safe(teardown)  # as the handler would, mid-spawn
-        assert seen == []  # deferred: the group is not known yet
-        return real_popen(*args, **kwargs)
-
-    monkeypatch.setattr(executors.subprocess, "Popen", popen)
-    out = CommandExecutor(["sleep", "30"], timeout_s=60).run({}, b"", workdir)
-    assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the new group registered
-    assert (out.status, out.returncode) == ("error", -9), out.detail  # killed, not waited for
-    assert processes.running_commands.groups == set() and not processes.running_commands.spawning
-
-
 def test_a_long_stderr_keeps_how_the_command_ended_and_its_last_lines(tmp_path, workdir):
     """SymCC's stderr easily passes the detail's 2,000 characters: keeping only the tail lost
     the line saying how the command ended, which `coordinator status` shows first."""
@@ -662,78 +606,3 @@ def test_a_callable_whose_import_exits_is_a_bad_spec(tmp_path):
     script.write_text("import sys\nsys.exit(3)\ndef work(x):\n    return x\n")
     with pytest.raises(UsageError, match=r"cannot import .*SystemExit: 3"):
         make_executor("python", callable_spec=f"{script}:work")
-
-
-class _WorkerSide:
-    """The part of `Transport` a worker uses: a script of messages from the master, and what
-    the worker sent back."""
-
-    rank, fault_tolerant = 1, False
-
-    def __init__(self, messages):
-        from collections import deque
-        self.inbox = deque(messages)
-        self.results: list[dict] = []
-        self.readies: list[dict] = []
-        self.backoffs: list = []
-
-    def wait_for_master(self, backoff, timeout_s):
-        self.backoffs.append(backoff)
-        return self.inbox.popleft() if self.inbox else None
-
-    def send_result(self, data: bytes) -> None:
-        import msgspec
-        self.results.append(msgspec.msgpack.decode(data))
-
-    def send_ready(self, data: bytes) -> None:
-        import msgspec
-        self.readies.append(msgspec.msgpack.decode(data))
-
-    def send_stop_ack(self, data: bytes) -> None:
-        pass
-
-
-class _Counting:
-    needs_workdir = False
-
-    def __init__(self):
-        self.calls = 0
-
-    def run(self, task, input_bytes, workdir):
-        from coordinator.executors import ExecOutcome
-        self.calls += 1
-        return ExecOutcome("ok", value={"token": "f" * 64, "echo": task})
-
-
-def test_the_worker_runs_no_work_whose_token_is_not_canonical(tmp_path):
-    """docs/protocol.md R1: a WORK whose token is not canonical is a protocol error on the worker: nothing
-    runs and no RESULT is sent (there is no token to echo). A canonical one runs, and its
-    RESULT carries the WORK's token, whatever the value holds (the single sender overwrites it),
-    then READY echoes that token."""
-    from coordinator.transport import Received
-    from coordinator.wire import TAG_STOP, TAG_WORK, Stop, Work, encode
-    from coordinator.worker import _serve
-    good = "a" * 64
-    side = _WorkerSide([
-        Received(0, TAG_WORK, encode(Work(token=good.upper(), task={"data": 1}))),
-        Received(0, TAG_WORK, encode(Work(token=good[:-1], task={"data": 2}))),
-        Received(0, TAG_WORK, encode(Work(token=good, task={"data": 3}))),
-        Received(0, TAG_STOP, encode(Stop(token="b" * 64))),
-    ])
-    executor = _Counting()
-    assert _serve(side, executor, tmp_path, None, 0.0) == 0
-    assert executor.calls == 1
-    assert [r["token"] for r in side.results] == [good]
-    assert side.results[0]["value"] == {"token": "f" * 64, "echo": {"data": 3}}
-    assert [r["completed_dispatch_token"] for r in side.readies] == ["", good]
-
-
-def test_the_worker_waits_for_work_with_the_spin_window_it_was_given(tmp_path):
-    """`--worker-spin-ms` reaches the worker's wait for WORK as its backoff's yield window."""
-    from coordinator.transport import Received
-    from coordinator.wire import TAG_STOP, TAG_WORK, Stop, Work, encode
-    from coordinator.worker import serve
-    side = _WorkerSide([Received(0, TAG_WORK, encode(Work(token="a" * 64, task={"data": 1}))),
-                        Received(0, TAG_STOP, encode(Stop(token="b" * 64)))])
-    assert serve(side, _Counting(), tmp_path, spin_s=0.025) == 0
-    assert [b.yield_window for b in side.backoffs] == [0.025, 0.025]

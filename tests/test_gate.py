@@ -1,93 +1,109 @@
-"""The user's scenarios (seed note §7) against a real campaign file: the join, the rollback,
-the retry policy, payload identity and the stats text."""
+"""The gate (`coordinator.gate`) against a real campaign file, the user's scenarios (seed note
+§7): the join, READY and RESULT classification and what each status writes, the watchdog's
+parked rank. (What the store's own modules do is in test_dispatches.py, test_tasks.py, ...)"""
 
 from __future__ import annotations
 
-import dataclasses
 import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import Farm
-from sqlalchemy import select
+from conftest import Farm, rows, snapshot, started, task_state, worker_state
+from sqlalchemy import text
 
-from coordinator.gate import Inbound
+from coordinator.gate import Gate, Inbound
 from coordinator.protocol import ReadyStatus, ResultStatus
-from coordinator.wire import DETAIL_MAX_CHARS, detail_summary, failure_detail
-from store import dispatches as dsp
+from store.campaign import Store
 from store.journal import RetryPolicy
 from store.schema import (
     TaskState,
-    WorkerState,
     dispatches,
-    events,
-    leases,
     results,
     tasks,
     workers,
 )
-from store.semantic import PayloadError, normalize, semantic_id
-from store.stats import read_stats, stats_text
-from store.workers import set_workers
+from store.stats import read_stats
+from store.tasks import NewTask, enqueue_tasks
 
-
-def rows(farm: Farm, table, *where):
-    with farm.store.reading() as conn:
-        return conn.execute(select(table).where(*where)).all()
-
-
-def task_state(farm: Farm, task_id: int) -> str:
-    return rows(farm, tasks, tasks.c.id == task_id)[0].state
-
-
-def worker_state(farm: Farm, rank: int) -> str:
-    return rows(farm, workers, workers.c.rank == rank)[0].state
-
-
-def started(farm: Farm, payload=None, rank=1) -> tuple[int, str]:
-    """One task dispatched to `rank`, which has shown its first READY."""
-    [tid] = farm.enqueue(payload or {"path": "/seed/a", "target_branch": 7})
-    farm.ready(rank, "")
-    token = farm.dispatch(rank)[rank]
-    return tid, token
-
-
-def snapshot(farm: Farm):
-    """Every row the protocol owns, for 'changes nothing' assertions (events excluded)."""
-    with sqlite3.connect(farm.path) as c:
-        return {t: sorted(c.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
-                for t in ("tasks", "dispatches", "leases", "workers", "results")}
+POLICY = RetryPolicy(retries=1, max_attempts=4)
+DEADLINE_S = 5.0
+READY_KEY = "completed_dispatch_token"
 
 
 # -- the join (R2-R5) ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("order", ["ready_first", "result_first"])
-def test_valid_result_commits_in_either_order(farm, order):
-    tid, tok = started(farm)
-    if order == "ready_first":
-        farm.ready(1, tok)
-        assert worker_state(farm, 1) == "busy"  # current READY alone does not free the rank
-        farm.result(1, tok)
-    else:
-        farm.result(1, tok)
-        assert worker_state(farm, 1) == "busy"  # waits for its READY
-        farm.ready(1, tok)
-    assert task_state(farm, tid) == "done"
-    assert worker_state(farm, 1) == "idle"
-    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
-    assert [r.token for r in rows(farm, results)] == [tok]
+def _run_order(path: Path, first: str, result_body) -> tuple[dict[str, Any], Counter[str],
+                                                             list, str]:
+    """One of two tasks dispatched to rank 1 (its WORK sent), its READY and the RESULT
+    `result_body(token)` applied in the `first` order, then the sweep: the committed state,
+    the event counts, the sweep's recoveries and the token. Neither message alone frees
+    the rank."""
+    farm = Farm(path, policy=POLICY)
+    try:
+        farm.enqueue({"path": "/seeds/one", "target_branch": 9}, {"path": "/seeds/two"})
+        farm.ready(1)
+        token = farm.dispatch(1, sent=True)[1]
+        if first == "ready":
+            farm.ready(1, token)
+            assert worker_state(farm, 1) == "busy"  # a current READY alone does not free it
+            farm.result_raw(1, result_body(token))
+        else:
+            farm.result_raw(1, result_body(token))
+            assert worker_state(farm, 1) == "busy"  # it waits for its READY
+            farm.ready(1, token)
+        swept = farm.sweep()
+        return farm.state(), farm.events(), swept, token
+    finally:
+        farm.close()
 
 
-@pytest.mark.parametrize("order", ["ready_first", "result_first"])
-def test_invalid_result_joined_with_ready_recovers_in_either_order(farm, order):
-    tid, tok = started(farm)
-    steps = [lambda: farm.ready(1, tok), lambda: farm.result(1, None)]
-    for step in steps if order == "ready_first" else steps[::-1]:
-        step()
-    [rec] = farm.sweep()
-    assert (rec.rank, rec.token, rec.task_id, rec.outcome) == (1, tok, tid, TaskState.QUEUED)
-    assert task_state(farm, tid) == "queued"
-    assert worker_state(farm, 1) == "idle"
-    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
+def test_ready_first_and_result_first_commit_the_same_state(tmp_path: Path):
+    def ok(token: str) -> dict[str, Any]:
+        return {"token": token, "status": "ok", "value": {"testcases": 3}}
+
+    a, a_events, a_swept, a_token = _run_order(tmp_path / "ready_first.db", "ready", ok)
+    b, b_events, b_swept, b_token = _run_order(tmp_path / "result_first.db", "result", ok)
+    assert a == b
+    assert a_events == b_events
+    assert a_swept == b_swept == []
+    # The only difference is when READY was seen: READY-first records the ready mark, which
+    # the result keeps; RESULT-first committed already, so its READY is an idle READY.
+    def committed(path: Path) -> list[tuple[str, bool]]:
+        with sqlite3.connect(path) as c:
+            return [(t, bool(r)) for t, r in c.execute(
+                "SELECT token, ready_at IS NOT NULL FROM results")]
+    assert committed(tmp_path / "ready_first.db") == [(a_token, True)]
+    assert committed(tmp_path / "result_first.db") == [(b_token, False)]
+    assert [s for _, s, *_ in a["tasks"]].count("done") == 1
+    assert a["results"] and a["dispatches"] == [] and a["leases"] == []
+    assert a["workers"] == [(1, "idle", None)]
+    assert a["quarantine"] == []
+
+
+@pytest.mark.parametrize("invalid", [
+    {"status": "bogus"},                      # current token, payload fails validation
+    {"status": "ok"},                         # token missing
+    {"token": "NOT-A-TOKEN", "status": "ok"},  # token malformed
+], ids=["payload", "missing", "malformed"])
+def test_ready_first_and_invalid_result_first_recover_the_same_way(tmp_path: Path, invalid):
+    def bad(token: str) -> dict[str, Any]:
+        body = dict(invalid)
+        if body.get("status") == "bogus":
+            body["token"] = token
+        return body
+
+    a, a_events, a_swept, a_token = _run_order(tmp_path / "ready_first.db", "ready", bad)
+    b, b_events, b_swept, b_token = _run_order(tmp_path / "result_first.db", "result", bad)
+    assert a == b and a_events == b_events
+    # The join recovered the dispatch: requeued at the head, attempt counted, rank idle.
+    for [rec], token in ((a_swept, a_token), (b_swept, b_token)):
+        assert (rec.rank, rec.token, rec.task_id, rec.outcome) == (1, token, 1, TaskState.QUEUED)
+    assert a["dispatches"] == [] and a["leases"] == [] and a["results"] == []
+    assert sorted((s, n) for _, s, n, *_ in a["tasks"]) == [("queued", 0), ("queued", 1)]
+    assert a["workers"] == [(1, "idle", None)]
+    assert a_events["recovered"] == 1 and a_events["requeued"] == 1
 
 
 def test_late_valid_result_cancels_the_recovery(farm):
@@ -105,6 +121,8 @@ def test_late_valid_result_cancels_the_recovery(farm):
 @pytest.mark.parametrize("case", ["ready_alone", "invalid_alone", "stale_result_current_ready",
                                   "stale_ready_current_invalid"])
 def test_these_never_recover(farm, case):
+    """Only a current READY joined with the current dispatch's invalid mark rolls it back
+    (R3): either half alone, or with a stale other half, leaves every row as it was."""
     tid, tok = started(farm)
     old = "ab" * 32
     if case == "ready_alone":
@@ -121,6 +139,13 @@ def test_these_never_recover(farm, case):
     assert farm.sweep() == []
     assert snapshot(farm) == before
     assert task_state(farm, tid) == "active"
+    # ... until the missing half comes: the current READY, or an invalid RESULT.
+    if case in ("invalid_alone", "stale_ready_current_invalid"):
+        farm.ready(1, tok)
+    else:
+        farm.result(1, None)
+    [rec] = farm.sweep()
+    assert rec.token == tok and task_state(farm, tid) == "queued"
 
 
 def test_stale_result_does_not_mark_the_current_dispatch(farm):
@@ -146,6 +171,86 @@ def test_duplicate_result_after_commit_is_quarantined_unowned(farm):
     out = farm.result(1, tok)
     assert out.statuses == [(1, ResultStatus.UNOWNED)]
     assert len(rows(farm, results)) == 1
+
+
+def _two_ranks_busy(farm: Farm) -> dict[int, str]:
+    """Two tasks, ranks 1 and 2 idle, then each dispatched one: {rank: token}."""
+    farm.enqueue({"path": "/seeds/one"}, {"path": "/seeds/two"})
+    farm.ready(1)
+    farm.ready(2)
+    return farm.dispatch(1, 2, sent=True)
+
+
+def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_path: Path):
+    """msgpack decodes what JSON cannot store (bytes). With the master's wire validator such a
+    current RESULT sets the invalid mark (reason payload); the other rank's commit in the same
+    drain still happens."""
+    from coordinator.wire import check_result
+
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        tokens = _two_ranks_busy(farm)
+        with farm.store.transaction() as tx:
+            farm.gate.apply_results(tx, [
+                Inbound(1, {"token": tokens[1], "status": "ok", "value": 1}),
+                Inbound(2, {"token": tokens[2], "status": "ok", "value": b"\x00raw"}),
+            ])
+        s = farm.state()
+        assert [r[1] for r in s["results"]] == [1]
+        assert s["quarantine"] == [("result", "payload", 2)]
+        assert s["dispatches"] == [(2, 2)]
+    finally:
+        farm.close()
+
+
+@pytest.mark.parametrize("validator", ["default", "wire"])
+def test_a_value_with_keys_of_mixed_types_is_an_invalid_payload_not_a_crash(tmp_path: Path,
+                                                                           validator: str):
+    """msgpack maps may mix int and str keys; JSON can hold them, but not in the sorted
+    canonical form a result is stored in. Such a RESULT once passed validation and then raised
+    TypeError inside the round's transaction (the master exited); whatever the validator, the
+    gate now finds it before the commit."""
+    from coordinator.wire import check_result
+
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    if validator == "wire":
+        farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        tokens = _two_ranks_busy(farm)
+        with farm.store.transaction() as tx:
+            out = farm.gate.apply_results(tx, [
+                Inbound(1, {"token": tokens[1], "status": "ok", "value": {"b": 1, "a": [2]}}),
+                Inbound(2, {"token": tokens[2], "status": "ok", "value": {1: 0, "a": 0}}),
+            ])
+        assert [c.rank for c in out.committed] == [1]
+        s = farm.state()
+        assert [(r[1], r[3]) for r in s["results"]] == [(1, '{"a": [2], "b": 1}')]
+        assert s["quarantine"] == [("result", "payload", 2)]
+        assert s["dispatches"] == [(2, 2)]
+    finally:
+        farm.close()
+
+
+def test_a_timeout_result_sends_the_task_to_the_retry_policy(tmp_path: Path):
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    try:
+        [tid] = farm.enqueue({"path": "/seeds/one"})
+        farm.ready(1)
+        token = farm.dispatch(1, sent=True)[1]
+        farm.result_raw(1, {"token": token, "status": "timeout"})
+        # Its READY not seen yet: the worker may still be busy with the run, so it is not
+        # free for new WORK until that READY arrives.
+        assert farm.state()["workers"] == [(1, "busy", None)]
+        farm.ready(1, token)
+        s = farm.state()
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]
+        assert s["results"] == [] and s["dispatches"] == []
+        assert s["workers"] == [(1, "idle", None)]
+        kinds = farm.events()
+        assert kinds["task_failed"] == 1 and kinds["retried"] == 1 and kinds["requeued"] == 0
+    finally:
+        farm.close()
 
 
 # -- READY classification against the store ----------------------------------------------
@@ -189,172 +294,7 @@ def test_unowned_ready_is_quarantined_and_visible(farm):
     assert s.quarantine["ready"] == {"unowned": 1}
 
 
-# -- rollback (R6, R7) -------------------------------------------------------------------
-
-def test_stale_token_rollback_changes_no_row(farm):
-    from store.dispatches import recover_dispatch
-    _, tok = started(farm)
-    farm.ready(1, tok)
-    before = snapshot(farm)
-    with farm.store.transaction() as tx:
-        assert recover_dispatch(tx, 1, "99" * 32) is None
-        assert recover_dispatch(tx, 2, tok) is None  # right token, wrong rank
-    assert snapshot(farm) == before
-
-
-def test_current_token_rollback_removes_everything_in_one_transaction(farm):
-    from store.dispatches import recover_dispatch
-    tid, tok = started(farm, {"path": "/seed/b", "target_branch": 9,
-                              "schedule_prefix": [1, 2]})
-    farm.enqueue({"path": "/seed/c", "target_branch": 9})  # waits: target 9 is leased
-    # target and schedule (the task itself is reserved by its dispatch row)
-    assert sorted(r.kind for r in rows(farm, leases)) == ["schedule", "target"]
-    assert farm.dispatch(2) == {}
-    farm.ready(1, tok)
-    farm.result(1, None)
-    with farm.store.transaction() as tx:
-        rec = recover_dispatch(tx, 1, tok)
-    assert rec is not None and rec.outcome is TaskState.QUEUED
-    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
-    t = rows(farm, tasks, tasks.c.id == tid)[0]
-    assert (t.state, t.attempts, t.dispatches) == ("queued", 1, 1)
-    # requeued at the head, ahead of the task that waited behind it
-    farm.ready(2, "")
-    assert 2 in farm.dispatch(2)
-    assert rows(farm, dispatches, dispatches.c.rank == 2)[0].task_id == tid
-
-
-def test_rollback_is_atomic_when_the_transaction_fails(farm):
-    from store.dispatches import recover_dispatch
-    _, tok = started(farm)
-    farm.ready(1, tok)
-    before = snapshot(farm)
-    with pytest.raises(RuntimeError):
-        with farm.store.transaction() as tx:
-            assert recover_dispatch(tx, 1, tok) is not None
-            raise RuntimeError("crash before COMMIT")
-    assert snapshot(farm) == before
-
-
-def test_pre_send_compensation_rewinds_exactly(farm):
-    from store.dispatches import cancel_dispatch, mark_sent
-    tid, tok = started(farm)
-    with farm.store.transaction() as tx:
-        assert cancel_dispatch(tx, 1, tok, detail="send failed")
-    t = rows(farm, tasks, tasks.c.id == tid)[0]
-    assert (t.state, t.attempts, t.dispatches) == ("queued", 0, 0)
-    assert rows(farm, dispatches) == [] and rows(farm, leases) == []
-    tok2 = farm.dispatch(1)[1]
-    with farm.store.transaction() as tx:
-        mark_sent(tx, [tok2])
-        assert not cancel_dispatch(tx, 1, tok2)  # after the send it is no longer pre-send
-
-
-# -- retry policy (R7, R8) ---------------------------------------------------------------
-
-def fail_once(farm: Farm, rank: int = 1):
-    farm.ready(rank, "")
-    tok = farm.dispatch(rank)[rank]
-    farm.result(rank, None)
-    farm.ready(rank, tok)
-    return farm.sweep()
-
-
-def test_retries_one_requeues_then_defers_with_the_same_id(farm):
-    [tid] = farm.enqueue({"path": "/seed/x", "focus_bytes": [1, 2]})
-    sid = rows(farm, tasks)[0].semantic_id
-    [first] = fail_once(farm)
-    assert first.outcome is TaskState.QUEUED
-    assert [t.id for t in rows(farm, tasks, tasks.c.state == "queued")] == [tid]
-    [second] = fail_once(farm)
-    assert second.outcome is TaskState.DEFERRED
-    [t] = rows(farm, tasks)
-    assert (t.id, t.semantic_id, t.state, t.attempts) == (tid, sid, "deferred", 2)
-    with farm.store.reading() as conn:
-        kinds = [e.kind for e in conn.execute(select(events).where(events.c.task_id == tid))]
-    assert kinds.count("requeued") == 1 and kinds.count("deferred") == 1
-
-
-def test_retries_zero_defers_at_once(db_path):
-    farm = Farm(db_path, policy=RetryPolicy(retries=0))
-    farm.enqueue({"data": 1})
-    assert fail_once(farm)[0].outcome is TaskState.DEFERRED
-    farm.close()
-
-
-def test_ceiling_holds_the_task_as_failed_with_its_reason(db_path):
-    farm = Farm(db_path, policy=RetryPolicy(retries=16, max_attempts=3))
-    [tid] = farm.enqueue({"data": 1})
-    outcomes = [fail_once(farm)[0].outcome for _ in range(3)]
-    assert outcomes == [TaskState.QUEUED, TaskState.QUEUED, TaskState.FAILED]
-    t = rows(farm, tasks, tasks.c.id == tid)[0]
-    assert t.state == "failed" and "3 failed attempts" in t.reason
-    assert (t.attempts, t.budget_used) == (3, 3)  # the last failure is charged like the others
-    farm.close()
-
-
-def test_the_default_ceiling_leaves_the_whole_budget_usable(db_path):
-    """`--retries 16` means 16 immediate requeues: the default ceiling follows the budget
-    (then three deferrals, then failed), instead of a fixed 5 that cut the budget at 4."""
-    policy = RetryPolicy(retries=16)
-    assert (policy.max_attempts, RetryPolicy().max_attempts) == (20, 5)
-    farm = Farm(db_path, policy=policy)
-    [tid] = farm.enqueue({"data": 1})
-    outcomes = [fail_once(farm)[0].outcome for _ in range(17)]
-    assert outcomes == [TaskState.QUEUED] * 16 + [TaskState.DEFERRED]
-    t = rows(farm, tasks, tasks.c.id == tid)[0]
-    assert (t.state, t.attempts, t.budget_used) == ("deferred", 17, 17)
-    farm.close()
-
-
-@pytest.mark.parametrize("bad", [-1, 17, True, "1"])
-def test_retry_budget_range(bad):
-    with pytest.raises(ValueError, match="0..16"):
-        RetryPolicy(retries=bad)
-
-
-def test_failed_deferral_leaves_the_task_queued_and_reported(farm):
-    """R8 with a real failing write: the database itself refuses the deferral."""
-    [tid] = farm.enqueue({"data": 1})
-    fail_once(farm)
-    with sqlite3.connect(farm.path) as c:
-        c.execute("CREATE TRIGGER refuse_defer BEFORE UPDATE OF state ON tasks "
-                  "WHEN NEW.state = 'deferred' BEGIN SELECT RAISE(ABORT, 'disk full'); END")
-    [rec] = fail_once(farm)
-    assert rec.defer_failed and rec.outcome is TaskState.QUEUED
-    t = rows(farm, tasks, tasks.c.id == tid)[0]
-    assert t.state == "queued" and "deferral failed" in t.reason
-    with farm.store.reading() as conn:
-        s = read_stats(conn)
-    assert s.deferred == 0 and s.events["defer_failed"] == 1
-
-
-def test_failed_deferral_puts_the_task_back_at_the_head(farm):
-    """R8's fallback keeps the task *queued at the head*, not where it stood before: here
-    other tasks were requeued in front of its old place meanwhile, and must not stay there."""
-    a, b, c = farm.enqueue({"data": "a"}, {"data": "b"}, {"data": "c"})
-    fail_once(farm, rank=1)  # a: first failure, requeued at the head
-    farm.ready(1, "")
-    tok_a = farm.dispatch(1)[1]
-    farm.ready(2, "")
-    farm.ready(3, "")
-    tokens = farm.dispatch(2, 3)
-    for rank in (3, 2):  # c, then b fail once: each requeued at the head, b first
-        farm.result(rank, None)
-        farm.ready(rank, tokens[rank])
-        farm.sweep()
-    with sqlite3.connect(farm.path) as db:
-        db.execute("CREATE TRIGGER refuse_defer BEFORE UPDATE OF state ON tasks "
-                  "WHEN NEW.state = 'deferred' BEGIN SELECT RAISE(ABORT, 'disk full'); END")
-    farm.result(1, None)  # a's second failure: deferral refused, so queued at the head
-    farm.ready(1, tok_a)
-    [rec] = farm.sweep()
-    assert rec.defer_failed and rec.outcome is TaskState.QUEUED
-    with farm.store.reading() as conn:
-        order = [r.id for r in conn.execute(select(tasks.c.id).where(
-            tasks.c.state == "queued").order_by(tasks.c.queue_pos, tasks.c.id))]
-    assert order == [a, b, c]
-
+# -- the watchdog's parked rank -------------------------------------------------------------
 
 def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
     """Two READYs echoing the retired token in the same batch: the rank comes back once
@@ -375,250 +315,34 @@ def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
         assert read_stats(conn).watchdog_recoveries == 1
 
 
-@pytest.mark.parametrize("parsed, detail", [
-    ({"status": "ok", "detail": "warnings on stderr", "returncode": 0}, None),
-    ({"status": "error", "detail": "target exited with status 3\nboom", "returncode": 3},
-     "target exited with status 3\nboom"),
-    ({"status": "error", "detail": "", "returncode": 3}, "exit status 3"),
-    ({"status": "error", "detail": "", "returncode": None}, None),
-    ({"status": "error", "detail": "x" * 5000}, "x" * DETAIL_MAX_CHARS),
-    # an ok result keeps only the note of output files dropped over the executor's limits
-    ({"status": "ok", "detail": "warn\ndropped 500 of 1500 output files (limits: ...)"},
-     "dropped 500 of 1500 output files (limits: ...)"),
-    ({"status": "ok", "detail": "dropped 3 packets (the target's own stderr)"}, None),
-])
-def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
-    assert failure_detail(parsed) == detail
-
-
-@pytest.mark.parametrize("detail, line", [
-    # how the command ended, and its last word, not the dropped-files note after them
-    ("exited with status 3\ntarget: bad input\ndropped 1 of 2 output files (1 over 10 "
-     "bytes; limits: ...)", "exited with status 3 … target: bad input"),
-    ("exited with status 3\ndropped 1 of 2 output files (...)", "exited with status 3"),
-    ("ValueError: no\nTraceback (most recent call last):\n  File x\nValueError: no",
-     "ValueError: no"),
-    ("", "(no detail)"), (None, "(no detail)"),
-    ("a" * 150 + "\n" + "b" * 150, "a" * 150 + " … " + "b" * 46 + "…"),
-])
-def test_status_shows_the_first_and_last_own_line_of_a_failure(detail, line):
-    assert detail_summary(detail) == line
-
-
-# -- payload identity (R7, §4) -------------------------------------------------------------
-
-FULL = {"path": "/q/id:000001", "focus_bytes": [3, 1, 4], "target_branch": 2**63,
-        "s2f_actions": [[7, "skip"], [2, "solve"]], "schedule_prefix": [5, 0, 5],
-        "continuation": {"kind": "resume", "state": {"depth": 2}}}
-
-
-def test_payload_round_trips_through_the_store(farm):
-    [tid] = farm.enqueue(FULL)
-    with farm.store.transaction() as tx:
-        from store.tasks import get_task
-        rec = get_task(tx, tid)
-    assert rec.payload == normalize(FULL)
-    assert rec.payload["s2f_actions"] == [[2, "solve"], [7, "skip"]]
-    assert rec.payload["focus_bytes"] == [3, 1, 4]
-    assert rec.semantic_id == semantic_id(FULL)
-
-
-def test_identity_ignores_key_order_and_tokens_and_defaults(farm):
-    reordered = dict(reversed(list(FULL.items())))
-    assert semantic_id(reordered) == semantic_id(FULL)
-    assert semantic_id({"path": "p", "target_branch": 0}) == semantic_id({"path": "p"})
-    assert semantic_id({"path": "p", "target_branch": 2**64}) == semantic_id({"path": "p"})
-    assert farm.enqueue(FULL, reordered) == [1]  # the same payload twice is one task
-    # ... at every depth: a continuation or data mapping in another key order too
-    nested = {"path": "p", "continuation": {"a": 1, "b": {"x": 2, "y": 3}},
-              "data": {"m": 1, "n": 2}}
-    renested = {"data": {"n": 2, "m": 1}, "continuation": {"b": {"y": 3, "x": 2}, "a": 1},
-                "path": "p"}
-    assert semantic_id(renested) == semantic_id(nested)
-    farm.ready(1, "")
-    assert farm.dispatch(1)  # a token now exists for it; the stored identity is unchanged
-    assert rows(farm, tasks)[0].semantic_id == semantic_id(FULL)
-    with pytest.raises(PayloadError, match="unknown"):
-        semantic_id({**FULL, "token": "ab" * 32})
-
-
-@pytest.mark.parametrize("bad, match", [
-    ({}, "path"), ({"path": 3}, "path"), ({"path": "p", "focus_bytes": [-1]}, ">= 0"),
-    ({"path": "p", "s2f_actions": [[1, "solve"], [1, "skip"]]}, "twice"),
-    ({"path": "p", "s2f_actions": [[1, "fly"]]}, "solve"),
-    ({"path": "p", "s2f_actions": [[i, "skip"] for i in range(65)]}, "at most 64"),
-    ({"data": float("nan")}, "JSON"), ({"path": "p", "continuation": []}, "mapping"),
-    ({"path": "id:000001,\udcff"}, "not valid Unicode"),  # a name that was not UTF-8
-])
-def test_bad_payloads_are_refused_clearly(bad, match):
-    with pytest.raises(PayloadError, match=match):
-        normalize(bad)
-
-
-# -- stats text (R10) --------------------------------------------------------------------
-
-def test_stats_text_labels(farm):
-    for p in ({"data": 1}, {"data": 2}):
-        farm.enqueue(p)
-    farm.ready(1, "")
-    farm.ready(2, "")
-    toks = farm.dispatch(1, 2)
-    old = "12" * 32
-    farm.ready_raw(1, "garbage")                       # ready malformed
-    farm.ready(2, old)                                 # ready stale
-    farm.result(1, [toks[1]])                          # result malformed
-    farm.result(2, old)                                # result stale
-    farm.result(1, "34" * 32)                          # result stale
-    farm.ready(1, toks[1])
-    farm.sweep()                                       # rank 1: joined -> requeued
-    farm.dispatch(1)
-    with farm.store.reading() as conn:
-        text = stats_text(read_stats(conn))
-    assert "Quarantined worker ready messages: 2 (malformed=1,stale=1)\n" in text
-    assert "Quarantined worker results: 3 (malformed=1,stale=2)\n" in text
-    assert "Protocol-requeued dispatches: 1\n" in text
-    assert "Protocol-deferred dispatches: 0\n" in text
-    assert "Dispatch watchdog timeouts: 0\n" in text
-
-
-def test_stats_text_sorts_the_reasons_whatever_order_they_come_in():
-    """R10: reasons sorted, joined by commas without spaces (the store's GROUP BY happens to
-    return them sorted through its index; the text must not depend on that)."""
-    from store.stats import Stats
-    s = Stats(tasks={}, results=0, quarantine={"result": {"stale": 1, "malformed": 2},
-                                               "ready": {"unowned": 3, "missing": 4}},
-              requeued=0, deferred=0, watchdog_timeouts=0, watchdog_recoveries=0,
-              incarnation=1, schema_revision=None)
-    text = stats_text(s)
-    assert "Quarantined worker results: 3 (malformed=2,stale=1)\n" in text
-    assert "Quarantined worker ready messages: 7 (missing=4,unowned=3)\n" in text
-
-
-def test_with_ready_mark_changes_only_the_mark():
-    # Spelled out for speed; it must stay what dataclasses.replace would give, field by field.
-    a = dsp.ActiveDispatch("t" * 64, 3, 7, 2, True, False, "payload", 12.5, False)
-    assert a.with_ready_mark() == dataclasses.replace(a, ready=True)
-
-
-def test_set_workers_updates_known_ranks_and_creates_unknown_ones(farm):
-    farm.ready(1, "")
-    farm.ready(2, "")
-    before = {r.rank: r.state for r in rows(farm, workers)}
-    assert before == {1: "idle", 2: "idle"}
-    new_rank = 7
-    known = [1]  # one statement for a batch that mixes a known rank and a new one
-    with farm.store.transaction("test") as tx:
-        set_workers(tx, [(r, WorkerState.FAILED) for r in known] + [(new_rank, WorkerState.BUSY)])
-    after = {r.rank: r.state for r in rows(farm, workers)}
-    assert after == {**before, **{r: "failed" for r in known}, new_rank: "busy"}
-    with farm.store.transaction("test") as tx:  # now every rank is known: UPDATE only
-        set_workers(tx, [(new_rank, WorkerState.IDLE)])
-    assert {r.rank: r.state for r in rows(farm, workers)}[new_rank] == "idle"
-
-
-@pytest.mark.parametrize("field, held_value, free_value", [
-    ("target_branch", 5, 6),          # skipped in SQL already
-    ("schedule_prefix", [1, 2], [3]),  # only by the lease check: read past several windows
-])
-def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm, field, held_value,
-                                                                     free_value):
-    """take_queued reads the queue a window of rows at a time: more waiting tasks than one
-    window holds must not hide the dispatchable ones behind them, nor lose their places."""
-    held, _ = started(farm, {"path": "/seed/held", field: held_value})
-    waiting = farm.enqueue(*({"path": f"/seed/w{i}", field: held_value} for i in range(100)))
-    free = farm.enqueue({"path": "/seed/free1"}, {"path": "/seed/free2", field: free_value},
-                        {"path": "/seed/free3", field: free_value})
-    farm.ready(2, "")
-    farm.ready(3, "")
-    farm.ready(4, "")
-    got = farm.dispatch(2, 3, 4)
-    assert sorted(got) == [2, 3]  # free3 waits: free2 took target 6 in the same plan
-    with farm.store.reading() as conn:
-        active = {r.task_id for r in conn.execute(select(dispatches.c.task_id))}
-    assert active == {held, *free[:2]}
-    assert all(task_state(farm, t) == "queued" for t in waiting + free[2:])
-
-
-# -- one round's row changes, written together (dispatches._Pending) ----------------------------
-
-def _ready_body(rank: int, token: str) -> dict:
-    return {"rank": rank, "bitmap_version": 0, "empirical_profile_version": "",
-            "completed_dispatch_token": token}
-
-
-def _statements(farm: Farm, round_) -> list[str]:
-    """The SQL one master round (`round_(tx)`, one transaction) sends to SQLite."""
-    sent: list[str] = []
-    with farm.store.transaction() as tx:
-        raw = tx.raw_db
-        raw.set_trace_callback(sent.append)
-        try:
-            round_(tx)
-            tx.flush()
-        finally:
-            raw.set_trace_callback(None)
-    return sent
-
-
-def test_a_round_writes_its_sends_marks_and_commits_in_one_statement_each(farm):
-    """Two ranks, each with its WORK sent last round, answer in two batches (READY then
-    RESULT, as the master applies them): their commits are written together, carrying the
-    send and READY times into the results rows; no UPDATE marks a dispatch the round deletes."""
-    farm.enqueue({"path": "/seed/a"}, {"path": "/seed/b"})
-    farm.ready(1, "")
-    farm.ready(2, "")
-    toks = farm.dispatch(1, 2)
-
-    def round_(tx):
-        dsp.mark_sent(tx, toks.values())
-        active = None
-        for rank in (1, 2):  # one batch per rank
-            ready = farm.gate.apply_ready(tx, [Inbound(rank, _ready_body(rank, toks[rank]))],
-                                          active=active)
-            assert ready.statuses == [(rank, ReadyStatus.CURRENT)]
-            active = farm.gate.apply_results(tx, [Inbound(rank, {"token": toks[rank],
-                                                                 "status": "ok"})],
-                                             active=ready.active).active
-
-    sql = _statements(farm, round_)
-    assert [s.split(" (")[0] for s in sql if s.startswith("INSERT INTO results")] == \
-        ["INSERT INTO results"] * 2  # (one executemany: one trace line per row)
-    assert not [s for s in sql if s.startswith("UPDATE dispatches")]
-    rs = rows(farm, results)
-    assert {r.token for r in rs} == set(toks.values())
-    assert all(r.sent_at is not None and r.ready_at is not None and r.dispatched_at
-               for r in rs)
-    assert rows(farm, dispatches) == []
-    assert (worker_state(farm, 1), worker_state(farm, 2)) == ("idle", "idle")
-
-
-def test_a_ready_after_its_result_in_the_same_round_still_frees_the_rank(farm):
-    """The commit is pending when the READY comes (classified idle: the dispatch is gone);
-    the rank's `busy` from the commit is written before the READY's `idle`, not after."""
-    _, tok = started(farm)
-
-    def round_(tx):
-        rr = farm.gate.apply_results(tx, [Inbound(1, {"token": tok, "status": "ok"})])
-        ready = farm.gate.apply_ready(tx, [Inbound(1, _ready_body(1, tok))], active=rr.active)
-        assert ready.statuses == [(1, ReadyStatus.IDLE)]
-
-    _statements(farm, round_)
-    [r] = rows(farm, results)
-    assert r.token == tok and r.ready_at is None  # READY came after the commit
-    assert worker_state(farm, 1) == "idle"
-
-
-def test_a_rollback_in_the_round_sees_the_pending_ready_mark(farm):
-    """A READY's mark still pending when the same round rolls its dispatch back (an invalid
-    RESULT, then the sweep): the rollback reads it (the rank is free, not parked)."""
-    _, tok = started(farm)
-
-    def round_(tx):
-        ready = farm.gate.apply_ready(tx, [Inbound(1, _ready_body(1, tok))])
-        farm.gate.apply_results(tx, [Inbound(1, {"token": None, "status": "ok"})],
-                                active=ready.active)
-        [rec] = farm.gate.sweep(tx)
-        assert rec.ready_seen and rec.token == tok
-
-    _statements(farm, round_)
-    assert rows(farm, dispatches) == [] and worker_state(farm, 1) == "idle"
+def test_the_watchdog_retires_a_dispatch_only_after_its_deadline(tmp_path: Path):
+    clock = [1000.0]
+    store = Store.open(tmp_path / "c.db", policy=POLICY, clock=lambda: clock[0])
+    gate = Gate(store)
+    try:
+        with store.transaction() as tx:
+            enqueue_tasks(tx, [NewTask({"path": "/seeds/one"})])
+            gate.apply_ready(tx, [Inbound(1, {READY_KEY: ""})])
+        with store.transaction() as tx:
+            [plan] = gate.plan_dispatches(tx, [1], deadline_s=DEADLINE_S)
+        clock[0] += DEADLINE_S  # exactly at the deadline: not yet past it
+        with store.transaction() as tx:
+            assert gate.watchdog(tx) == []
+        clock[0] += 0.001
+        with store.transaction() as tx:
+            [rec] = gate.watchdog(tx)
+        assert (rec.rank, rec.token) == (1, plan.token)
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT state, parked_token FROM workers")).all() == [
+                ("parked", plan.token)]
+        # Parked: a READY with another token does not free it, the retired token does.
+        with store.transaction() as tx:
+            assert [s.value for _, s in gate.apply_ready(
+                tx, [Inbound(1, {READY_KEY: ""})]).statuses] == ["missing"]
+            assert gate.apply_ready(
+                tx, [Inbound(1, {READY_KEY: plan.token})]).recovered_workers == [1]
+        with store.reading() as conn:
+            assert conn.execute(text("SELECT state, parked_token FROM workers")).all() == [
+                ("idle", None)]
+    finally:
+        store.close()

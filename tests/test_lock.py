@@ -4,7 +4,6 @@ with a second name (a hard link), which would keep a -wal of its own."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
 
@@ -76,3 +75,15 @@ def test_a_start_refused_after_it_took_a_new_files_lock_leaves_nothing_behind(tm
     with pytest.raises(ValueError, match="synchronous"):
         Store.open(db, synchronous="SOMETIMES")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
+    """What `status` reports: from the kernel's lock table, so a reused pid cannot pass for
+    a running master."""
+    assert lock_holder(db_path) is None  # never run
+    store = Store.open(db_path)
+    try:
+        assert lock_holder(db_path) == os.getpid()
+    finally:
+        store.close()
+    assert lock_holder(db_path) is None

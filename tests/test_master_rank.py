@@ -6,31 +6,13 @@ a stand-in that records the verdict."""
 from __future__ import annotations
 
 import pytest
+from fakes import VerdictTransport
 
 from coordinator import master_rank
 from coordinator.cli import _parser
 from coordinator.config import resolve_run
 from coordinator.errors import UsageError
 from coordinator.exits import ExitStatus
-from coordinator.wire import decode_start
-
-
-class VerdictTransport:
-    """Rank 0 of a three-rank job that never runs a round: it only sends the start verdict."""
-
-    rank, size, fault_tolerant, any_failed = 0, 3, False, False
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, object]] = []
-
-    def send_start(self, data: bytes, dest: int) -> None:
-        self.sent.append((dest, decode_start(data).status))
-
-    @property
-    def verdicts(self) -> list[object]:
-        """The verdict, once for all workers: each was sent the same one."""
-        assert sorted(d for d, _ in self.sent) == [1, 2]
-        return sorted({status for _, status in self.sent})
 
 
 def start(db_path, *args: str) -> tuple[int, VerdictTransport]:

@@ -2,7 +2,8 @@
 
 `decode_inbound` must turn every byte string, however broken or large, into data (a plain value
 or `Undecodable`) and never raise into the master loop; `check_result` must refuse any RESULT
-payload that is not exactly the current, strictly typed schema rather than coerce it.
+payload that is not exactly the current, strictly typed schema rather than coerce it. What a
+failed result's detail keeps, and the line `status` shows of it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from coordinator.protocol import (
 )
 from coordinator.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DETAIL_MAX_CHARS,
     RESULT_STATUSES,
     WIRE_VERSION,
     Result,
     Undecodable,
     check_result,
     decode_inbound,
+    detail_summary,
     encode,
+    failure_detail,
 )
 
 T = mint_token("e" * 32, 1, 1)
@@ -146,3 +150,33 @@ def test_a_value_past_its_bound_is_refused_and_test_cases_past_theirs_are_counte
     assert res.dropped == 255  # the 250 past the bound and the 5 the worker dropped itself
     few = Result(token=T, status="ok", testcases=[("a", b"1"), ("b", b"2")])
     assert check_result({}, encode(few))[0].testcases == [("a", b"1"), ("b", b"2")]
+
+
+@pytest.mark.parametrize("parsed, detail", [
+    ({"status": "ok", "detail": "warnings on stderr", "returncode": 0}, None),
+    ({"status": "error", "detail": "target exited with status 3\nboom", "returncode": 3},
+     "target exited with status 3\nboom"),
+    ({"status": "error", "detail": "", "returncode": 3}, "exit status 3"),
+    ({"status": "error", "detail": "", "returncode": None}, None),
+    ({"status": "error", "detail": "x" * 5000}, "x" * DETAIL_MAX_CHARS),
+    # an ok result keeps only the note of output files dropped over the executor's limits
+    ({"status": "ok", "detail": "warn\ndropped 500 of 1500 output files (limits: ...)"},
+     "dropped 500 of 1500 output files (limits: ...)"),
+    ({"status": "ok", "detail": "dropped 3 packets (the target's own stderr)"}, None),
+])
+def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
+    assert failure_detail(parsed) == detail
+
+
+@pytest.mark.parametrize("detail, line", [
+    # how the command ended, and its last word, not the dropped-files note after them
+    ("exited with status 3\ntarget: bad input\ndropped 1 of 2 output files (1 over 10 "
+     "bytes; limits: ...)", "exited with status 3 … target: bad input"),
+    ("exited with status 3\ndropped 1 of 2 output files (...)", "exited with status 3"),
+    ("ValueError: no\nTraceback (most recent call last):\n  File x\nValueError: no",
+     "ValueError: no"),
+    ("", "(no detail)"), (None, "(no detail)"),
+    ("a" * 150 + "\n" + "b" * 150, "a" * 150 + " … " + "b" * 46 + "…"),
+])
+def test_status_shows_the_first_and_last_own_line_of_a_failure(detail, line):
+    assert detail_summary(detail) == line

@@ -1,5 +1,5 @@
-"""What the master's round costs without MPI: the real Master and store, a fake transport whose
-workers answer every WORK at once (RESULT and READY), N demo tasks.
+"""What the master's round costs without MPI: the real Master and store, the tests' fake transport
+whose workers answer every WORK at once (`tests/fakes.py`: RESULT and READY), N demo tasks.
 
     python tools/round_cost.py                  # 10,000 tasks, 3 workers, FULL and NORMAL
     python tools/round_cost.py --tasks 3000 --workers 1 --sync FULL
@@ -18,69 +18,18 @@ import os
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' fake transports: `fakes.InstantWorkers`
+
+from fakes import InstantWorkers  # noqa: E402
 
 from coordinator.master import Master, MasterConfig  # noqa: E402
 from coordinator.sources import demo_tasks  # noqa: E402
-from coordinator.transport import Received  # noqa: E402
-from coordinator.wire import (  # noqa: E402
-    TAG_READY,
-    TAG_RESULT,
-    TAG_STOP_ACK,
-    Ready,
-    Result,
-    Stop,
-    decode_stop,
-    decode_work,
-    encode,
-)
 from store.campaign import Store  # noqa: E402
 from store.tasks import enqueue_tasks  # noqa: E402
-
-
-class InstantWorkers:
-    """The part of `coordinator.transport.Transport` the master uses; every WORK is answered
-    at once with RESULT (ok) and READY echoing its token, every STOP with its STOP_ACK."""
-
-    fault_tolerant = False
-    any_failed = False
-    rank = 0
-
-    def __init__(self, workers: int):
-        self.size = workers + 1
-        self.queues: dict[int, deque[Received]] = {
-            TAG_READY: deque(), TAG_RESULT: deque(), TAG_STOP_ACK: deque()}
-        for r in range(1, self.size):
-            self._ready(r, "")
-
-    def _ready(self, rank: int, token: str) -> None:
-        self.queues[TAG_READY].append(Received(rank, TAG_READY, encode(Ready(
-            rank=rank, bitmap_version=0, empirical_profile_version="",
-            completed_dispatch_token=token, host="bench", pid=rank))))
-
-    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
-        q = self.queues.get(tag, deque())
-        for _ in range(limit):
-            if not q:
-                return
-            yield q.popleft()
-
-    def take_failed(self) -> list[int]:
-        return []
-
-    def send_work(self, data: bytes, dest: int) -> None:
-        work = decode_work(data)
-        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, encode(Result(
-            token=work.token, status="ok", value={"n": 1}))))
-        self._ready(dest, work.token)
-
-    def send_stop(self, data: bytes, dest: int) -> None:
-        self.queues[TAG_STOP_ACK].append(Received(dest, TAG_STOP_ACK, encode(Stop(
-            token=decode_stop(data).token))))
 
 
 def run_once(tasks: int, workers: int, sync: str, *, trace: bool) -> dict[str, float]:

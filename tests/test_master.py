@@ -4,98 +4,38 @@ loop itself decides, like when a round that lingers for more answers must end an
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import sqlite3
-import subprocess
-import sys
-import textwrap
 import time
-from collections import deque
 
 import msgspec
 import pytest
-from processes import running
+from fakes import (
+    DyingRanks,
+    InstantWorkers,
+    LateStarter,
+    OneSilentRank,
+    RepeatingRank,
+    ScriptedAnswers,
+    StaggeredRanks,
+    answered_after,
+    ready_message,
+    valid_result,
+)
 from sqlalchemy import func, select
 
 from coordinator.master import Master, MasterConfig
-from coordinator.processes import JOB_VARS, RANK_VARS, commands_run_by
 from coordinator.sources import NewInput, demo_tasks
-from coordinator.transport import Received
-from coordinator.wire import (
-    TAG_READY,
-    TAG_RESULT,
-    TAG_STOP_ACK,
-    Ready,
-    Result,
-    Stop,
-    decode_stop,
-    decode_work,
-    encode,
-)
+from coordinator.wire import TAG_READY, TAG_RESULT
 from store.campaign import Store
 from store.schema import results, tasks
 from store.tasks import NewTask, enqueue_tasks
-from store.workers import accept_versions
-
-
-def _ready(rank: int, token: str) -> Received:
-    return Received(rank, TAG_READY, bytearray(encode(Ready(
-        rank=rank, bitmap_version=0, empirical_profile_version="",
-        completed_dispatch_token=token, host="test", pid=None))))
-
-
-SPAM_DRAINS = 5_000
-
-
-class ScriptedRanks:
-    """The part of `Transport` the master uses. Both ranks answer each WORK (RESULT, READY)
-    by the master's next drain; rank 2, like a broken worker, also has an empty-token READY
-    waiting on each of the first `SPAM_DRAINS` drains (idle, or `missing` while it holds a
-    dispatch): rounds must end meanwhile, so the work goes on."""
-
-    fault_tolerant = False
-    any_failed = False
-    rank = 0
-    size = 3
-
-    def __init__(self):
-        self.queues = {TAG_READY: deque([_ready(1, ""), _ready(2, "")]),
-                       TAG_RESULT: deque(),
-                       TAG_STOP_ACK: deque()}
-        self.spam_readies = 0
-        self.committed_during_spam = 0
-
-    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
-        if tag == TAG_READY and self.spam_readies < SPAM_DRAINS:
-            self.spam_readies += 1
-            yield _ready(2, "")
-        q = self.queues.get(tag, deque())
-        while q:
-            yield q.popleft()
-
-    def take_failed(self) -> list[int]:
-        return []
-
-    def send_work(self, data: bytes, dest: int) -> None:
-        work = decode_work(data)
-        if self.spam_readies < SPAM_DRAINS:
-            self.committed_during_spam += 1
-        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(encode(Result(
-            token=work.token, status="ok", value={"n": 1})))))
-        self.queues[TAG_READY].append(_ready(dest, work.token))
-
-    def send_stop(self, data: bytes, dest: int) -> None:
-        self.queues[TAG_STOP_ACK].append(Received(dest, TAG_STOP_ACK, bytearray(encode(Stop(
-            token=decode_stop(data).token)))))
 
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 5)
     try:
-        ranks = ScriptedRanks()
+        ranks = RepeatingRank(works=5, cap=2_000)
         summary = Master(store, ranks, MasterConfig(
             linger_s=0.005, grace_s=1, stop_wait_s=1, stats_file=None)).run()
         with store.reading() as conn:
@@ -105,47 +45,7 @@ def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
         store.close()
     assert (summary.committed, done, committed) == (5, 5, 5)
     # Every WORK left while rank 2 was still sending: no round waited for it to stop.
-    assert ranks.committed_during_spam == 5
-
-
-class StaggeredRanks(ScriptedRanks):
-    """Each rank's RESULT and READY become visible a given number of drains after its WORK
-    left, one message per drain at most: the two halves of an answer (and the answers of
-    different ranks) land in different batches of the same open round. The ranks' first
-    READYs are all waiting at the master's first poll."""
-
-    def __init__(self, delays: dict[int, tuple[int, int]]):
-        self.delays = delays  # rank -> (drains until RESULT, drains until READY)
-        self.size = len(delays) + 1
-        self.clock = 0
-        self.pending: list[tuple[int, int, Received]] = []  # (visible at, tag, message)
-        self.queues = {TAG_STOP_ACK: deque()}
-        self.first_readies = [_ready(rank, "") for rank in delays]
-        self.spam_readies = self.committed_during_spam = 0
-
-    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
-        self.clock += 1
-        if tag == TAG_STOP_ACK:
-            yield from ScriptedRanks.drain(self, tag)
-            return
-        if tag == TAG_READY and self.first_readies:  # all waiting when the master starts
-            yield from self.first_readies
-            self.first_readies = []
-            return
-        for i, (at, t, msg) in enumerate(self.pending):
-            if t == tag and at <= self.clock:
-                del self.pending[i]
-                yield msg
-                return
-
-    def send_work(self, data: bytes, dest: int) -> None:
-        work = decode_work(data)
-        to_result, to_ready = self.delays[dest]
-        self.pending.append((self.clock + to_result, TAG_RESULT, Received(
-            dest, TAG_RESULT, bytearray(encode(Result(token=work.token, status="ok",
-                                                      value={"n": 1}))))))
-        self.pending.append((self.clock + to_ready, TAG_READY, _ready(dest, work.token)))
-        self.pending.sort(key=lambda p: p[0])
+    assert ranks.sent_while_repeating == 5 and ranks.repeated < ranks.cap
 
 
 @pytest.mark.timeout(60)
@@ -176,30 +76,6 @@ def test_the_halves_of_answers_in_separate_batches_join_in_one_round(tmp_path, d
     assert rounds == n // len(delays)
 
 
-class ScriptedAnswers(StaggeredRanks):
-    """Each WORK is answered by `script(token)`: (drains until visible, tag, encoded body)."""
-
-    def __init__(self, ranks: int, script):
-        super().__init__({r: (0, 0) for r in range(1, ranks + 1)})
-        self.script = script
-
-    def send_work(self, data: bytes, dest: int) -> None:
-        token = decode_work(data).token
-        for delay, tag, body in self.script(token):
-            self.pending.append((self.clock + delay, tag, Received(dest, tag, bytearray(body))))
-        self.pending.sort(key=lambda p: p[0])
-
-
-def _valid_result(token: str) -> bytes:
-    return encode(Result(token=token, status="ok", value={"n": 1}))
-
-
-def _answered_after(drains: int):
-    """A ScriptedAnswers script: a valid RESULT and its READY, visible `drains` drains on."""
-    return lambda token: [(drains, TAG_RESULT, _valid_result(token)),
-                          (drains, TAG_READY, bytes(_ready(1, token).data))]
-
-
 def _campaign_of_demo_tasks(path, n: int) -> Store:
     store = Store.open(path)
     with store.transaction("import") as tx:
@@ -219,8 +95,8 @@ def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_tha
     try:
         ranks = ScriptedAnswers(1, lambda token: [
             (1, TAG_RESULT, msgspec.msgpack.encode(["not", "a", "mapping"])),
-            (4, TAG_RESULT, _valid_result(token)),
-            (4, TAG_READY, bytes(_ready(1, token).data))])
+            (4, TAG_RESULT, valid_result(token)),
+            (4, TAG_READY, bytes(ready_message(1, token).data))])
         summary = Master(store, ranks, MasterConfig(
             linger_s=0.5, grace_s=1, stop_wait_s=1, stats_file=None)).run()
     finally:
@@ -286,7 +162,7 @@ def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on
             tx.db.execute("UPDATE tasks SET payload = ? WHERE id = 2",
                           (f'{{"data": {{"n": {2**70}}}, "path": "demo:2"}}',))
 
-    summary = _run_demo_tasks(tmp_path, 4, ScriptedAnswers(1, _answered_after(0)), older_row)
+    summary = _run_demo_tasks(tmp_path, 4, ScriptedAnswers(1, answered_after(0)), older_row)
     assert summary.committed == 3
     with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
         states = db.execute("SELECT id, state, dispatches, attempts FROM tasks ORDER BY id"
@@ -309,7 +185,7 @@ def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_pat
     keeps its queue place and its counts, the event is `send_failed` (no requeue, no
     recovery), and the rank that could not be reached is marked failed and left alone."""
     from coordinator.transport import SendFailed
-    ranks = ScriptedAnswers(2, _answered_after(0))
+    ranks = ScriptedAnswers(2, answered_after(0))
     answer = ranks.send_work
 
     def send_work(data: bytes, dest: int) -> None:
@@ -331,21 +207,6 @@ def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_pat
     assert not kinds & {"requeued", "recovered", "deferred", "failed"}
     assert counts == [(i, 0, 0, 1) for i in range(1, 5)]  # the failed send left no count
     assert (rank_2, by_rank) == ("failed", [(1,)])
-
-
-class OneSilentRank(StaggeredRanks):
-    """Rank 1 answers each WORK by the next drain. Rank 2 is silent: `never-heard` ranks never
-    send their first READY (a rank stuck starting); `parked` ones send it, take a WORK and never
-    answer, so the watchdog retires the dispatch and parks the rank."""
-
-    def __init__(self, silent: str):
-        super().__init__({1: (0, 0), 2: (0, 0)})
-        if silent == "never-heard":
-            self.first_readies = [_ready(1, "")]
-
-    def send_work(self, data: bytes, dest: int) -> None:
-        if dest == 1:
-            super().send_work(data, dest)
 
 
 @pytest.mark.timeout(60)
@@ -392,7 +253,7 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
     later, and only then is sent its STOP. Meanwhile the database says it is busy, not idle."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
     try:
-        ranks = ScriptedAnswers(1, _answered_after(6))
+        ranks = ScriptedAnswers(1, answered_after(6))
         states_at_stop = []
 
         def send_stop(data: bytes, dest: int) -> None:
@@ -400,7 +261,7 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
                 states_at_stop.append(db.execute("SELECT state FROM workers WHERE rank = ?",
                                                   (dest,)).fetchone()[0])
             answered = not any(t == TAG_READY for _, t, _m in ranks.pending)
-            ScriptedRanks.send_stop(ranks, data, dest)
+            InstantWorkers.send_stop(ranks, data, dest)
             stops.append((dest, answered))
 
         stops: list[tuple[int, bool]] = []
@@ -421,21 +282,6 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
     assert states_at_stop == ["idle"] and final == [("stopped",)]
     assert master.summary.unacked_ranks == []
     assert tasks_left == [("queued", 3)]  # the late RESULT was not committed: its task is back
-
-
-class LateStarter(StaggeredRanks):
-    """Rank 1 answers at once; rank 2's first READY (it is still starting) comes only at drain
-    `late`. Every STOP is answered, and the drain at which it was sent is kept."""
-
-    def __init__(self, late: int):
-        super().__init__({1: (0, 0), 2: (0, 0)})
-        self.first_readies = [_ready(1, "")]
-        self.pending.append((late, TAG_READY, _ready(2, "")))
-        self.stops: list[tuple[int, int]] = []  # (rank, drain clock)
-
-    def send_stop(self, data: bytes, dest: int) -> None:
-        self.stops.append((dest, self.clock))
-        ScriptedRanks.send_stop(self, data, dest)
 
 
 @pytest.mark.timeout(60)
@@ -462,12 +308,12 @@ def test_a_rank_busy_at_the_stop_does_not_hold_back_the_stop_of_the_idle_ones(tm
     the idle ranks are stopped at once."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
     try:
-        ranks = ScriptedAnswers(2, _answered_after(60))
+        ranks = ScriptedAnswers(2, answered_after(60))
         stops: list[tuple[int, int]] = []
 
         def send_stop(data: bytes, dest: int) -> None:
             stops.append((dest, ranks.clock))
-            ScriptedRanks.send_stop(ranks, data, dest)
+            InstantWorkers.send_stop(ranks, data, dest)
 
         ranks.send_stop = send_stop
         master = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=0.0, stop_wait_s=30,
@@ -480,7 +326,6 @@ def test_a_rank_busy_at_the_stop_does_not_hold_back_the_stop_of_the_idle_ones(tm
     assert dict(stops)[2] < 60 <= dict(stops)[1], stops
 
 
-
 @pytest.mark.timeout(60)
 def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tmp_path,
                                                                                capsys):
@@ -489,192 +334,16 @@ def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tm
     gone = tmp_path / "gone"
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 20)
     try:
-        master = Master(store, ScriptedRanks(), MasterConfig(
+        master = Master(store, InstantWorkers(), MasterConfig(
             linger_s=0.0, grace_s=1, stop_wait_s=1, stats_interval_s=0.0,
             stats_file=gone / "c.stats"))
         summary = master.run()
     finally:
         store.close()
     err = capsys.readouterr().err
-    assert summary.committed == 20
+    assert summary.committed == 20 and summary.rounds > 1  # a write failed at every round
     assert err.count(f"cannot write the stats file {gone / 'c.stats'}: No such file") == 1
     assert master.stats_error == "No such file or directory"
-
-
-def test_progress_refreshes_less_often_when_its_read_is_slow():
-    """A refresh counts whole tables (a quarter second at a million tasks): every half second,
-    that cut a large campaign's rate by 2-3x. The next refresh waits LOAD_FACTOR x the read."""
-    from coordinator.progress import Progress
-    p = Progress(enabled=True)
-    p._live = object()  # due() only asks whether a display is live; nothing is drawn here
-    assert p.due(100.0) and not p.due(100.4) and p.due(100.5)
-    p.took(100.5, 0.001)  # a cheap read changes nothing
-    assert p.due(101.0)
-    p.took(101.0, 0.25)
-    assert not p.due(101.0 + Progress.LOAD_FACTOR * 0.25 - 0.01)
-    assert p.due(101.0 + Progress.LOAD_FACTOR * 0.25)
-
-
-# A worker whose teardown handler never runs (as when the launcher SIGKILLs it first), running
-# a command in a session of its own, which has a child of its own. It prints the command's pid,
-# the command's child's, and that of a plain child of its own, which is no command.
-UNHANDLED_TEARDOWN_WORKER = textwrap.dedent("""\
-    import signal, subprocess, sys, time
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-    command = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; "
-         f"c = subprocess.Popen({sleep!r}); print(c.pid, flush=True); time.sleep(600)"],
-        start_new_session=True, stdout=subprocess.PIPE, text=True)
-    plain = subprocess.Popen(sleep)
-    print(command.pid, command.stdout.readline().strip(), plain.pid, flush=True)
-    time.sleep(600)
-    """)
-
-
-#: The launcher's variables a rank of this (pretend) job carries: the master fences only a
-#: process that has them (`processes.not_our_rank`).
-JOB = {"PMIX_NAMESPACE": "test-job@1"}
-
-
-@pytest.fixture
-def as_rank_0_of_a_job(monkeypatch):
-    """The test process as a job's master: its launcher's job name and rank 0."""
-    for var, value in {**JOB, "OMPI_COMM_WORLD_RANK": "0"}.items():
-        monkeypatch.setenv(var, value)
-
-
-@contextlib.contextmanager
-def unhandled_teardown_worker(rank: int = 1, job: dict[str, str] = JOB):
-    """UNHANDLED_TEARDOWN_WORKER running as `rank` of `job`: (its Popen, the pids it
-    printed); all of them killed afterwards, whatever the test did."""
-    env = {k: v for k, v in os.environ.items() if k not in (*JOB_VARS, *RANK_VARS)}
-    if job:  # (no job: a process no launcher started)
-        env.update({**job, "OMPI_COMM_WORLD_RANK": str(rank)})
-    worker = subprocess.Popen([sys.executable, "-c", UNHANDLED_TEARDOWN_WORKER],
-                              stdout=subprocess.PIPE, text=True, env=env)
-    pids: list[int] = []
-    try:
-        pids = [int(p) for p in worker.stdout.readline().split()]
-        yield worker, pids
-    finally:
-        worker.kill()
-        worker.wait()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.timeout(60)
-def test_fencing_a_rank_kills_its_command_even_if_the_rank_never_handles_its_teardown(
-        tmp_path, as_rank_0_of_a_job):
-    """A worker's teardown handler kills its command; under load MPICH's launcher SIGKILLs
-    the other ranks as soon as one of them leaves, before they ran theirs, and their commands
-    ran on after the job (one CI run in a few). The master kills the commands itself."""
-    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-          unhandled_teardown_worker() as (worker, pids)):
-        command, its_child, plain_child = pids
-        assert commands_run_by([worker.pid]) == [command]
-        with store.transaction("test") as tx:
-            accept_versions(tx, 1, 0, "", host=socket.gethostname(), pid=worker.pid)
-        master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
-        assert master.fence([1], term_wait_s=0.2) == [1]
-        assert worker.wait(timeout=10) == -signal.SIGKILL  # it ignored the teardown signal
-        deadline = time.monotonic() + 10
-        while (running(command) or running(its_child)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not running(command) and not running(its_child)
-        # Only the command's group: the worker's other children are the launcher's business.
-        assert running(plain_child)
-
-
-@pytest.mark.timeout(60)
-def test_a_pid_not_reported_in_this_incarnation_or_taken_over_is_left_alone(
-        tmp_path, as_rank_0_of_a_job):
-    """Only a rank's own process is fenced: not the pid an earlier incarnation's READY
-    reported (a resumed master's ranks are new processes), nor a process that started after
-    the rank's last READY (the rank died and its pid went to another process). Either could
-    be anything: a shell server, whose shells the master would kill as 'commands'. Here that
-    process is no rank of the job: it is left alone however recent its pid's report."""
-    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-          unhandled_teardown_worker(rank=2, job={}) as (other, pids)):
-        with store.transaction("test") as tx:
-            for rank in (1, 2):
-                accept_versions(tx, rank, 0, "", host=socket.gethostname(), pid=other.pid)
-        with sqlite3.connect(tmp_path / "c.db") as db:
-            db.execute("UPDATE workers SET state = 'unknown' WHERE rank = 1")
-            db.execute("UPDATE workers SET last_seen = last_seen - 60 WHERE rank = 2")
-        master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
-        assert master.fence([1, 2], term_wait_s=0.2) == []
-        with sqlite3.connect(tmp_path / "c.db") as db:  # reported in time, but no rank
-            db.execute("UPDATE workers SET last_seen = last_seen + 60 WHERE rank = 2")
-        assert master.fence([1, 2], term_wait_s=0.2) == []
-        time.sleep(0.3)
-        assert other.poll() is None and all(map(running, pids))
-
-
-@pytest.mark.timeout(60)
-def test_a_ranks_own_process_is_fenced_whatever_pid_it_reported(tmp_path,
-                                                                as_rank_0_of_a_job):
-    """The rank's own process is found by its launcher's variables when what it reported is
-    not it (a pid of another process, a pid reported before it was restarted)."""
-    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-              unhandled_teardown_worker(rank=2) as (worker, pids)):
-            with store.transaction("test") as tx:
-                accept_versions(tx, 2, 0, "", host=socket.gethostname(), pid=decoy.pid)
-            master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
-            assert master.fence([2], term_wait_s=0.2) == [2]
-            assert worker.wait(timeout=10) == -signal.SIGKILL
-            assert decoy.poll() is None
-    finally:
-        decoy.kill()
-        decoy.wait()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("who", ["another job's rank 1", "this job's rank 2", "no rank"])
-def test_a_pid_that_is_not_the_ranks_own_process_is_never_fenced(tmp_path, capsys,
-                                                                 as_rank_0_of_a_job, who):
-    """A rank reported another process's pid in its READY and ignored STOP: the fence
-    stopped and killed that process. Only a process of this job holding that rank is fenced;
-    anything else is left alone, and the master says why."""
-    rank, job = {"another job's rank 1": (1, {"PMIX_NAMESPACE": "other-job@1"}),
-                 "this job's rank 2": (2, JOB), "no rank": (1, {})}[who]
-    with (contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 1)) as store,
-          unhandled_teardown_worker(rank, job) as (other, pids)):
-        with store.transaction("test") as tx:
-            accept_versions(tx, 1, 0, "", host=socket.gethostname(), pid=other.pid)
-        master = Master(store, ScriptedRanks(), MasterConfig(stats_file=None))
-        try:
-            assert master.fence([1], term_wait_s=0.2) == []
-            time.sleep(0.3)
-            assert other.poll() is None
-        finally:
-            other.kill()
-            other.wait()
-    assert f"rank 1 reported pid {other.pid}, which is not fenced" in capsys.readouterr().err
-
-
-class DyingRanks(ScriptedRanks):
-    """Rank 1 takes its WORK and dies (the runtime reports it at the next poll); rank 2 was
-    never heard from."""
-
-    size = 3
-
-    def __init__(self):
-        self.queues = {TAG_READY: deque([_ready(1, "")]), TAG_RESULT: deque(),
-                       TAG_STOP_ACK: deque()}
-        self.spam_readies = SPAM_DRAINS  # no spam here
-        self.dead: list[int] = []
-
-    def take_failed(self) -> list[int]:
-        out, self.dead = self.dead, []
-        return out
-
-    def send_work(self, data: bytes, dest: int) -> None:
-        self.dead.append(dest)
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,260 @@
+"""The fake transports, one set for every test and tool that drives the master or a worker
+without MPI: each is the part of `coordinator.transport.Transport` its side uses, scripted.
+
+The master's side: `InstantWorkers` answer every WORK at once; the others change one thing
+about it (a rank that repeats its READY, answers that arrive a few drains late, a rank that
+dies, a start verdict and nothing else). The worker's side: `WorkerSide`.
+
+Imported as `fakes` by the tests (pytest puts `tests/` on `sys.path`) and by
+`tools/round_cost.py` (which puts it there itself).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from coordinator.transport import Received
+from coordinator.wire import (
+    TAG_READY,
+    TAG_RESULT,
+    TAG_STOP_ACK,
+    Ready,
+    Result,
+    Stop,
+    decode_start,
+    decode_stop,
+    decode_work,
+    encode,
+)
+
+
+def ready_message(rank: int, token: str) -> Received:
+    """A READY as the master receives it from `rank`, echoing `token` ("" for none)."""
+    return Received(rank, TAG_READY, bytearray(encode(Ready(
+        rank=rank, bitmap_version=0, empirical_profile_version="",
+        completed_dispatch_token=token, host="test", pid=None))))
+
+
+def valid_result(token: str) -> bytes:
+    """An ok RESULT for `token`, encoded."""
+    return encode(Result(token=token, status="ok", value={"n": 1}))
+
+
+# -- the master's side -----------------------------------------------------------------------
+
+class InstantWorkers:
+    """`workers` ranks whose first READYs are all waiting when the master starts, and which
+    answer every WORK at once: its RESULT (ok) and the READY echoing its token wait at the
+    master's next drains. Every STOP is answered with its STOP_ACK."""
+
+    fault_tolerant = False
+    any_failed = False
+    rank = 0
+
+    def __init__(self, workers: int = 2):
+        self.size = workers + 1
+        self.queues: dict[int, deque[Received]] = {
+            TAG_READY: deque(ready_message(r, "") for r in range(1, self.size)),
+            TAG_RESULT: deque(), TAG_STOP_ACK: deque()}
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        q = self.queues.get(tag, deque())
+        for _ in range(limit):
+            if not q:
+                return
+            yield q.popleft()
+
+    def take_failed(self) -> list[int]:
+        return []
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        token = decode_work(data).token
+        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(valid_result(token))))
+        self.queues[TAG_READY].append(ready_message(dest, token))
+
+    def send_stop(self, data: bytes, dest: int) -> None:
+        self.queues[TAG_STOP_ACK].append(Received(dest, TAG_STOP_ACK, bytearray(encode(Stop(
+            token=decode_stop(data).token)))))
+
+
+class RepeatingRank(InstantWorkers):
+    """Two instant workers, and rank 2, like a broken worker, also has an empty-token READY
+    waiting at each READY drain (idle, or `missing` while it holds a dispatch) until `works`
+    WORKs have left: it is still sending when each of them leaves, however many READY drains
+    the master makes meanwhile (150-350 with a 5 ms linger on a 2-core machine). `cap`
+    bounds it, so that a master holding its round open until the READYs stop fails a test
+    (it sends no WORK before the last of them) instead of hanging it."""
+
+    def __init__(self, works: int, cap: int):
+        super().__init__(2)
+        self.works, self.cap = works, cap
+        self.repeated = 0
+        self.sent_while_repeating = 0
+
+    def repeating(self) -> bool:
+        return self.sent_while_repeating < self.works and self.repeated < self.cap
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        if tag == TAG_READY and self.repeating():
+            self.repeated += 1
+            yield ready_message(2, "")
+            limit -= 1
+        yield from super().drain(tag, limit)
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if self.repeating():
+            self.sent_while_repeating += 1
+        super().send_work(data, dest)
+
+
+class StaggeredRanks(InstantWorkers):
+    """Each rank's RESULT and READY become visible a given number of drains after its WORK
+    left, one message per drain at most: the two halves of an answer (and the answers of
+    different ranks) land in different batches of the same open round. The ranks' first
+    READYs are all waiting at the master's first poll. `clock` counts the drains."""
+
+    def __init__(self, delays: dict[int, tuple[int, int]]):
+        super().__init__(len(delays))
+        self.delays = delays  # rank -> (drains until RESULT, drains until READY)
+        self.clock = 0
+        self.pending: list[tuple[int, int, Received]] = []  # (visible at, tag, message)
+        self.first_readies = [ready_message(rank, "") for rank in delays]
+        self.queues[TAG_READY].clear()  # (they are `first_readies`)
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        self.clock += 1
+        if tag == TAG_STOP_ACK:
+            yield from super().drain(tag, limit)
+            return
+        if tag == TAG_READY and self.first_readies:  # all waiting when the master starts
+            yield from self.first_readies
+            self.first_readies = []
+            return
+        for i, (at, t, msg) in enumerate(self.pending):
+            if t == tag and at <= self.clock:
+                del self.pending[i]
+                yield msg
+                return
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        token = decode_work(data).token
+        to_result, to_ready = self.delays[dest]
+        self.pending.append((self.clock + to_result, TAG_RESULT,
+                             Received(dest, TAG_RESULT, bytearray(valid_result(token)))))
+        self.pending.append((self.clock + to_ready, TAG_READY, ready_message(dest, token)))
+        self.pending.sort(key=lambda p: p[0])
+
+
+class ScriptedAnswers(StaggeredRanks):
+    """Each WORK is answered by `script(token)`: (drains until visible, tag, encoded body)."""
+
+    def __init__(self, ranks: int, script):
+        super().__init__({r: (0, 0) for r in range(1, ranks + 1)})
+        self.script = script
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        token = decode_work(data).token
+        for delay, tag, body in self.script(token):
+            self.pending.append((self.clock + delay, tag, Received(dest, tag, bytearray(body))))
+        self.pending.sort(key=lambda p: p[0])
+
+
+def answered_after(drains: int):
+    """A ScriptedAnswers script: a valid RESULT and its READY, visible `drains` drains on."""
+    return lambda token: [(drains, TAG_RESULT, valid_result(token)),
+                          (drains, TAG_READY, bytes(ready_message(1, token).data))]
+
+
+class OneSilentRank(StaggeredRanks):
+    """Rank 1 answers each WORK by the next drain. Rank 2 is silent: `never-heard` ranks never
+    send their first READY (a rank stuck starting); `parked` ones send it, take a WORK and never
+    answer, so the watchdog retires the dispatch and parks the rank."""
+
+    def __init__(self, silent: str):
+        super().__init__({1: (0, 0), 2: (0, 0)})
+        if silent == "never-heard":
+            self.first_readies = [ready_message(1, "")]
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if dest == 1:
+            super().send_work(data, dest)
+
+
+class LateStarter(StaggeredRanks):
+    """Rank 1 answers at once; rank 2's first READY (it is still starting) comes only at drain
+    `late`. Every STOP is answered, and the drain at which it was sent is kept."""
+
+    def __init__(self, late: int):
+        super().__init__({1: (0, 0), 2: (0, 0)})
+        self.first_readies = [ready_message(1, "")]
+        self.pending.append((late, TAG_READY, ready_message(2, "")))
+        self.stops: list[tuple[int, int]] = []  # (rank, drain clock)
+
+    def send_stop(self, data: bytes, dest: int) -> None:
+        self.stops.append((dest, self.clock))
+        super().send_stop(data, dest)
+
+
+class DyingRanks(InstantWorkers):
+    """Rank 1 takes its WORK and dies (the runtime reports it at the next poll); rank 2 was
+    never heard from."""
+
+    def __init__(self):
+        super().__init__(2)
+        self.queues[TAG_READY] = deque([ready_message(1, "")])
+        self.dead: list[int] = []
+
+    def take_failed(self) -> list[int]:
+        out, self.dead = self.dead, []
+        return out
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        self.dead.append(dest)
+
+
+class VerdictTransport:
+    """Rank 0 of a three-rank job that never runs a round: it only sends the start verdict."""
+
+    rank, size, fault_tolerant, any_failed = 0, 3, False, False
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+
+    def send_start(self, data: bytes, dest: int) -> None:
+        self.sent.append((dest, decode_start(data).status))
+
+    @property
+    def verdicts(self) -> list[object]:
+        """The verdict, once for all workers: each was sent the same one."""
+        assert sorted(d for d, _ in self.sent) == [1, 2]
+        return sorted({status for _, status in self.sent})
+
+
+# -- the worker's side -----------------------------------------------------------------------
+
+class WorkerSide:
+    """The part of `Transport` a worker uses: a script of messages from the master, and what
+    the worker sent back."""
+
+    rank, fault_tolerant = 1, False
+
+    def __init__(self, messages):
+        self.inbox = deque(messages)
+        self.results: list[dict] = []
+        self.readies: list[dict] = []
+        self.backoffs: list = []
+
+    def wait_for_master(self, backoff, timeout_s):
+        self.backoffs.append(backoff)
+        return self.inbox.popleft() if self.inbox else None
+
+    def send_result(self, data: bytes) -> None:
+        self.results.append(msgspec.msgpack.decode(data))
+
+    def send_ready(self, data: bytes) -> None:
+        self.readies.append(msgspec.msgpack.decode(data))
+
+    def send_stop_ack(self, data: bytes) -> None:
+        pass

@@ -1,0 +1,52 @@
+"""The command line (coordinator/cli.py): the parser's refusals, and `main` itself (it loads no
+MPI, and a reader that leaves early is not an error)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.cli import _parser
+from coordinator.exits import ExitStatus
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999999", "0", "-3", "x"])
+def test_requeue_ids_sqlite_cannot_hold_are_usage_errors(value, capsys):
+    """An id past SQLite's integers ended `requeue` in an OverflowError traceback."""
+    with pytest.raises(SystemExit) as ended:
+        _parser().parse_args(["requeue", "--db", "c.db", "--id", value])
+    assert ended.value.code == ExitStatus.USAGE and "--id" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--tasks", "t.jsonl"), ("--demo", "5"),
+                                         ("--callable", "m:f"), ("--out", "o")])
+def test_a_single_valued_flag_given_twice_is_an_error(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["run", "--db", str(tmp_path / "c.db"), flag, value, flag, value])
+    assert e.value.code == ExitStatus.USAGE
+    assert f"{flag} given twice" in capsys.readouterr().err
+
+
+def test_the_command_line_does_not_start_mpi():
+    """`status`, `requeue`, `db upgrade`, `--help` and the self-launcher never need MPI: loading
+    it ran MPI_Init (~1 s here; an abort on a login node where MPI cannot start)."""
+    import subprocess
+    import sys
+    probe = ("import sys, coordinator.cli\n"
+             "sys.exit('mpi4py.MPI' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path):
+    """`coordinator status | head -1`: the reader leaving early is not an error."""
+    import subprocess
+    import sys
+
+    from store.campaign import Store
+    Store.open(tmp_path / "c.db").close()
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", "status", "--db",
+                             str(tmp_path / "c.db")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the status is printed (the interpreter starts first)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err

@@ -1,0 +1,143 @@
+"""The self-launch under `mpiexec` (coordinator/launcher.py), driven with stand-in launchers
+that fail, hang or start a master that records its status: what `coordinator run` says and
+exits with, and what it leaves behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from coordinator.exits import ExitStatus
+
+
+def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
+    """`--mpiexec /nonexistent` ended in a traceback, `--mpiexec /bin/false` in exit 1 and not
+    a word."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+
+    def launch(mpiexec: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                               str(tmp_path / "c.db"), "--no-progress", "--mpiexec", mpiexec],
+                              capture_output=True, text=True, timeout=120, env=env, check=False)
+    missing = launch(str(tmp_path / "nonexistent"))
+    assert missing.returncode == ExitStatus.USAGE
+    assert "--mpiexec" in missing.stderr and "no such executable" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    false = launch("false")  # a name on PATH
+    assert false.returncode == ExitStatus.FAILED
+    assert "exited with status 1 before the master started" in false.stderr
+    assert not (tmp_path / "c.db").exists()
+
+
+def test_a_launch_that_open_mpis_launcher_failed_is_made_once_more(tmp_path):
+    """Open MPI's launcher at times fails before any rank ran (exit 213, LAUNCHER_FAILED):
+    `coordinator run` then launched nothing and failed. It now launches once more, and only
+    once (a stand-in mpiexec that fails on its first launch, or on every one)."""
+    import subprocess
+    import sys
+
+    from coordinator.launcher import LAUNCHER_FAILED
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+    launches = tmp_path / "launches"
+    fake = tmp_path / "flaky-mpiexec"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "stand-in"; exit 0; }\n'
+        f'echo launch >> {launches}\n'
+        f'if [ "$(wc -l < {launches})" -le "$FAILURES" ]; then\n'
+        f'  echo "{LAUNCHER_FAILED}" >&2; exit 213\n'
+        "fi\n"
+        "while [ $# -gt 0 ]; do\n"
+        '  if [ "$1" = --master-pid-file ]; then echo $$ > "$2"; f=$2; fi; shift\n'
+        'done\necho 0 > "$f.exit"\n')
+    fake.chmod(0o755)
+
+    def launch(failures: int) -> subprocess.CompletedProcess:
+        launches.write_text("")
+        return subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                               str(tmp_path / "c.db"), "--no-progress", "--mpiexec", str(fake)],
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env={**env, "FAILURES": str(failures)})
+
+    once = launch(1)
+    assert once.returncode == 0, once.stderr
+    assert "status 213 before the master started; launching once more" in once.stderr
+    assert launches.read_text().count("launch") == 2
+    always = launch(5)
+    assert always.returncode == 213, always.stderr
+    assert always.stderr.count("launching once more") == 1
+    assert "exited with status 213 before the master started" in always.stderr
+    assert launches.read_text().count("launch") == 2
+
+
+def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
+    """`coordinator run` keeps its pid files in a temporary directory; a SIGKILLed launcher
+    left it behind. The next launch removes those whose launcher is gone, and only those."""
+    import subprocess
+    import sys
+
+    from coordinator.launcher import (
+        LAUNCH_DIR_PREFIX,
+        LAUNCHER_PID,
+        _remove_orphaned_launch_dirs,
+    )
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dirs = {}
+    for name, pid in (("orphan", gone.stdout.strip()), ("live", str(os.getpid())),
+                      ("garbled", "not a pid"), ("legacy", None)):
+        d = dirs[name] = tmp_path / f"{LAUNCH_DIR_PREFIX}{name}"
+        d.mkdir()
+        (d / "master.pid").write_text("123\n")
+        if pid is not None:
+            (d / LAUNCHER_PID).write_text(f"{pid}\n")
+    (tmp_path / f"{LAUNCH_DIR_PREFIX}file").write_text("not a directory")
+    (tmp_path / "unrelated").mkdir()
+    _remove_orphaned_launch_dirs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{LAUNCH_DIR_PREFIX}{n}" for n in ("live", "garbled", "legacy", "file")] + ["unrelated"])
+
+
+def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
+    """A rank that dies inside MPI_Init leaves Open MPI with ULFM waiting for ever, before any
+    of our code runs. The self-launcher ends a job whose master has not started within
+    --start-timeout (a stand-in mpiexec that hangs, in its own process group, here), and
+    leaves one whose master did start alone however long it then runs."""
+    import subprocess
+    import sys
+    import time as clock
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+    hang = tmp_path / "hanging-mpiexec"
+    version = '[ "$1" = --version ] && { echo "stand-in"; exit 0; }\n'
+    hang.write_text("#!/bin/sh\n" + version + "sleep 600 &\nwait\n")
+    # Writes the master's pid, runs for 3 s, and records the master's exit status (0).
+    starts = tmp_path / "starting-mpiexec"
+    starts.write_text("#!/bin/sh\n" + version + "while [ $# -gt 0 ]; do\n"
+                      "  if [ \"$1\" = --master-pid-file ]; then echo $$ > \"$2\"; f=$2; fi; shift\n"
+                      "done\nsleep 3\necho 0 > \"$f.exit\"\n")
+    for script in (hang, starts):
+        script.chmod(0o755)
+
+    def launch(mpiexec: Path) -> tuple[subprocess.CompletedProcess, float]:
+        t0 = clock.monotonic()
+        done = subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                               str(tmp_path / "c.db"), "--no-progress", "--mpiexec",
+                               str(mpiexec), "--start-timeout", "1"],
+                              capture_output=True, text=True, timeout=120, env=env, check=False)
+        return done, clock.monotonic() - t0
+
+    ended, took = launch(hang)
+    assert ended.returncode == ExitStatus.FAILED, ended.stderr
+    assert "no master had started 1 s after the launch" in ended.stderr
+    assert took < 30  # ended by the launcher, not by the test's own timeout
+    started, _ = launch(starts)
+    assert started.returncode == ExitStatus.OK, started.stderr
+    assert "no master had started" not in started.stderr
+    # A master that started and gave no status was killed, whatever mpiexec says (0 here).
+    starts.write_text(starts.read_text().replace('echo 0 > "$f.exit"', ""))
+    killed, _ = launch(starts)
+    assert killed.returncode == ExitStatus.FAILED, killed.stderr
+    assert "ended before the master recorded its status" in killed.stderr
