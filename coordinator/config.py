@@ -57,6 +57,17 @@ def non_negative_float(text: str) -> float:
 MAX_TIMEOUT_S = 1_000_000.0
 
 
+#: The most tasks one dispatch carries (the wire format's bound too).
+MAX_BATCH = 1000
+
+
+def batch_size(text: str) -> int | None:
+    """`--batch N` (1..MAX_BATCH) or `auto` (None)."""
+    if text == "auto":
+        return None
+    return int_range(1, MAX_BATCH)(text)
+
+
 def timeout_seconds(text: str) -> float:
     value = non_negative_float(text)
     if not 0 < value <= MAX_TIMEOUT_S:
@@ -127,6 +138,7 @@ class RunConfig:
     stats_interval_s: float
     grace_s: float
     stall_grace_s: float
+    batch: int | None  # tasks per dispatch; None: auto (sized from the task time)
     start_wait_s: float
     lock_wait_s: float
     stop_wait_s: float
@@ -276,7 +288,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
         max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file,
         stats_interval_s=ns.stats_interval,
-        grace_s=ns.grace, stall_grace_s=ns.stall_grace, start_wait_s=ns.start_wait,
+        grace_s=ns.grace, stall_grace_s=ns.stall_grace, start_wait_s=ns.start_wait, batch=ns.batch,
         lock_wait_s=ns.lock_wait, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, worker_spin_ms=ns.worker_spin_ms,
         progress=bool(ns.progress),

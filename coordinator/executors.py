@@ -65,6 +65,24 @@ class ExecOutcome:
     dropped: int = 0
 
 
+@dataclass
+class BatchOutcome:
+    """A batch dispatch's outcomes, one per task in order. As an outcome of its own it is the
+    batch's: it ran (`ok`), and holds no value or test cases of its own."""
+
+    outcomes: list[ExecOutcome]
+    status: str = "ok"
+    value: Any = None
+    testcases: list[tuple[str, bytes]] = field(default_factory=list)
+    returncode: int | None = None
+    detail: str = ""
+    dropped: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return sum(o.duration_s for o in self.outcomes)
+
+
 @runtime_checkable
 class Executor(Protocol):
     def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome: ...

@@ -91,8 +91,8 @@ def validate_result(body: Mapping[str, Any], raw: object = None) -> tuple[Any, s
 
 
 def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
-                   value_json: str | None) -> dsp.CommitItem:
-    return dsp.CommitItem(active.rank, active.token, status=str(_status_of(parsed)),
+                   value_json: str | None, task_id: int | None = None) -> dsp.CommitItem:
+    return dsp.CommitItem(active.rank, active.token, task_id, status=str(_status_of(parsed)),
                           value_json=value_json, detail=failure_detail(parsed),
                           dropped=_dropped_of(parsed))
 
@@ -125,8 +125,7 @@ class Gate:
     def __init__(self, store: Store, *,
                  validate: Callable[[Mapping[str, Any], Any], tuple[Any, str | None]]
                  = validate_result,
-                 commit: Callable[[Tx, dsp.ActiveDispatch, Any, str | None],
-                                  dsp.CommitItem] = default_commit,
+                 commit: Callable[..., dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any], int] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept."""
@@ -189,19 +188,38 @@ class Gate:
     def plan_dispatches(self, tx: Tx, idle_ranks: Sequence[int], *,
                         deadline_s: float | None = None,
                         active: dict[int, dsp.ActiveDispatch] | None = None,
+                        batch: int = 1, halves: Mapping[int, tuple[int, int]] | None = None,
                         ) -> list[dsp.Planned]:
         """Pick queued tasks for idle ranks and record the dispatches (the caller commits the
         transaction, then sends WORK, then reports failed sends: `dispatches.cancel_dispatch`).
-        `active`, if given, is kept up to date for the phases that follow."""
-        picked = task_ops.take_queued(tx, len(idle_ranks))
+        `active`, if given, is kept up to date for the phases that follow.
+
+        `batch`: up to that many tasks per dispatch, in queue order. `halves`: task id ->
+        (half id, size) for the tasks of a failed batch split back (`Recovery.halves`): such a
+        task goes out only with tasks of its own half, at most its size at once."""
+        picked = task_ops.take_queued(tx, len(idle_ranks) * batch)
         deadline = tx.now + deadline_s if deadline_s else None
-        plan = [dsp.Planned(rank, task, mint_token(self.store.epoch, rank, next(self._seq)),
-                            deadline) for rank, task in zip(idle_ranks, picked)]
+        plan = []
+        at = 0
+        for rank in idle_ranks:
+            if at == len(picked):
+                break
+            half, size = (halves or {}).get(picked[at].id, (None, batch))
+            group = [picked[at]]
+            at += 1
+            while (len(group) < min(size, batch) and at < len(picked)
+                   and (halves or {}).get(picked[at].id, (None, batch))[0] == half):
+                group.append(picked[at])
+                at += 1
+            plan.append(dsp.Planned(rank, group[0], mint_token(self.store.epoch, rank,
+                                                               next(self._seq)),
+                                    deadline, tuple(group[1:])))
         dsp.record_dispatches(tx, plan)
         if active is not None:
             for p in plan:
                 active[p.rank] = dsp.ActiveDispatch(p.token, p.rank, p.task.id, tx.incarnation,
-                                                    False, False, None, deadline, True)
+                                                    False, False, None, deadline, True,
+                                                    len(p.tasks))
         return plan
 
     # -- phase 3: RESULT -------------------------------------------------------------------
@@ -234,6 +252,20 @@ class Gate:
                     dsp.set_invalid_mark(tx, m.rank, a.token, QuarantineReason.PAYLOAD.value)
                     continue
                 out.statuses.append((m.rank, status))
+                batch = (parsed.get("batch") if isinstance(parsed, Mapping)
+                         else getattr(parsed, "batch", None))
+                more = dsp.members(tx, a.token) if batch is not None or a.size > 1 else []
+                if batch is not None or more:
+                    why = self._apply_batch(tx, a, parsed, batch, [a.task_id, *more], out)
+                    if why is not None:
+                        tx.quarantine(Channel.RESULT, QuarantineReason.PAYLOAD, m.rank,
+                                      token=a.token, expected=a.token, detail=why)
+                        dsp.set_invalid_mark(tx, m.rank, a.token,
+                                             QuarantineReason.PAYLOAD.value)
+                        continue
+                    committed_from[m.rank] = a
+                    del active[m.rank]
+                    continue
                 if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
@@ -261,6 +293,32 @@ class Gate:
         # One batch for the round's commits (R5: a commit also drops an earlier invalid mark).
         dsp.commit_results(tx, out.committed, committed_from)
         return out
+
+    def _apply_batch(self, tx: Tx, a: dsp.ActiveDispatch, parsed: Any,
+                     batch: Sequence[Any] | None, task_ids: Sequence[int],
+                     out: ResultRound) -> str | None:
+        """A current RESULT of a batch dispatch: each task's outcome committed (a result row
+        each, one token), a task whose own run failed (`timeout`) retried on its own. Returns
+        why the payload is invalid instead (then nothing of it is kept)."""
+        if batch is None or len(batch) != len(task_ids):
+            return (f"payload: the RESULT answers {len(batch) if batch is not None else 1} "
+                    f"task(s); the dispatch holds {len(task_ids)}")
+        try:
+            values = [dsp.encode_value(_value_of(o)) for o in batch]
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:
+            return f"value is not JSON-serialisable: {e}"[:300]
+        failed = [t for t, o in zip(task_ids, batch) if _status_of(o) in RETRY_STATUSES]
+        if len(failed) == len(task_ids):
+            dsp.retry_all(tx, a.rank, a.token, str(_status_of(batch[0])))
+            out.retried.append(a.rank)
+            return None
+        if failed:  # before the commits, which end the dispatch
+            dsp.end_without_result(tx, a.rank, a.token, failed, "timeout")
+            out.retried.append(a.rank)
+        out.committed += [self.commit(tx, a, o, value, task_id=t)
+                          for t, o, value in zip(task_ids, batch, values)
+                          if _status_of(o) not in RETRY_STATUSES]
+        return None
 
     def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:
         for m in strays:

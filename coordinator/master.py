@@ -13,6 +13,7 @@ did leave are marked there, so a rollback afterwards is post-send.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import signal
 import socket
@@ -49,9 +50,11 @@ from .transport import ANY_TAG, Backoff, Received, SendFailed, Transport
 from .wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENCODE_ERRORS,
+    MAX_BATCH,
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
+    BatchTask,
     Result,
     Stop,
     Work,
@@ -92,6 +95,7 @@ class MasterConfig:
     linger_s: float = 0.0005         # group commit: hold a round open this long for more answers
     stall_grace_s: float = 120.0     # no rank can take work this long: the run ends
     start_wait_s: float = 60.0       # a rank silent this long after the start is lost
+    batch: int | None = 1            # tasks per dispatch; None: sized from the task time
 
 
 @dataclass
@@ -126,6 +130,10 @@ class Master:
         self._next_stats = 0.0
         self._stop_seq = 0
         self._next_stall_check = 0.0
+        #: Task id -> (half id, size): the tasks of failed batches split back (`_note_halves`).
+        self._halves: dict[int, tuple[int, int]] = {}
+        self._half_ids = itertools.count(1)
+        self._task_s: float | None = None        # mean run time of a task (EWMA), for auto
         self._strays: list[Stray] = []           # quarantined with the next round
         self._ack_inbox: list[Received] = []      # STOP_ACKs drained with other messages
         self._forged_acks = 0
@@ -227,6 +235,7 @@ class Master:
                 self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
                 timed_out = self.gate.watchdog(tx)
                 recovered += timed_out
+            self._note_halves(recovered)
             if new_inputs:
                 task_ops.enqueue_tasks(tx, [i.as_task() for i in new_inputs],
                                        skip_known_content=True)
@@ -240,8 +249,7 @@ class Master:
             self._send_work(p, data)
         for rec in timed_out:  # a hung rank is otherwise silent: all of them, a silent run
             print(f"coordinator: rank {rec.rank} passed its --watchdog deadline "
-                  f"({self.config.watchdog_s:g} s); task {rec.task_id} "
-                  f"{_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}; "
+                  f"({self.config.watchdog_s:g} s); {_what_became(rec)}; "
                   + ("the rank had answered READY and gets new work" if rec.ready_seen else
                      "the rank gets no work until it answers"), file=sys.stderr, flush=True)
         return bool(readies or plan or results)
@@ -269,8 +277,8 @@ class Master:
             # Also after a recovery: a rank whose READY was seen came back from it idle.
             set_workers(tx, [(rank, WorkerState.FAILED)])
             print(f"coordinator: rank {rank} {why}" + (
-                f"; its task {rec.task_id} {_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}"
-                if rec is not None else ""), file=sys.stderr, flush=True)
+                f"; {_what_became(rec, 'its ')}" if rec is not None else ""),
+                file=sys.stderr, flush=True)
         self._idle = [r for r in self._idle if r not in self._failed_ranks]
         if len(self._failed_ranks) >= self.transport.size - 1 and self._stop_signal is None:
             print("coordinator: no workers left; stopping (the campaign is saved: continue "
@@ -430,7 +438,8 @@ class Master:
         if not self._idle:
             return []
         planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
-                                            or None, active=active)
+                                            or None, active=active, batch=self._batch_size(),
+                                            halves=self._halves)
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
         self._idle = self._idle[len(planned):]
@@ -440,13 +449,14 @@ class Master:
         plan = []
         for p in planned:
             try:
-                data = encode(Work(token=p.token, task=p.task.payload,
-                                   input=task_ops.input_bytes(tx, p.task.input_hash)))
+                data = encode(_work(tx, p))
             except ENCODE_ERRORS as e:
+                # The task (or the tasks of a batch) whose payload no message can carry.
+                bad = [t.id for t in p.tasks if _unsendable(tx, t)] or [p.task.id]
                 why = f"{type(e).__name__}: {e}"[:300]
-                log.error("task %d: its WORK message cannot be built (%s); held as failed",
-                          p.task.id, why)
-                dsp.refuse_unsendable(tx, p.rank, p.token, why)
+                log.error("task %s: its WORK message cannot be built (%s); held as failed",
+                          ", ".join(map(str, bad)), why)
+                dsp.refuse_unsendable(tx, p.rank, p.token, why, bad)
                 if active is not None:
                     active.pop(p.rank, None)
                 self._idle.append(p.rank)
@@ -498,9 +508,15 @@ class Master:
         return out
 
     def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
-                value_json: str | None) -> dsp.CommitItem:
-        written, created = self._keep_testcases(tx, active.task_id, res.testcases)
-        return dsp.CommitItem(active.rank, active.token, status=res.status,
+                value_json: str | None, task_id: int | None = None) -> dsp.CommitItem:
+        """A current result (or one task's of a batch, `task_id`): its test cases written and
+        fed back, its run time taken into the mean that sizes automatic batches."""
+        written, created = self._keep_testcases(
+            tx, task_id if task_id is not None else active.task_id, res.testcases)
+        if self.config.batch is None and res.duration_s >= 0:
+            self._task_s = (res.duration_s if self._task_s is None
+                            else 0.9 * self._task_s + 0.1 * res.duration_s)
+        return dsp.CommitItem(active.rank, active.token, task_id, status=res.status,
                               value_json=value_json, testcases=written,
                               new_tasks=created, detail=failure_detail(res),
                               dropped=res.dropped)
@@ -535,6 +551,27 @@ class Master:
         # Content already known as some task's input is not run again.
         created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
         return written, len(created)
+
+    # -- batches ----------------------------------------------------------------------------
+    #: `--batch auto` sizes a dispatch to take about this long (tens of milliseconds: the
+    #: round's commit is then shared by far more work than it costs).
+    BATCH_TARGET_S = 0.03
+
+    def _batch_size(self) -> int:
+        if self.config.batch is not None:
+            return self.config.batch
+        if self._task_s is None:
+            return 1  # nothing measured yet
+        return max(1, min(MAX_BATCH, round(self.BATCH_TARGET_S / max(self._task_s, 1e-6))))
+
+    def _note_halves(self, recovered: Sequence[dsp.Recovery]) -> None:
+        for rec in recovered:
+            for half in rec.halves or ():
+                if half:
+                    entry = (next(self._half_ids), len(half))
+                    self._halves.update(dict.fromkeys(half, entry))
+        if len(self._halves) > 1_000_000:  # (entries of tasks long done: start again)
+            self._halves.clear()
 
     def _tx(self, operation: str, on_lock_wait: Callable[[float], None] | None = None):
         self.summary.transactions += 1
@@ -928,3 +965,29 @@ class RankHealth:
     def garbage_senders(self) -> list[int]:
         return sorted(r for r, bad in self.bad.items() if bad >= self.GARBAGE_AFTER
                       and bad > self.GARBAGE_RATIO * self.good.get(r, 0))
+
+
+def _work(tx: Tx, p: dsp.Planned) -> Work:
+    """The WORK of a planned dispatch: its task, or each of a batch's."""
+    if not p.more:
+        return Work(token=p.token, task=p.task.payload,
+                    input=task_ops.input_bytes(tx, p.task.input_hash))
+    return Work(token=p.token, task={}, batch=[
+        BatchTask(t.payload, task_ops.input_bytes(tx, t.input_hash)) for t in p.tasks])
+
+
+def _unsendable(tx: Tx, task: task_ops.TaskRecord) -> bool:
+    try:
+        encode(BatchTask(task.payload, task_ops.input_bytes(tx, task.input_hash)))
+    except ENCODE_ERRORS:
+        return True
+    return False
+
+
+def _what_became(rec: dsp.Recovery, its: str = "") -> str:
+    """What a recovery did with the dispatch's tasks, for a console line."""
+    if rec.halves is not None:
+        a, b = rec.halves
+        return (f"its {len(a) + len(b)} tasks go back to the queue in halves of {len(a)} and "
+                f"{len(b)}, none charged")
+    return f"{its}task {rec.task_id} {_OUTCOME_WORDS.get(rec.outcome, rec.outcome.value)}"

@@ -177,7 +177,7 @@ class MasterRank:
             stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
             feedback=cfg.feedback, exit_when_drained=cfg.afl_out is None,
             progress=cfg.progress, stall_grace_s=cfg.stall_grace_s,
-            start_wait_s=cfg.start_wait_s,
+            start_wait_s=cfg.start_wait_s, batch=cfg.batch,
         ), sources=[s.poll for s in sources], writer=writer)
 
     def _refuse(self, e: BaseException) -> int:

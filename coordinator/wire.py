@@ -60,11 +60,35 @@ class Undecodable:
     reason: str | None = None
 
 
+class BatchTask(msgspec.Struct, forbid_unknown_fields=True):
+    task: dict[str, Any]
+    input: bytes | None = None
+
+
 class Work(msgspec.Struct, forbid_unknown_fields=True):
+    """One dispatch: its token and one task, or (`batch`) several, run in order and answered
+    by one RESULT (then `task` is empty)."""
+
     token: str
     task: dict[str, Any]
     input: bytes | None = None
+    batch: list[BatchTask] | None = None
     v: int = WIRE_VERSION
+
+    def tasks(self) -> list[BatchTask]:
+        return self.batch if self.batch is not None else [BatchTask(self.task, self.input)]
+
+
+class TaskResult(msgspec.Struct, forbid_unknown_fields=True):
+    """One task's outcome in a batch's RESULT (the fields a single-task RESULT has)."""
+
+    status: str
+    value: Any = None
+    testcases: list[tuple[str, bytes]] = []
+    returncode: int | None = None
+    duration_s: float = 0.0
+    detail: str = ""
+    dropped: int = 0
 
 
 class Result(msgspec.Struct, forbid_unknown_fields=True):
@@ -79,6 +103,9 @@ class Result(msgspec.Struct, forbid_unknown_fields=True):
     detail: str = ""
     #: Test cases the worker could not send (over its limits, or the message's).
     dropped: int = 0
+    #: A batch dispatch's outcomes, one per task in the WORK's order (`status` is then the
+    #: batch's: ok, it ran).
+    batch: list[TaskResult] | None = None
     v: int = WIRE_VERSION
 
 
@@ -159,8 +186,11 @@ class _Envelope(msgspec.Struct):
     token: Scalar = None
 
 
-class _ResultIn(msgspec.Struct, forbid_unknown_fields=True):
-    token: str
+#: The most tasks one dispatch carries (`--batch`; config.MAX_BATCH).
+MAX_BATCH = 1000
+
+
+class _TaskResultIn(msgspec.Struct, forbid_unknown_fields=True):
     status: str
     value: msgspec.Raw = msgspec.Raw()
     testcases: msgspec.Raw = msgspec.Raw()
@@ -168,6 +198,11 @@ class _ResultIn(msgspec.Struct, forbid_unknown_fields=True):
     duration_s: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
     detail: Annotated[str, msgspec.Meta(max_length=64 << 10)] = ""
     dropped: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
+
+
+class _ResultIn(_TaskResultIn, forbid_unknown_fields=True):
+    token: str = ""
+    batch: Annotated[list[_TaskResultIn], msgspec.Meta(max_length=MAX_BATCH)] | None = None
     v: int = WIRE_VERSION
 
 
@@ -226,6 +261,26 @@ def check_result(body: Mapping[str, Any], raw: bytes | bytearray | None = None,
         return None, f"payload: {e}"[:300]
     if msg.v != WIRE_VERSION:
         return None, f"wire version {msg.v}, expected {WIRE_VERSION}"
+    outcome, why = _task_result(msg)
+    if why is not None:
+        return None, why
+    batch = None
+    if msg.batch is not None:
+        batch = []
+        for i, item in enumerate(msg.batch):
+            got, why = _task_result(item)
+            if why is not None:
+                return None, f"batch[{i}]: {why}"
+            batch.append(got)
+    return Result(token=msg.token, status=outcome.status, value=outcome.value,
+                  testcases=outcome.testcases, returncode=outcome.returncode,
+                  duration_s=outcome.duration_s, detail=outcome.detail,
+                  dropped=outcome.dropped, batch=batch), None
+
+
+def _task_result(msg: _TaskResultIn) -> tuple[TaskResult, None] | tuple[None, str]:
+    """One task's outcome, checked: its status, its value's size, its test cases (at most
+    MAX_TESTCASES taken, the rest counted as dropped)."""
     if msg.status not in RESULT_STATUSES:
         return None, f"status {msg.status!r:.40} is not ok/error/timeout"
     value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
@@ -240,9 +295,9 @@ def check_result(body: Mapping[str, Any], raw: bytes | bytearray | None = None,
                            else ([], 0))
     except _DECODE_ERRORS as e:
         return None, f"payload: {e}"[:300]
-    return Result(token=msg.token, status=msg.status, value=value, testcases=testcases,
-                  returncode=msg.returncode, duration_s=msg.duration_s, detail=msg.detail,
-                  dropped=min(msg.dropped + over, MAX_COUNT)), None
+    return TaskResult(status=msg.status, value=value, testcases=testcases,
+                      returncode=msg.returncode, duration_s=msg.duration_s, detail=msg.detail,
+                      dropped=min(msg.dropped + over, MAX_COUNT)), None
 
 
 def _first_testcases(raw: memoryview, limit: int) -> tuple[list[tuple[str, bytes]], int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from .executors import ExecOutcome, Executor
+from .executors import BatchOutcome, ExecOutcome, Executor
 from .processes import (
     exit_now,
     host_and_pid,
@@ -35,6 +35,8 @@ from .wire import (
     Ready,
     Result,
     Stop,
+    TaskResult,
+    Work,
     decode_stop,
     decode_work,
     encode,
@@ -76,18 +78,22 @@ class Sender:
         #: The master's bound on a message: a larger RESULT would be quarantined whole.
         self.max_message_bytes = max_message_bytes
 
-    def result_message(self, token: str, outcome: ExecOutcome) -> Result:
+    def result_message(self, token: str, outcome: ExecOutcome | BatchOutcome) -> Result:
         # The token is the authoritative one from WORK: nothing in the outcome can set it.
+        batch = ([TaskResult(status=o.status, value=o.value, testcases=list(o.testcases),
+                             returncode=o.returncode, duration_s=o.duration_s,
+                             detail=o.detail[-2000:], dropped=o.dropped)
+                  for o in outcome.outcomes] if isinstance(outcome, BatchOutcome) else None)
         return Result(token=token, status=outcome.status, value=outcome.value,
                       testcases=list(outcome.testcases), returncode=outcome.returncode,
                       duration_s=outcome.duration_s, detail=outcome.detail[-2000:],
-                      dropped=outcome.dropped)
+                      dropped=outcome.dropped, batch=batch)
 
     def ready_message(self, completed: str) -> Ready:
         return Ready(rank=self.transport.rank, bitmap_version=0, empirical_profile_version="",
                      completed_dispatch_token=completed, host=self.host, pid=self.pid)
 
-    def result_bytes(self, token: str, outcome: ExecOutcome) -> bytes:
+    def result_bytes(self, token: str, outcome: ExecOutcome | BatchOutcome) -> bytes:
         """The RESULT as sent. One the master could never accept (a string that is not
         Unicode, from a callable's value or the like; or more bytes than its bound) becomes an
         `error` result saying why: the task's outcome, committed once, instead of a worker
@@ -101,19 +107,32 @@ class Sender:
                 return data
             why = (f"the result is {len(data)} bytes, over --max-message-bytes "
                    f"{self.max_message_bytes}: nothing of it was kept")
-        # (A timeout stays one, without its outputs: the master retries it as before.)
-        status = "timeout" if outcome.status == "timeout" else "error"
-        return encode(Result(token=token, status=status, value=None, testcases=[],
-                             returncode=outcome.returncode, duration_s=outcome.duration_s,
-                             detail=why[:2000],
-                             dropped=outcome.dropped + len(outcome.testcases)))
+        if isinstance(outcome, BatchOutcome):  # each task's outcome says it
+            return encode(self.result_message(token, BatchOutcome([_unsent(o, why)
+                                                                    for o in outcome.outcomes])))
+        return encode(self.result_message(token, _unsent(outcome, why)))
 
-    def send_result(self, token: str, outcome: ExecOutcome) -> str:
+    def send_result(self, token: str, outcome: ExecOutcome | BatchOutcome) -> str:
         self.transport.send_result(self.result_bytes(token, outcome))
         return token
 
     def send_ready(self, completed: str) -> None:
         self.transport.send_ready(encode(self.ready_message(completed)))
+
+
+def _unsent(outcome: ExecOutcome, why: str) -> ExecOutcome:
+    """What is sent for a result the master could not accept: an `error` saying why (a
+    timeout stays one, without its outputs: the master retries it as before)."""
+    return ExecOutcome(status="timeout" if outcome.status == "timeout" else "error",
+                       returncode=outcome.returncode, duration_s=outcome.duration_s,
+                       detail=why[:2000], dropped=outcome.dropped + len(outcome.testcases))
+
+
+def run_work(executor: Executor, work: Work, scratch: Path) -> ExecOutcome | BatchOutcome:
+    """The dispatch's task, or each of a batch's in order."""
+    if work.batch is None:
+        return run_task(executor, work.task, work.input, scratch)
+    return BatchOutcome([run_task(executor, t.task, t.input, scratch) for t in work.batch])
 
 
 def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
@@ -205,7 +224,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
                 print(f"rank {transport.rank}: protocol error: WORK token {work.token!r:.80} "
                       f"is not canonical", file=sys.stderr, flush=True)
                 continue
-            outcome = run_task(executor, work.task, work.input, scratch_dir)
+            outcome = run_work(executor, work, scratch_dir)
             completed = sender.send_result(work.token, outcome)
             sender.send_ready(completed)
             last_completed, completed = completed, ""

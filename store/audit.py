@@ -205,13 +205,22 @@ def _foreign_keys(f: _File) -> list[Violation]:
 def _conservation(f: _File) -> list[Violation]:
     kind = ViolationKind.CONSERVATION
     c = Check
+    # A task is held by its dispatch's row, or (a batch's other tasks) by a `work` lease of it.
+    batched = f.since(ONE_RECORD_SINCE)  # (before 0007, work leases were every dispatch's)
+    in_batch = ("OR EXISTS (SELECT 1 FROM leases l WHERE l.kind = 'work' "
+                "AND l.key = CAST(t.id AS TEXT)) " if batched else "")
+    batch_members = (
+        f"UNION ALL SELECT '{c.DISPATCH_OF_INACTIVE_TASK.value}', CAST(l.key AS INTEGER), "
+        f"l.token, t.state FROM leases l LEFT JOIN tasks t ON t.id = CAST(l.key AS INTEGER) "
+        f"WHERE l.kind = 'work' AND length(l.key) < 20 AND t.state IS NOT 'active' "
+        if batched else "")
     out = _capped(kind, f.rows(
         f"SELECT '{c.ACTIVE_WITHOUT_DISPATCH.value}', t.id, NULL, NULL FROM tasks t "
-        f"WHERE t.state = 'active' AND NOT EXISTS "
-        f"(SELECT 1 FROM dispatches d WHERE d.task_id = t.id) "
+        f"WHERE t.state = 'active' AND NOT (EXISTS "
+        f"(SELECT 1 FROM dispatches d WHERE d.task_id = t.id) {in_batch}) "
         f"UNION ALL SELECT '{c.DISPATCH_OF_INACTIVE_TASK.value}', d.task_id, d.token, t.state "
         f"FROM dispatches d LEFT JOIN tasks t ON t.id = d.task_id "
-        f"WHERE t.state IS NOT 'active' "
+        f"WHERE t.state IS NOT 'active' {batch_members}"
         f"UNION ALL SELECT '{c.DONE_WITHOUT_RESULT.value}', id, NULL, NULL FROM tasks "
         f"WHERE state = 'done' AND id NOT IN (SELECT task_id FROM results) "
         f"UNION ALL SELECT '{c.RESULT_OF_UNDONE_TASK.value}', r.task_id, r.token, t.state "
@@ -285,11 +294,17 @@ def _wrong_commits(f: _File) -> list[Violation]:
     kind = ViolationKind.WRONG_COMMIT
     ended, retired, shared = (Check.TOKEN_ENDED_WITHOUT_RESULT, Check.TOKEN_RETIRED,
                               Check.TOKEN_SHARED)
+    # One token's results are one dispatch's: a batch's tasks share it (one rank, incarnation
+    # and dispatch time); before revision 0007 there were no batches.
+    one_dispatch = ("count(DISTINCT rank || ':' || incarnation || ':' || "
+                    "coalesce(dispatched_at, '')) > 1 OR (count(*) > 1 AND "
+                    "max(dispatched_at) IS NULL)" if f.since(ONE_RECORD_SINCE) else
+                    "count(*) > 1")
     sql = (f"SELECT DISTINCT '{retired.value}', r.task_id, r.token, e.kind FROM results r "
            f"JOIN events e ON e.task_id = r.task_id AND e.token = r.token "
            f"WHERE e.kind IN ({ROLLBACK_KINDS_SQL}) AND {COUNTED_KIND_SQL} "
            f"UNION ALL SELECT '{shared.value}', group_concat(task_id, ', '), token, count(*) "
-           f"FROM results GROUP BY token HAVING count(*) > 1")
+           f"FROM results GROUP BY token HAVING {one_dispatch}")
     if f.since(ONE_RECORD_SINCE):
         sql += (f" UNION ALL SELECT DISTINCT '{ended.value}', r.task_id, r.token, NULL "
                 f"FROM results r JOIN events e ON e.task_id = r.task_id AND e.token = r.token "
@@ -306,7 +321,8 @@ def _wrong_commits(f: _File) -> list[Violation]:
             f"retired ({r[3]})", task_id=r[1], token=r[2]),
             "results from retired tokens"),
         shared: (lambda r: Violation(
-            kind, shared, f"token {_short(r[2])} is committed for {r[3]} tasks ({r[1]})",
+            kind, shared, f"token {_short(r[2])} is committed for {r[3]} tasks ({r[1]}) by "
+            f"more than one dispatch",
             token=r[2], count=r[3]),
             "tokens committed for more than one task"),
     })

@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .errors import FenceError
 from .journal import Tx
-from .schema import EventKind, TaskState, WorkerState, dispatches, tasks
+from .schema import EventKind, LeaseKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
 from .workers import set_workers
 
@@ -38,11 +38,14 @@ class ActiveDispatch:
     #: False when the rows disagree about who owns what (the dispatch's task is not active):
     #: an internal invariant is broken, and READY from this rank is classified `unowned`.
     consistent: bool
+    #: Its tasks: more than one for a batch dispatch (`members` names the others).
+    size: int = 1
 
     def with_ready_mark(self) -> ActiveDispatch:
         # Spelled out: dataclasses.replace cost ~10 µs here, once per task in the master round.
         return ActiveDispatch(self.token, self.rank, self.task_id, self.incarnation, self.sent,
-                              True, self.invalid_reason, self.deadline, self.consistent)
+                              True, self.invalid_reason, self.deadline, self.consistent,
+                              self.size)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class Planned:
     task: TaskRecord
     token: str
     deadline: float | None = None
+    #: A batch's other tasks, in order (`--batch`): one dispatch, one token, all of them.
+    more: tuple[TaskRecord, ...] = ()
+
+    @property
+    def tasks(self) -> tuple[TaskRecord, ...]:
+        return (self.task, *self.more)
 
 
 def encode_value(value: Any) -> str | None:
@@ -63,6 +72,8 @@ def encode_value(value: Any) -> str | None:
 class CommitItem:
     rank: int
     token: str
+    #: One task of a batch dispatch (None: the dispatch's own, single, task).
+    task_id: int | None = None
     status: str = "ok"
     value_json: str | None = None  # from encode_value
     testcases: int = 0
@@ -80,11 +91,16 @@ class Recovery:
     attempts: int
     defer_failed: bool = False
     ready_seen: bool = False  # the rank's READY for it was seen: the rank is idle, not parked
+    #: A batch dispatch's tasks, back at the head in two halves, none charged: each half may
+    #: go out again in a dispatch of at most its own size (so a poison task is alone after
+    #: ceil(log2 N) more failures, and only it is ever charged).
+    halves: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 _ACTIVE = """
 SELECT d.token, d.rank, d.task_id, d.incarnation, d.sent_at, d.ready_at, d.invalid_reason,
-       d.deadline, t.state = 'active'
+       d.deadline, t.state = 'active',
+       1 + (SELECT count(*) FROM leases l WHERE l.token = d.token AND l.kind = 'work')
 FROM dispatches d LEFT JOIN tasks t ON t.id = d.task_id
 """
 
@@ -100,7 +116,7 @@ def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
         pending = None
     sent = pending.sent if isinstance(pending, _Pending) else {}
     return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3], r[4] is not None or r[0] in sent,
-                                 r[5] is not None, r[6], r[7], consistent=r[8] == 1)
+                                 r[5] is not None, r[6], r[7], r[8] == 1, r[9])
             for r in tx.raw_db.execute(_ACTIVE)}
 
 
@@ -115,14 +131,19 @@ def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
         "INSERT INTO dispatches (token, rank, task_id, incarnation, created_at, deadline) "
         "VALUES (?, ?, ?, ?, ?, ?)",
         [(p.token, p.rank, p.task.id, tx.incarnation, tx.now, p.deadline) for p in plan])
+    every = [t for p in plan for t in p.tasks]
     cur = db.executemany(
         "UPDATE tasks SET state = 'active', dispatches = dispatches + 1, updated_at = ?, "
         "reason = NULL WHERE id = ? AND state = 'queued'",
-        [(tx.now, p.task.id) for p in plan])
-    if cur.rowcount != len(plan):
-        raise FenceError(f"{len(plan) - cur.rowcount} of {len(plan)} planned tasks were no "
+        [(tx.now, t.id) for t in every])
+    if cur.rowcount != len(every):
+        raise FenceError(f"{len(every) - cur.rowcount} of {len(every)} planned tasks were no "
                          f"longer queued")
-    held = [(p.token, kind.value, key) for p in plan for kind, key in p.task.lease_keys()]
+    # A batch's other tasks are reserved by `work` leases of its dispatch (UNIQUE key: a task
+    # in one active dispatch at most), removed with it, in the batch's order (lease id).
+    held = [(p.token, LeaseKind.WORK.value, str(t.id)) for p in plan for t in p.more]
+    held += [(p.token, kind.value, key) for p in plan for t in p.tasks
+             for kind, key in t.lease_keys()]
     if held:
         db.executemany("INSERT INTO leases (token, kind, key) VALUES (?, ?, ?)", held)
     set_workers(tx, [(p.rank, WorkerState.BUSY) for p in plan])
@@ -171,22 +192,48 @@ def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
         sent.setdefault(t, tx.now)
 
 
-def _take(tx: Tx, rank: int, token: str, *, unsent_only: bool = False) -> Any | None:
-    """Delete the dispatch (rank, token) and return (task_id, sent_at, ready_at); None if it
-    is not current. Its leases go with it (ON DELETE CASCADE).
+def members(tx: Tx, token: str) -> list[int]:
+    """A batch dispatch's other tasks, in order ([] for a single-task dispatch)."""
+    return [int(k) for (k,) in tx.db.execute(
+        "SELECT key FROM leases WHERE token = ? AND kind = 'work' ORDER BY id", (token,))]
 
-    A dispatch that ends here ends without a result, so its `dispatched` event is written now,
-    with the time and incarnation it was recorded in: the record a committed dispatch has in
-    its results row. A pre-send rewind (`unsent_only`) is a dispatch that never was: none."""
+
+@dataclass(frozen=True)
+class Taken:
+    """A dispatch just removed: its tasks (the first is the row's own) and its times."""
+
+    task_ids: tuple[int, ...]
+    sent_at: float | None
+    ready_at: float | None
+    created_at: float
+    incarnation: int
+
+    def __getitem__(self, i: int) -> Any:  # (task_id, sent_at, ready_at) as a row had them
+        return (self.task_ids[0], self.sent_at, self.ready_at)[i]
+
+
+def _take(tx: Tx, rank: int, token: str, *, unsent_only: bool = False) -> Taken | None:
+    """Delete the dispatch (rank, token) and return its tasks and times; None if it is not
+    current. Its leases go with it (ON DELETE CASCADE), a batch's `work` leases included.
+
+    A dispatch that ends here ends without a result, so its `dispatched` event is written now
+    for each of its tasks, with the time and incarnation it was recorded in: the record a
+    committed dispatch has in its results row. A pre-send rewind (`unsent_only`) is a
+    dispatch that never was: none."""
+    more = members(tx, token)
     sql = "DELETE FROM dispatches WHERE rank = ? AND token = ?"
     if unsent_only:
         sql += " AND sent_at IS NULL"
     row = tx.db.execute(sql + " RETURNING task_id, sent_at, ready_at, created_at, incarnation",
                         (rank, token)).fetchone()
-    if row is not None and not unsent_only:
-        tx.event(EventKind.DISPATCHED, rank=rank, token=token, task_id=row[0], at=row[3],
-                 incarnation=row[4])
-    return row
+    if row is None:
+        return None
+    taken = Taken((row[0], *more), row[1], row[2], row[3], row[4])
+    if not unsent_only:
+        for task_id in taken.task_ids:
+            tx.event(EventKind.DISPATCHED, rank=rank, token=token, task_id=task_id, at=row[3],
+                     incarnation=row[4])
+    return taken
 
 
 def cancel_dispatch(tx: Tx, rank: int, token: str, *,
@@ -198,30 +245,40 @@ def cancel_dispatch(tx: Tx, rank: int, token: str, *,
 
 
 def _rewind(tx: Tx, rank: int, token: str, worker_state: WorkerState, detail: str | None,
-            to: TaskState = TaskState.QUEUED, reason: str | None = None) -> int | None:
-    """`cancel_dispatch`, the task going `to` that state; returns the task's id (None: no
-    such unsent dispatch)."""
-    row = _take(tx, rank, token, unsent_only=True)
-    if row is None:
+            to: TaskState = TaskState.QUEUED, reason: str | None = None,
+            bad: Collection[int] | None = None) -> list[int] | None:
+    """`cancel_dispatch`: the tasks back in their places, or, those in `bad` (default: the
+    first), going `to` that state; returns the ones that went `to` it (None: no such unsent
+    dispatch)."""
+    taken = _take(tx, rank, token, unsent_only=True)
+    if taken is None:
         return None
-    if not set_state(tx, row[0], TaskState.ACTIVE, to, dispatches_delta=-1, reason=reason):
-        raise FenceError(f"task {row[0]} of dispatch {token[:12]} was not active")
+    bad = set(bad) if bad is not None else {taken.task_ids[0]}
+    for task_id in taken.task_ids:
+        state = to if task_id in bad else TaskState.QUEUED
+        if not set_state(tx, task_id, TaskState.ACTIVE, state, dispatches_delta=-1,
+                         reason=reason if task_id in bad else None):
+            raise FenceError(f"task {task_id} of dispatch {token[:12]} was not active")
+        tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=task_id, detail=detail)
     set_workers(tx, [(rank, worker_state)])
-    tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=row[0], detail=detail)
-    return row[0]
+    return [t for t in taken.task_ids if t in bad]
 
 
-def refuse_unsendable(tx: Tx, rank: int, token: str, why: str) -> bool:
+def refuse_unsendable(tx: Tx, rank: int, token: str, why: str,
+                      bad: Collection[int] | None = None) -> bool:
     """Pre-send, for a task whose WORK cannot be built (a payload stored by an older version
     that the wire format cannot carry): the dispatch is rewound as for a failed send, and the
     task is held as failed with the reason, since every later dispatch would fail the same way
-    (and a master that raised here would do so again at each --resume). The rank stays idle."""
+    (and a master that raised here would do so again at each --resume). The rank stays idle.
+    `bad`: the tasks of a batch that cannot be carried (default: its first); the others go
+    back to their places."""
     reason = f"its WORK message cannot be built: {why}"
-    task_id = _rewind(tx, rank, token, WorkerState.IDLE, f"WORK not built: {why}",
-                      to=TaskState.FAILED, reason=reason)
-    if task_id is None:
+    failed = _rewind(tx, rank, token, WorkerState.IDLE, f"WORK not built: {why}",
+                     to=TaskState.FAILED, reason=reason, bad=bad)
+    if failed is None:
         return False
-    tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=reason)
+    for task_id in failed:
+        tx.event(EventKind.FAILED, rank=rank, token=token, task_id=task_id, detail=reason)
     return True
 
 
@@ -257,11 +314,18 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
         a = active.get(it.rank)
         if a is None or a.token != it.token:
             raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
-    _pending(tx).commits.extend((it, active[it.rank].task_id, active[it.rank].ready)
-                                for it in items)
+    _pending(tx).commits.extend(
+        (it, it.task_id if it.task_id is not None else active[it.rank].task_id,
+         active[it.rank].ready) for it in items)
 
 
 def _write_commits(tx: Tx, pending: _Pending) -> None:
+    batches = [c for c in pending.commits if c[0].task_id is not None]
+    if batches:
+        pending.commits = [c for c in pending.commits if c[0].task_id is None]
+        _write_batch_commits(tx, pending, batches)
+        if not pending.commits:
+            return
     db, items = tx.db, pending.commits
     # The result row is the record of the commit and of its dispatch (no event for either): it
     # takes the task, the token and the dispatch/send/READY times from the dispatch row, which
@@ -289,6 +353,82 @@ def _write_commits(tx: Tx, pending: _Pending) -> None:
         raise FenceError("a committed task was not active")
     set_workers(tx, [(it.rank, WorkerState.IDLE if ready else WorkerState.BUSY)
                      for it, _, ready in items])
+
+
+def _write_batch_commits(tx: Tx, pending: _Pending,
+                         items: list[tuple[CommitItem, int, bool]]) -> None:
+    """The commits of batch dispatches: a result row per task (the same token, rank and
+    dispatch times for all of a dispatch's), then the dispatch and its leases gone, once."""
+    db = tx.db
+    by_token: dict[tuple[int, str], bool] = {}
+    rows = []
+    for it, task_id, ready in items:
+        key = (it.rank, it.token)
+        if key not in by_token:
+            by_token[key] = ready
+            times = db.execute("SELECT created_at, sent_at, ready_at FROM dispatches "
+                               "WHERE rank = ? AND token = ?", key).fetchone()
+            if times is None:
+                raise FenceError(f"rank {it.rank} token {it.token[:12]} vanished before its "
+                                 f"commit")
+            created, sent, seen = times
+            sent = sent if sent is not None else pending.sent.pop(it.token, None)
+            seen = seen if seen is not None else pending.ready.pop(key, None)
+        rows.append((task_id, it.token, it.rank, tx.incarnation, tx.now, it.status,
+                     it.value_json, it.testcases, it.new_tasks, it.detail, it.dropped, sent,
+                     seen, created))
+    db.executemany(
+        "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, value, "
+        "testcases, new_tasks, detail, dropped, sent_at, ready_at, dispatched_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    n = db.executemany("DELETE FROM dispatches WHERE rank = ? AND token = ?",
+                       list(by_token)).rowcount
+    if n != len(by_token):
+        raise FenceError(f"{len(by_token) - n} batch dispatches vanished before their commit")
+    n = db.executemany("UPDATE tasks SET state = 'done', updated_at = ?, reason = NULL "
+                       "WHERE id = ? AND state = 'active'",
+                       [(tx.now, task_id) for _, task_id, _ in items]).rowcount
+    if n != len(items):
+        raise FenceError("a committed task of a batch was not active")
+    set_workers(tx, [(rank, WorkerState.IDLE if ready else WorkerState.BUSY)
+                     for (rank, _), ready in by_token.items()])
+
+
+def end_without_result(tx: Tx, rank: int, token: str, task_ids: Sequence[int],
+                       reason: str) -> list[Recovery]:
+    """Tasks of a batch dispatch whose own run failed (a `timeout`) while the others commit:
+    each is retried on its own, charged as a single task's failure, its dispatch recorded by
+    its `dispatched` event (the committed ones' record is their result row)."""
+    times = tx.db.execute("SELECT created_at, incarnation FROM dispatches WHERE rank = ? AND "
+                          "token = ?", (rank, token)).fetchone()
+    if times is None:
+        raise FenceError(f"rank {rank} token {token[:12]} is not current")
+    out = []
+    for task_id in task_ids:
+        tx.db.execute("DELETE FROM leases WHERE token = ? AND kind = 'work' AND key = ?",
+                      (token, str(task_id)))
+        tx.event(EventKind.DISPATCHED, rank=rank, token=token, task_id=task_id, at=times[0],
+                 incarnation=times[1])
+        tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
+                 detail=reason)
+        out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False))
+    return out
+
+
+def retry_all(tx: Tx, rank: int, token: str, reason: str) -> list[Recovery]:
+    """A batch dispatch all of whose tasks' runs failed on their own (`timeout`): it ends,
+    and each task is retried, charged as a single task's failure."""
+    taken = _take(tx, rank, token)
+    if taken is None:
+        return []
+    out = []
+    for task_id in taken.task_ids:
+        tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
+                 detail=reason)
+        out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False))
+    set_workers(tx, [(rank, WorkerState.IDLE if taken.ready_at is not None
+                      else WorkerState.BUSY)])
+    return out
 
 
 def find_joined(tx: Tx) -> list[tuple[int, str]]:
@@ -360,6 +500,24 @@ def _hold_failed(tx: Tx, rank: int | None, token: str, task_id: int, attempts: i
     return ok
 
 
+def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: str
+                ) -> Recovery:
+    """A failed dispatch of several tasks: which of them broke it is not known, so none is
+    charged. They go back to the head of the queue, in order, as two halves (`Recovery.
+    halves`), each to be dispatched again in a dispatch of at most its own size."""
+    half = (len(task_ids) + 1) // 2
+    pos = head_position(tx) - len(task_ids) + 1
+    for i, task_id in enumerate(task_ids):
+        if not set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED, queue_pos=pos + i,
+                         reason=reason):
+            raise FenceError(f"task {task_id} of dispatch {token[:12]} was not active")
+    tx.event(EventKind.REQUEUED, rank=rank, token=token, task_id=task_ids[0],
+             detail=f"split: {len(task_ids)} tasks back at the head in halves of {half} and "
+                    f"{len(task_ids) - half}, none charged ({reason})")
+    return Recovery(rank, token, task_ids[0], TaskState.QUEUED, 0,
+                    halves=(tuple(task_ids[:half]), tuple(task_ids[half:])))
+
+
 def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventKind.RECOVERED,
                      reason: str | None = None,
                      worker_state: WorkerState | None = None) -> Recovery | None:
@@ -375,8 +533,11 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     # Whether the rank's READY was seen decides if it is free now or parked (post-mortems ask).
     tx.event(cause, rank=rank, token=token, task_id=row[0],
              detail=f"{detail} ({'READY seen' if row[2] is not None else 'no READY'})")
-    rec = _apply_retry(tx, rank, token, row[0], detail,
-                       protocol=cause is not EventKind.TASK_FAILED)
+    if len(row.task_ids) > 1:
+        rec = _split_back(tx, rank, token, row.task_ids, detail)
+    else:
+        rec = _apply_retry(tx, rank, token, row[0], detail,
+                           protocol=cause is not EventKind.TASK_FAILED)
     if row[2] is not None:
         rec = dataclasses.replace(rec, ready_seen=True)
         set_workers(tx, [(rank, WorkerState.IDLE)])
@@ -404,27 +565,34 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
                            .where(cond).order_by(dispatches.c.created_at.desc(),
                                                  dispatches.c.rank.desc())).all()
     kind = EventKind.INTERRUPTED if earlier_incarnations else EventKind.STOP_REQUEUED
+    back: list[int] = []
     for r in rows:  # newest first, each to the head: the oldest ends up first
-        _take(tx, r.rank, r.token)
-        charged = earlier_incarnations or r.rank in charged_ranks
+        taken = _take(tx, r.rank, r.token)
+        assert taken is not None
+        # A batch's tasks are never charged: which of them it was is not known.
+        charged = ((earlier_incarnations or r.rank in charged_ranks)
+                   and len(taken.task_ids) == 1)
         tx.event(kind, rank=r.rank, token=r.token, task_id=r.task_id,
                  detail="worker gone" if charged and not earlier_incarnations else None)
-        if charged:
-            attempts = tx.conn.execute(
-                select(tasks.c.attempts).where(tasks.c.id == r.task_id)).scalar_one() + 1
-            if attempts >= tx.policy.max_attempts:
-                _hold_failed(tx, r.rank, r.token, r.task_id, attempts,
-                             "interrupted by a coordinator restart" if earlier_incarnations
-                             else "its worker was gone at a stop")
-                continue
-        set_state(tx, r.task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                  queue_pos=head_position(tx), attempts_delta=int(charged))
+        pos = head_position(tx) - len(taken.task_ids) + 1
+        for i, task_id in enumerate(taken.task_ids):
+            if charged:
+                attempts = tx.conn.execute(
+                    select(tasks.c.attempts).where(tasks.c.id == task_id)).scalar_one() + 1
+                if attempts >= tx.policy.max_attempts:
+                    _hold_failed(tx, r.rank, r.token, task_id, attempts,
+                                 "interrupted by a coordinator restart" if earlier_incarnations
+                                 else "its worker was gone at a stop")
+                    continue
+            set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED, queue_pos=pos + i,
+                      attempts_delta=int(charged))
+        back[:0] = taken.task_ids
     if not earlier_incarnations and rows:
         # Only a rank whose READY was seen is idle: the others are still running the task
         # just requeued, and get their STOP once their READY comes (docs/protocol.md §3, Shutdown: STOP after READY).
         set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows
                          if r.rank not in charged_ranks and r.ready_at is not None])
-    return [r.task_id for r in reversed(rows)]  # oldest dispatch first, as queued
+    return back  # oldest dispatch first, as queued
 
 
 def any_in_flight(conn: Connection) -> bool:

@@ -93,10 +93,11 @@ class QuarantineReason(str, enum.Enum):
 
 
 class LeaseKind(str, enum.Enum):
-    # Written before revision 0007 only: the dispatch row (UNIQUE task_id) is the task's own
-    # reservation, and a row per dispatch in a third table cost the master ~3 written pages
-    # per commit. Kept so that older files stay valid (the order is the CHECK constraint's).
-    WORK = "work"        # the task itself (semantic id)
+    # A batch dispatch's tasks after its first (the dispatch row's own, UNIQUE task_id), by
+    # task id: UNIQUE (kind, key) keeps a task in one active dispatch, and the lease goes with
+    # the dispatch. (Files from before revision 0007 had one per dispatch, keyed by semantic
+    # id; 0007 removed them.) The order is the CHECK constraint's: do not reorder.
+    WORK = "work"        # a task of a batch dispatch (its id)
     TARGET = "target"    # a target branch being solved
     CONTENT = "content"  # the input's content hash
     SCHEDULE = "schedule"  # the schedule prefix being explored
@@ -221,7 +222,8 @@ HELD_STATES_SQL = "state IN ('deferred', 'failed')"
 DISPATCH_RECORDS_SQL = (
     "((SELECT count(*) FROM results r WHERE r.task_id = t.id) + "
     "(SELECT count(*) FROM events e WHERE e.task_id = t.id AND e.kind = 'dispatched') + "
-    "(SELECT count(*) FROM dispatches d WHERE d.task_id = t.id))")
+    "(SELECT count(*) FROM dispatches d WHERE d.task_id = t.id) + "
+    "(SELECT count(*) FROM leases l WHERE l.kind = 'work' AND l.key = CAST(t.id AS TEXT)))")
 Index("ix_tasks_held", tasks.c.state, sqlite_where=text(HELD_STATES_SQL))
 
 dispatches = Table(

@@ -82,11 +82,17 @@ class Farm:
     def dispatch(self, *ranks: int, deadline_s: float | None = None, sent: bool = False):
         """{rank: token} of the dispatches planned; `sent`: their WORK marked sent, as the
         master does once it has left."""
+        return {p.rank: p.token for p in self.plan(*ranks, deadline_s=deadline_s, sent=sent)}
+
+    def plan(self, *ranks: int, deadline_s: float | None = None, sent: bool = False,
+             batch: int = 1, halves=None):
+        """The dispatches planned (`dispatches.Planned`), `batch` tasks each at most."""
         with self.store.transaction() as tx:
-            plan = self.gate.plan_dispatches(tx, list(ranks), deadline_s=deadline_s)
+            plan = self.gate.plan_dispatches(tx, list(ranks), deadline_s=deadline_s,
+                                             batch=batch, halves=halves)
             if sent:
                 mark_sent(tx, [p.token for p in plan])
-        return {p.rank: p.token for p in plan}
+        return plan
 
     def result(self, rank: int, token: object, status: object = "ok", value=None):
         return self.result_raw(rank, {"token": token, "status": status, "value": value})

@@ -339,6 +339,7 @@ def test_the_skipped_rules_would_not_hold_on_an_older_file(campaign):
     brought both rules) break both rules (and the notes say where that comes from)."""
     _downgrade(campaign, "0006")
     _write(campaign, "UPDATE alembic_version SET version_num = ?", params=("0007",))
+    _write(campaign, "ALTER TABLE results ADD COLUMN dispatched_at REAL")  # 0007's column
     report = audit_path(campaign)
     assert report.kinds() == {ViolationKind.DISPATCH_RECORDS, ViolationKind.WRONG_COMMIT}
     assert any("brought forward" in n for n in report.notes)

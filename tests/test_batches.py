@@ -1,0 +1,130 @@
+"""Batch dispatches (`--batch N`): one dispatch, one token, up to N tasks; every rule of the
+protocol stays per dispatch, and every task still gets exactly one result row. A failed
+batch is split in halves back at the head of the queue, none charged, so a poison task is
+alone after ceil(log2 N) more failures and only it is ever charged."""
+
+from __future__ import annotations
+
+import math
+
+from conftest import Farm
+
+from store.audit import audit_path
+
+T = "t" * 64
+
+
+def batch_result(token: str, task_ids, **per_task) -> dict:
+    return {"token": token, "status": "ok",
+            "batch": [{"status": "ok", "value": {"task": t}, **per_task} for t in task_ids]}
+
+
+def states(farm: Farm) -> dict[int, tuple[str, int, int]]:
+    """task id -> (state, attempts, budget_used)."""
+    with farm.store.reading() as conn:
+        return {r[0]: tuple(r[1:]) for r in conn.exec_driver_sql(
+            "SELECT id, state, attempts, budget_used FROM tasks")}
+
+
+def test_a_batch_commits_a_result_per_task_under_one_token(db_path):
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(10)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=4)
+    assert [t.id for t in p.tasks] == ids[:4]
+    round_ = farm.result_raw(1, batch_result(p.token, ids[:4]))
+    assert len(round_.committed) == 4
+    with farm.store.reading() as conn:
+        rows = conn.exec_driver_sql("SELECT task_id, token, value FROM results "
+                                    "ORDER BY task_id").fetchall()
+        leases = conn.exec_driver_sql("SELECT count(*) FROM leases").scalar()
+    assert [(r[0], r[1]) for r in rows] == [(i, p.token) for i in ids[:4]]
+    assert [r[2] for r in rows] == [f'{{"task": {i}}}' for i in ids[:4]]
+    assert leases == 0  # the batch's work leases went with its dispatch
+    farm.close()
+    assert audit_path(db_path).ok, audit_path(db_path).text()
+
+
+def test_a_result_that_answers_fewer_tasks_than_the_batch_holds_is_invalid(db_path):
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(3)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=3)
+    farm.result_raw(1, batch_result(p.token, ids[:2]))
+    farm.result(1, p.token)  # a single task's RESULT for a batch: invalid too
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT detail FROM quarantine ORDER BY id").fetchall() == [
+            ("payload: the RESULT answers 2 task(s); the dispatch holds 3",),
+            ("payload: the RESULT answers 1 task(s); the dispatch holds 3",)]
+        assert conn.exec_driver_sql("SELECT count(*) FROM results").scalar() == 0
+    farm.close()
+
+
+def test_a_poison_task_in_a_batch_of_64_is_isolated_and_only_it_is_charged(db_path):
+    """The poison task's dispatches always fail (an invalid RESULT joined with its READY);
+    every other task's succeed. Each failure splits the batch that held it in halves."""
+    n = 64
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(n)))
+    poison = ids[37]
+    halves: dict[int, tuple[int, int]] = {}
+    holding_poison: list[int] = []
+    half_ids = iter(range(1, 10_000))
+    farm.ready(1)
+    for _ in range(200):
+        plan = farm.plan(1, batch=n, halves=halves, sent=True)
+        if not plan:
+            break
+        [p] = plan
+        tasks = [t.id for t in p.tasks]
+        if poison not in tasks:
+            farm.result_raw(1, batch_result(p.token, tasks))
+            farm.ready(1, p.token)
+            continue
+        holding_poison.append(len(tasks))
+        farm.result_raw(1, {"token": p.token, "status": "ok", "batch": "not a list"})
+        farm.ready(1, p.token)
+        for rec in farm.sweep():
+            for half in rec.halves or ():
+                entry = (next(half_ids), len(half))
+                halves.update(dict.fromkeys(half, entry))
+    # 64, 32, 16, 8, 4, 2 fail and are split; then it goes out alone (charged) and again
+    # alone after its one requeue, and is deferred.
+    assert holding_poison[:7] == [64, 32, 16, 8, 4, 2, 1]
+    assert holding_poison[1:].index(1) + 1 == math.ceil(math.log2(n))
+    got = states(farm)
+    assert got[poison][0] == "deferred" and got[poison][1:] == (2, 2)
+    assert all(got[t] == ("done", 0, 0) for t in ids if t != poison), got
+    with farm.store.reading() as conn:
+        per_task = dict(conn.exec_driver_sql(
+            "SELECT task_id, count(*) FROM results GROUP BY task_id").fetchall())
+    assert per_task == {t: 1 for t in ids if t != poison}
+    farm.close()
+    report = audit_path(db_path)
+    assert report.ok, report.text()
+
+
+def test_a_batch_rolled_back_by_rank_and_token_undoes_every_task_it_held(db_path):
+    """R6 per dispatch: a stale token changes nothing; the current one takes every task of
+    the batch back, its work and side leases with it."""
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i, "target_branch": 100 + i} for i in range(5)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=5, sent=True)
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT kind, count(*) FROM leases GROUP BY kind").fetchall(
+        ) == [("target", 5), ("work", 4)]
+    farm.result_raw(1, {"token": T, "status": "ok"})  # stale: proves nothing
+    farm.result_raw(1, {"status": "ok"})              # missing: the invalid mark
+    farm.ready(1, p.token)
+    [rec] = farm.sweep()
+    assert rec.halves == (tuple(ids[:3]), tuple(ids[3:]))
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM leases").scalar() == 0
+        assert conn.exec_driver_sql("SELECT count(*) FROM dispatches").scalar() == 0
+        order = [r[0] for r in conn.exec_driver_sql(
+            "SELECT id FROM tasks WHERE state = 'queued' ORDER BY queue_pos, id")]
+    assert order == ids  # back at the head, in order
+    assert all(v == ("queued", 0, 0) for v in states(farm).values())
+    farm.close()
+    assert audit_path(db_path).ok
