@@ -23,6 +23,7 @@ from processes import in_session
 from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags
 from coordinator.processes import proc_stat
 from store.audit import AuditReport, audit_path
+from store.schema import Channel
 
 MPIEXEC = find_mpiexec()
 JOB_TIMEOUT_S = 120
@@ -257,6 +258,11 @@ def status_json(db: Path) -> dict:
     out = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db),
                           "--json"], capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
+
+
+def quarantined(**by_channel: dict[str, int]) -> dict[str, dict[str, int]]:
+    """What `status --json` reports under "quarantine": every channel, empty unless named."""
+    return {c.value: by_channel.get(c.value, {}) for c in Channel}
 
 
 def check_conservation(db: Path, expected_tasks: int | None = None) -> AuditReport:

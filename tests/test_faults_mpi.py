@@ -38,6 +38,7 @@ from mpi_jobs import (
     kill_ranks,
     master_pid,
     mpi_kind,
+    quarantined,
     query,
     ranks_of,
     run,
@@ -204,12 +205,15 @@ def test_an_invalid_result_is_quarantined_joined_with_its_ready_and_retried(tmp_
         if kind == "result_bad_token":
             assert token == expected.upper()
         elif kind == "result_list_token":
-            assert token is None and detail == "token of type list"
+            # the typed decoder names the field and what it got
+            assert token is None and detail.startswith("wrong shape") and "$.token" in detail
+            assert "got `array`" in detail
         elif kind == "result_garbage":
             assert token is None and detail.startswith("undecodable")
-        else:  # no token at all / a list body
-            assert token is None
-            assert not (detail or "").startswith("undecodable")
+        elif kind == "result_not_mapping":
+            assert token is None and detail == "wrong shape: Expected `object`, got `array`"
+        else:  # no token at all
+            assert token is None and detail is None
 
     # R2-R7: invalid mark, joined with the current READY, rolled back, requeued at the head
     invalid = query(db, "SELECT token, detail FROM events WHERE kind = 'invalid'")
@@ -226,7 +230,7 @@ def test_an_invalid_result_is_quarantined_joined_with_its_ready_and_retried(tmp_
     assert not set(faulted) & {t for (t,) in query(db, "SELECT token FROM results")}
 
     s = assert_status_agrees(db)
-    assert s["quarantine"] == {"result": {reason: len(faulted)}, "ready": {}}
+    assert s["quarantine"] == quarantined(result={reason: len(faulted)})
     assert s["requeued"] == len(faulted)
     stats = (tmp_path / "c.db.stats").read_text()
     assert f"Quarantined worker results: {len(faulted)} ({reason}={len(faulted)})\n" in stats
@@ -266,7 +270,7 @@ def test_a_stale_result_is_quarantined_and_its_dispatch_retired_by_the_watchdog(
     assert query(db, "SELECT sum(attempts) FROM tasks") == [(len(faulted),)]
     assert_each_task_committed_once(db, N)
     s = assert_status_agrees(db)
-    assert s["quarantine"] == {"result": {"stale": len(faulted)}, "ready": {}}
+    assert s["quarantine"] == quarantined(result={"stale": len(faulted)})
     assert (s["watchdog_timeouts"], s["watchdog_recoveries"]) == (len(faulted), 0)
 
 
@@ -341,8 +345,8 @@ def test_a_malformed_ready_is_quarantined_and_the_heartbeat_frees_the_rank(tmp_p
     rows = quarantine_rows(db)
     assert len(rows) == len(faulted)  # malformed even when no dispatch is active
     for channel, reason, rank, token, expected, detail in rows:
-        assert (channel, reason, token, detail) == ("ready", "malformed", None,
-                                                    "token of type list")
+        assert (channel, reason, token) == ("ready", "malformed", None)
+        assert detail.startswith("wrong shape") and "$.completed_dispatch_token" in detail
         assert expected is None or expected in faulted
     ev = event_counts(db)
     for absent in ("invalid", "recovered", "requeued", "watchdog", "deferred"):
@@ -350,7 +354,7 @@ def test_a_malformed_ready_is_quarantined_and_the_heartbeat_frees_the_rank(tmp_p
     assert query(db, "SELECT sum(attempts), sum(dispatches) FROM tasks") == [(0, N)]
     assert_each_task_committed_once(db, N)
     s = assert_status_agrees(db)
-    assert s["quarantine"] == {"result": {}, "ready": {"malformed": len(faulted)}}
+    assert s["quarantine"] == quarantined(ready={"malformed": len(faulted)})
 
 
 @pytest.mark.timeout(120)
@@ -385,7 +389,7 @@ def test_a_stale_ready_is_quarantined_while_its_dispatch_is_active(tmp_path, inj
         assert absent not in ev
     assert_each_task_committed_once(db, N)
     s = assert_status_agrees(db)
-    assert s["quarantine"] == {"result": {}, "ready": {"stale": len(rows)} if rows else {}}
+    assert s["quarantine"] == quarantined(ready={"stale": len(rows)} if rows else {})
 
 
 @pytest.mark.timeout(120)
@@ -403,7 +407,7 @@ def test_reordered_and_delayed_answers_change_nothing(tmp_path):
     assert query(db, "SELECT sum(attempts), sum(dispatches) FROM tasks") == [(0, 40)]
     assert_each_task_committed_once(db, 40)
     s = assert_status_agrees(db)
-    assert s["quarantine"] == {"result": {}, "ready": {}} and s["requeued"] == 0
+    assert s["quarantine"] == quarantined() and s["requeued"] == 0
 
 
 @pytest.mark.timeout(120)
@@ -593,7 +597,7 @@ def test_a_worker_stopped_by_sigstop_is_parked_and_recovered_after_sigcont(tmp_p
     assert token not in {t for (t,) in query(db, "SELECT token FROM results")}
     s = assert_status_agrees(db)
     assert (s["watchdog_timeouts"], s["watchdog_recoveries"]) == (1, 1)
-    assert s["quarantine"] == {"result": {"unowned": 1}, "ready": {}}
+    assert s["quarantine"] == quarantined(result={"unowned": 1})
 
 
 # -- 3. a poison task ------------------------------------------------------------------------

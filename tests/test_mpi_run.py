@@ -22,6 +22,7 @@ from mpi_jobs import (
     kill_job,
     kill_ranks,
     master_pid,
+    quarantined,
     query,
     ranks_of,
     run,
@@ -51,7 +52,7 @@ def test_demo_300_completes_and_status_agrees(tmp_path):
     s = status_json(db)
     assert s["tasks"] == {"queued": 0, "active": 0, "done": 300, "deferred": 0, "failed": 0}
     assert s["results"] == 300 == query(db, "SELECT count(*) FROM results")[0][0]
-    assert s["quarantine"] == {"result": {}, "ready": {}}
+    assert s["quarantine"] == quarantined()
     assert query(db, "SELECT count(*) FROM quarantine") == [(0,)]
     assert (s["requeued"], s["deferred"], s["incarnation"]) == (0, 0, 1)
     stats = (tmp_path / "demo.db.stats").read_text()
@@ -892,29 +893,34 @@ def test_bad_inject_spec_is_a_usage_error(tmp_path):
     assert not (tmp_path / "c.db").exists()
 
 
-def test_resume_that_would_run_the_campaign_otherwise_is_refused(tmp_path):
-    """A bare `--resume` on a campaign of a callable used to add 300 demo tasks to it and run
-    its own tasks through the demo executor, committing every one as an error for good."""
+def test_a_bare_resume_runs_the_campaigns_own_executor(tmp_path):
+    """A bare `--resume` on a campaign of a callable runs that callable again, as its first
+    run stored it, and says so. (It used to add 300 demo tasks and run the campaign's own
+    tasks through the demo executor, committing every one as an error for good.) Naming
+    another executor is a conflict and is refused before anything is written."""
     mod = tmp_path / "square.py"
     mod.write_text("def square(task):\n    return task['data']['n'] ** 2\n")
     db = tmp_path / "c.db"
     first = run(["run", "--db", str(db), "--demo", "4", "--callable", f"{mod}:square",
                  "--no-progress"])
     assert first.returncode == 0, first.stderr[-2000:]
-    bare = run(["run", "--db", str(db), "--resume", "--no-progress"])
-    assert bare.returncode == ExitStatus.USAGE, bare.stderr[-2000:]
-    assert f"python executor (--callable {mod}:square)" in bare.stderr
+    other = run(["run", "--db", str(db), "--resume", "--executor", "demo", "--no-progress"])
+    assert other.returncode == ExitStatus.USAGE, other.stderr[-2000:]
+    assert f"python executor (--callable {mod}:square)" in other.stderr
     assert query(db, "SELECT count(*), max(incarnation) FROM campaign, tasks") == [(4, 1)]
-    again = run(["run", "--db", str(db), "--resume", "--callable", f"{mod}:square",
-                 "--no-progress"])
-    assert again.returncode == 0, again.stderr[-2000:]
+    bare = run(["run", "--db", str(db), "--resume", "--no-progress"])
+    assert bare.returncode == 0, bare.stderr[-2000:]
+    assert "--resume runs the campaign's own executor, as its first run did" in bare.stderr
     assert query(db, "SELECT count(*) FROM tasks") == [(4,)]  # no demo tasks added
     assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 4)]
-    more = run(["run", "--db", str(db), "--resume", "--demo", "6", "--callable",
-                f"{mod}:square", "--no-progress"])
+    more = run(["run", "--db", str(db), "--resume", "--demo", "6", "--no-progress"])
     assert more.returncode == 0, more.stderr[-2000:]
     assert "4 of 6 tasks were already in the campaign" in more.stderr
-    assert query(db, "SELECT count(*) FROM results") == [(6,)]
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 6)]
+    values = query(db, "SELECT t.payload, r.value FROM results r JOIN tasks t "
+                       "ON t.id = r.task_id ORDER BY t.id")
+    assert [json.loads(v) for _, v in values] == [
+        json.loads(p)["data"]["n"] ** 2 for p, _ in values]  # the callable, not the demo
 
 
 def _cpu_seconds(pid: int) -> float:
