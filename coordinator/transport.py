@@ -57,12 +57,24 @@ class Backoff:
     `yield_window`: for that long after progress, poll without sleeping, giving the CPU to
     any other runnable process between polls (`sched_yield`), then sleep as above. A sleep of
     10-50 µs lasted ~90 µs on the 2-core test machine, and an idle worker's next WORK waited
-    that long to be noticed, on every task's critical path (see `worker_spin_default`)."""
+    that long to be noticed, on every task's critical path (see `worker_spin_default`).
+
+    Spinning pays only while the cores are not all wanted: a yield that comes back late
+    (LATE_YIELD_S, longer than any of the job's own ranks holds a core between two waits)
+    means a process outside the job was given the core, one that runs as long as the kernel
+    lets it. Spinning then takes the CPU the master needs (one CPU-bound process beside a
+    2-core job cut it from 5,803 to 444 tasks/s), so the wait goes to sleeping at once, and
+    the next ones do for CONTENDED_S before spinning is tried again."""
+
+    LATE_YIELD_S = 1e-3
+    CONTENDED_S = 1.0
 
     def __init__(self, start: float = 10e-6, fast_cap: float = 50e-6, cap: float = 2e-3,
                  fast_window: float = 0.05, spins: int = 4, yield_window: float = 0.0):
         self.start, self.fast_cap, self.cap = start, fast_cap, cap
         self.fast_window, self.spins, self.yield_window = fast_window, spins, yield_window
+        self.contended_until = 0.0
+        self.late_yields = 0  # how often spinning was given up (for tests and tuning)
         self.reset()
 
     def reset(self) -> None:
@@ -73,9 +85,15 @@ class Backoff:
         self._n += 1
         if self._n <= self.spins:
             return
-        if self.yield_window and time.monotonic() - self._since < self.yield_window:
-            os.sched_yield()
-            return
+        if self.yield_window:
+            now = time.monotonic()
+            if now - self._since < self.yield_window and now >= self.contended_until:
+                os.sched_yield()
+                back = time.monotonic()
+                if back - now > self.LATE_YIELD_S:
+                    self.late_yields += 1
+                    self.contended_until = back + self.CONTENDED_S
+                return
         time.sleep(self._delay)
         fast = time.monotonic() - self._since < self.fast_window
         self._delay = min(self._delay * 2, self.fast_cap if fast else self.cap)

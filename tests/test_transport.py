@@ -39,6 +39,7 @@ def test_a_transport_tightens_its_process_timer_slack():
 class _Clock:
     def __init__(self):
         self.now, self.slept, self.yields = 100.0, [], 0
+        self.yield_takes = 1e-6  # the core given straight back: nobody else wanted it
 
     def monotonic(self):
         return self.now
@@ -49,7 +50,7 @@ class _Clock:
 
     def sched_yield(self):
         self.yields += 1
-        self.now += 1e-3
+        self.now += self.yield_takes
 
 
 @pytest.fixture
@@ -68,7 +69,8 @@ def test_a_backoff_yields_instead_of_sleeping_within_its_yield_window(clock):
     until `yield_window` has passed since the last reset, then the sleeps start from `start`
     and double; a reset starts the window again."""
     from coordinator import transport
-    b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=2, yield_window=0.005)
+    clock.yield_takes = 0.9e-3  # each yield lets the job's own ranks run: not late
+    b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=2, yield_window=0.0044)
     for _ in range(2 + 5):
         b.wait()
     assert (clock.yields, clock.slept) == (5, [])
@@ -79,6 +81,31 @@ def test_a_backoff_yields_instead_of_sleeping_within_its_yield_window(clock):
     for _ in range(3):
         b.wait()
     assert clock.yields == 6 and len(clock.slept) == 4
+
+
+def test_a_late_yield_turns_spinning_off_for_a_while(clock):
+    """Pure logic: a yield that comes back late (another process was given the core) ends
+    the spinning of this wait and of every wait for CONTENDED_S; then spinning is tried
+    again, and stays on while the yields come back at once."""
+    from coordinator import transport
+    b = transport.Backoff(start=10e-6, fast_cap=40e-6, spins=0, yield_window=0.05)
+    b.wait()
+    assert (clock.yields, clock.slept, b.late_yields) == (1, [], 0)
+    clock.yield_takes = 4e-3  # a CPU-bound neighbour ran for its time slice
+    b.wait()
+    assert (clock.yields, b.late_yields) == (2, 1)
+    clock.yield_takes = 1e-6
+    for _ in range(3):
+        b.wait()
+    assert clock.yields == 2 and clock.slept == [10e-6, 20e-6, 40e-6]  # no more spinning
+    b.reset()
+    b.wait()
+    assert clock.yields == 2 and len(clock.slept) == 4  # nor in the next wait, for a while
+    clock.now += transport.Backoff.CONTENDED_S
+    b.reset()
+    for _ in range(3):
+        b.wait()
+    assert clock.yields == 5 and len(clock.slept) == 4 and b.late_yields == 1
 
 
 def test_a_backoff_without_a_yield_window_never_yields(clock):
