@@ -104,6 +104,8 @@ class Summary:
     transactions: int = 0
     committed: int = 0
     elapsed_s: float = 0.0
+    cpu_s: float = 0.0  # the master's CPU time in the loop
+    first_work_at: float | None = None  # time.time() when this run's first WORK left
     stopped_by_signal: str | None = None
     unacked_ranks: list[int] = field(default_factory=list)
 
@@ -128,6 +130,7 @@ class Master:
         self._next_watchdog = 0.0
         self._next_drain_check = 0.0
         self._next_stats = 0.0
+        self._cpu_at_start = 0.0
         self._stop_seq = 0
         self._next_stall_check = 0.0
         #: Task id -> (half id, size): the tasks of failed batches split back (`_note_halves`).
@@ -157,6 +160,7 @@ class Master:
         start = time.monotonic()
         self._install_signal_handlers()
         backoff = Backoff()
+        self._cpu_at_start = time.process_time()
         self._next_stats = time.monotonic() + self.config.stats_interval_s
         self._progress.start()
         try:
@@ -194,6 +198,7 @@ class Master:
         finally:
             self._progress.stop()
             self.summary.elapsed_s = time.monotonic() - start
+            self.summary.cpu_s = time.process_time() - self._cpu_at_start
         self.write_stats(s)
 
     def _round(self) -> bool:
@@ -469,6 +474,8 @@ class Master:
         try:
             self.transport.send_work(data, p.rank)
             self._sent.append(p.token)
+            if self.summary.first_work_at is None:
+                self.summary.first_work_at = time.time()
         except SendFailed as e:
             log.error("%s", e)
             self._unsent.append((p.rank, p.token, str(e.cause)[:300]))

@@ -64,10 +64,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 class MasterRank:
     def __init__(self, cfg: RunConfig, transport: Transport):
         self.cfg, self.transport = cfg, transport
         self.started = time.monotonic()
+        self.started_at = time.time()  # the master rank is up: --resume's clock starts here
         self.store: Store | None = None
         self.master: Master | None = None
         #: A stop asked for while the start is still going on (opening the database,
@@ -313,6 +319,8 @@ class MasterRank:
                 "rounds": summary.rounds, "transactions": summary.transactions,
                 "commits_per_task": summary.transactions / max(summary.committed, 1),
                 "master_peak_rss_mib": peak_rss_mib(), "workers": self.transport.size - 1,
+                "master_cpu_s": cpu_s(), "loop_cpu_s": summary.cpu_s, "started_at": self.started_at,
+                "first_work_at": summary.first_work_at,
                 "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
             })
         if summary.unacked_ranks:

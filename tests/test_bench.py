@@ -30,3 +30,47 @@ def test_bench_runs_both_farms_and_prints_the_ratio():
     coordinator, futures, ratio = int(m[1]), int(m[2]), float(m[3])
     assert coordinator > 0 and futures > 0
     assert abs(ratio - coordinator / futures) < 0.01
+
+
+UTIL = re.compile(r"utilisation coordinator=(\d\.\d{3}) futures=(\d\.\d{3}) ratio=(\d+\.\d\d)")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_bench_batches_beside_a_hog_and_reports_what_it_ran():
+    """--batch packs tasks on both sides (the coordinator's dispatches, futures' chunks) and
+    --hog runs CPU-bound processes beside them, which are gone when the tool is."""
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--tasks", "600", "--batch", "50", "--hog", "1",
+         "--sync", "FULL", "--timeout", "120"],
+        capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("# 600 tasks (noop), 3 workers, batch 50, 1 hog(s), ")
+    assert any(line.startswith("futures (MPIPoolExecutor.map, chunksize=50): ")
+               for line in lines)
+    coordinator = next(line for line in lines if line.startswith("coordinator synchronous="))
+    # 600 tasks in dispatches of 50: 12 commits at most (fewer when a round commits several)
+    commits = float(re.search(r"([\d.]+) commits per task", coordinator)[1])
+    assert 0 < commits <= 12 / 600 + 1e-9, coordinator
+    assert LAST.fullmatch(lines[-1]), lines[-1]
+    hogs = subprocess.run(["pgrep", "-f", "while 1: pass"], capture_output=True, text=True)
+    assert hogs.stdout == "", "a hog outlived the tool"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_bench_with_sleeping_tasks_reports_utilisation():
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--tasks", "120", "--workers", "5", "--work-ms", "20",
+         "--sync", "FULL", "--timeout", "120"],
+        capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("# 120 tasks (sleep 20 ms), 5 workers, batch 1, ")
+    m = UTIL.fullmatch(lines[-1])
+    assert m, lines[-1]
+    ours, theirs, ratio = float(m[1]), float(m[2]), float(m[3])
+    # 120 × 20 ms over 5 workers is 0.48 s of work: no farm does it in less
+    assert 0 < ours <= 1 and 0 < theirs <= 1
+    assert abs(ratio - ours / theirs) < 0.01

@@ -1,27 +1,38 @@
-"""Throughput benchmark: N no-op tasks through this coordinator and through
-mpi4py.futures.MPIPoolExecutor (map, chunksize=1: one task per message, the fair comparison
-for per-task dispatch), with the same number of workers, in one invocation. Both run the same
-no-op, `noop(x): return x`: the coordinator through its python executor (`--callable`) on
+"""Throughput benchmark: N tasks through this coordinator and through
+mpi4py.futures.MPIPoolExecutor (`map`), with the same number of workers, in one invocation.
+
+Both sides run the same task: a no-op (`noop(x): return x`) by default, or `--work-ms W`, a
+task that sleeps W ms. The coordinator runs it through its python executor (`--callable`) on
 `--demo N` task payloads; `--workload demo` runs the demo executor instead (~35 µs of hashing
-per task).
+per task). `--batch K` packs K tasks in each dispatch (the coordinator's `--batch K` against
+futures' `chunksize=K`; 1 by default: one task per message on both sides). `--hog N` runs N
+CPU-bound processes beside both sides for the whole run, as on a node shared with other jobs.
 
-    python tools/bench.py                       # 10,000 tasks, 3 workers, FULL and NORMAL
-    python tools/bench.py --tasks 2000 --workers 3 --sync FULL
+    python tools/bench.py                                   # 10,000 no-ops, FULL and NORMAL
+    python tools/bench.py --hog 1 --sync FULL               # on a busy node
+    python tools/bench.py --batch 100 --tasks 100000 --sync FULL
+    python tools/bench.py --workers 63 --work-ms 50 --tasks 5000 --sync FULL
 
-Prints tasks/s for each, their ratio, database commits per task and the master's peak memory;
-the last line reads `coordinator=<tasks/s> futures=<tasks/s> ratio=<coordinator/futures>`
-(the coordinator at the first --sync mode given, FULL by default).
+Prints tasks/s for each, their ratio, database commits per task, the master's CPU time per
+task and peak memory. The last line reads `coordinator=<tasks/s> futures=<tasks/s>
+ratio=<coordinator/futures>` (the coordinator at the first --sync mode given, FULL by
+default); with --work-ms it reads `utilisation coordinator=<u> futures=<u> ratio=<x>`, where
+utilisation = tasks × W / (workers × makespan): the share of the workers' time spent in
+tasks (nominal task time on both sides, so a sleep's overshoot counts against both).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,23 +40,45 @@ sys.path.insert(0, str(ROOT))
 
 from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 
-FUTURES_CHILD = """
-import sys, time, resource
-from mpi4py.futures import MPIPoolExecutor
+#: The task both sides run; BENCH_WORK_S > 0 makes it sleep that long.
+TASK_MODULE = """
+import os, time
+WORK_S = float(os.environ.get("BENCH_WORK_S", "0"))
 
-def noop(x):
+def task(x):
+    if WORK_S:
+        time.sleep(WORK_S)
     return x
+"""
+
+FUTURES_CHILD = """
+import resource, sys, time
+from mpi4py.futures import MPIPoolExecutor
+from bench_task import task
+
+def cpu():
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 if __name__ == "__main__":
-    n = int(sys.argv[1])
+    n, chunk = int(sys.argv[1]), int(sys.argv[2])
     with MPIPoolExecutor() as ex:
-        list(ex.map(noop, range(min(200, n)), chunksize=1))  # spawn and warm the workers
-        t = time.perf_counter()
-        list(ex.map(noop, range(n), chunksize=1))
-        el = time.perf_counter() - t
+        list(ex.map(int, range(min(200, n)), chunksize=1))  # spawn and warm the workers
+        t, c = time.perf_counter(), cpu()
+        list(ex.map(task, range(n), chunksize=chunk))
+        el, used = time.perf_counter() - t, cpu() - c
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"FUTURES {n / el:.1f} {rss:.1f}")
+    print(f"FUTURES {n / el:.1f} {el:.4f} {used:.4f} {rss:.1f}")
 """
+
+
+@dataclass
+class Side:
+    rate: float         # tasks/s
+    makespan: float     # seconds from the first task sent to the last answer handled
+    master_cpu: float   # seconds of CPU in the master (futures: the client) during that
+    rss: float          # MiB
+    extra: dict
 
 
 def launch(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -55,42 +88,56 @@ def launch(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return out
 
 
-def run_futures(mpiexec: str, tasks: int, workers: int, timeout: float,
-                ulfm: bool) -> tuple[float, float]:
+def task_env(d: Path, work_s: float) -> dict[str, str]:
+    (d / "bench_task.py").write_text(TASK_MODULE)
+    env = dict(os.environ)
+    # Every rank runs on this host, so the environment reaches them all (no `-x` needed).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(d), env.get("PYTHONPATH")) if p)
+    env["BENCH_WORK_S"] = repr(work_s)
+    return env
+
+
+def run_futures(mpiexec: str, a: argparse.Namespace) -> Side:
     with tempfile.TemporaryDirectory() as d:
-        script = Path(d) / "futures_noop.py"
+        script = Path(d) / "futures_bench.py"
         script.write_text(FUTURES_CHILD)
-        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1, ulfm), sys.executable, "-m",
-               "mpi4py.futures", str(script), str(tasks)]
-        out = launch(cmd, timeout=timeout)
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, a.workers + 1, a.ulfm), sys.executable, "-m",
+               "mpi4py.futures", str(script), str(a.tasks), str(a.batch)]
+        out = launch(cmd, timeout=a.timeout, env=task_env(Path(d), a.work_ms / 1000))
     for line in out.stdout.splitlines():
         if line.startswith("FUTURES "):
-            _, rate, rss = line.split()
-            return float(rate), float(rss)
+            rate, el, used, rss = map(float, line.split()[1:])
+            return Side(rate, el, used, rss, {})
     raise SystemExit(f"futures run failed:\n{out.stdout}\n{out.stderr[-3000:]}")
 
 
-NOOP_MODULE = "def noop(x):\n    return x\n"
-
-
-def run_coordinator(mpiexec: str, tasks: int, workers: int, sync: str,
-                    timeout: float, ulfm: bool, workload: str) -> dict:
+def run_coordinator(mpiexec: str, a: argparse.Namespace, sync: str) -> Side:
     with tempfile.TemporaryDirectory() as d:
         db, summary = Path(d) / "bench.db", Path(d) / "summary.json"
-        cmd = [mpiexec, *mpiexec_flags(mpiexec, workers + 1, ulfm), sys.executable, "-m",
-               "coordinator", "run", "--db", str(db), "--demo", str(tasks), "--synchronous",
-               sync, "--no-progress", "--summary-json", str(summary)]
-        env = dict(os.environ)
-        if workload == "noop":
-            (Path(d) / "bench_noop.py").write_text(NOOP_MODULE)
-            # Every rank runs here, so the environment reaches them all (no `-x` needed).
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (d, env.get("PYTHONPATH")) if p)
-            cmd += ["--callable", "bench_noop:noop"]
-        out = launch(cmd, timeout=timeout, env=env)
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, a.workers + 1, a.ulfm), sys.executable, "-m",
+               "coordinator", "run", "--db", str(db), "--demo", str(a.tasks), "--synchronous",
+               sync, "--no-progress", "--summary-json", str(summary), "--batch", str(a.batch)]
+        if a.work_ms:
+            cmd += ["--worker-spin-ms", "0"]  # sleeping tasks: workers that do not spin
+        if a.workload == "noop":
+            cmd += ["--callable", "bench_task:task"]
+        out = launch(cmd, timeout=a.timeout, env=task_env(Path(d), a.work_ms / 1000))
         if out.returncode != 0 or not summary.exists():
             raise SystemExit(f"coordinator run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        return json.loads(summary.read_text())
+        s = json.loads(summary.read_text())
+    return Side(s["tasks_per_s"], s["loop_s"], s["loop_cpu_s"], s["master_peak_rss_mib"], s)
+
+
+@contextlib.contextmanager
+def hogs(n: int) -> Iterator[None]:
+    """N CPU-bound processes for the duration: a node shared with someone else's work."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def _runtime_name(version: str) -> str:
@@ -103,6 +150,10 @@ def _runtime_name(version: str) -> str:
     return lines[0]
 
 
+def median(sides: list[Side]) -> Side:
+    return sorted(sides, key=lambda s: s.rate)[len(sides) // 2]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=10_000, help="tasks per run (default 10,000)")
@@ -110,47 +161,65 @@ def main() -> int:
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
+    p.add_argument("--batch", type=int, default=1,
+                   help="tasks per dispatch: the coordinator's --batch, futures' chunksize "
+                        "(default 1)")
+    p.add_argument("--hog", type=int, default=0,
+                   help="CPU-bound processes run beside both sides (default 0)")
+    p.add_argument("--work-ms", type=float, default=0.0,
+                   help="each task sleeps this long (default 0: a no-op); prints utilisation")
     p.add_argument("--workload", choices=("noop", "demo"), default="noop",
-                   help="the coordinator's task: the same no-op as futures through the python "
+                   help="the coordinator's task: the same task as futures through the python "
                         "executor (default), or the built-in demo executor")
     p.add_argument("--timeout", type=float, default=900,
                    help="seconds each MPI job may take before it counts as hung (default 900)")
     p.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
                    help="launch both with Open MPI's --with-ft ulfm, as `coordinator run` "
                         "does when it launches itself (default on; ignored for other MPIs)")
-    args = p.parse_args()
-    modes = args.sync or ["FULL", "NORMAL"]
+    a = p.parse_args()
+    if a.batch < 1 or a.hog < 0 or a.work_ms < 0 or a.tasks < 1 or a.workers < 1:
+        p.error("--batch, --tasks and --workers must be positive; --hog and --work-ms not "
+                "negative")
+    modes = a.sync or ["FULL", "NORMAL"]
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise SystemExit("no mpiexec beside this Python or on PATH")
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
-    print(f"# {args.tasks} tasks ({args.workload}), {args.workers} workers, "
+    task = f"sleep {a.work_ms:g} ms" if a.work_ms else a.workload
+    print(f"# {a.tasks} tasks ({task}), {a.workers} workers, batch {a.batch}, "
+          f"{a.hog} hog(s), {os.cpu_count()} cores, "
           f"{_runtime_name(version) if version else mpiexec}"
-          f"{' with --with-ft ulfm' if args.ulfm and 'Open MPI' in version else ''}, "
-          f"{time.strftime('%Y-%m-%d')}")
+          f"{' with --with-ft ulfm' if a.ulfm and 'Open MPI' in version else ''}, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
 
-    def median(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2]
+    def util(s: Side) -> float:
+        return a.tasks * a.work_ms / 1000 / (a.workers * s.makespan)
 
-    fut = [run_futures(mpiexec, args.tasks, args.workers, args.timeout, args.ulfm)
-           for _ in range(args.repeat)]
-    fut_rate = median([r for r, _ in fut])
-    print(f"futures (MPIPoolExecutor.map, chunksize=1): {fut_rate:,.0f} tasks/s, "
-          f"client peak RSS {median([m for _, m in fut]):.0f} MiB")
-    first = None
-    for sync in modes:
-        runs = [run_coordinator(mpiexec, args.tasks, args.workers, sync, args.timeout, args.ulfm,
-                                args.workload)
-                for _ in range(args.repeat)]
-        run = sorted(runs, key=lambda r: r["tasks_per_s"])[len(runs) // 2]
-        rate = run["tasks_per_s"]
-        first = first if first is not None else rate
-        print(f"coordinator synchronous={sync}: {rate:,.0f} tasks/s "
-              f"(ratio {rate / fut_rate:.2f}), {run['commits_per_task']:.2f} commits per task, "
-              f"{run['rounds'] / max(run['committed_this_run'], 1):.2f} rounds per task, "
-              f"master peak RSS {run['master_peak_rss_mib']:.0f} MiB")
-    print(f"coordinator={first:.0f} futures={fut_rate:.0f} ratio={first / fut_rate:.2f}")
+    with hogs(a.hog):
+        fut = median([run_futures(mpiexec, a) for _ in range(a.repeat)])
+        print(f"futures (MPIPoolExecutor.map, chunksize={a.batch}): {fut.rate:,.0f} tasks/s, "
+              f"client CPU {fut.master_cpu / a.tasks * 1e6:.0f} µs per task, "
+              f"peak RSS {fut.rss:.0f} MiB"
+              + (f", utilisation {util(fut):.3f}" if a.work_ms else ""), flush=True)
+        first: Side | None = None
+        for sync in modes:
+            run = median([run_coordinator(mpiexec, a, sync) for _ in range(a.repeat)])
+            first = first or run
+            s = run.extra
+            print(f"coordinator synchronous={sync}: {run.rate:,.0f} tasks/s "
+                  f"(ratio {run.rate / fut.rate:.2f}), {s['commits_per_task']:.3f} commits "
+                  f"per task, {s['rounds'] / max(s['committed_this_run'], 1):.3f} rounds per "
+                  f"task, master CPU {run.master_cpu / a.tasks * 1e6:.0f} µs per task, "
+                  f"peak RSS {run.rss:.0f} MiB"
+                  + (f", utilisation {util(run):.3f}" if a.work_ms else ""), flush=True)
+    assert first is not None
+    if a.work_ms:
+        print(f"utilisation coordinator={util(first):.3f} futures={util(fut):.3f} "
+              f"ratio={util(first) / util(fut):.2f}")
+    else:
+        print(f"coordinator={first.rate:.0f} futures={fut.rate:.0f} "
+              f"ratio={first.rate / fut.rate:.2f}")
     return 0
 
 
