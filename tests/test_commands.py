@@ -34,7 +34,7 @@ def test_check_of_a_consistent_campaign_is_one_line_and_exit_0(db_path, capsys):
     before = _listing(db_path.parent)
     assert main(["check", "--db", str(db_path)]) == ExitStatus.OK
     out = capsys.readouterr().out
-    assert out == f"{db_path}: consistent (4 tasks, schema 0008)\n"
+    assert out == f"{db_path}: consistent (4 tasks, schema 0009)\n"
     assert _listing(db_path.parent) == before  # nothing written, nothing created
 
 
