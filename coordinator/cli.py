@@ -161,8 +161,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-message-bytes", action=Once, type=int_range(1024), default=64 << 20,
                    help="larger worker messages are quarantined as malformed (default 64 MiB)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="live progress display (default: on when `coordinator run` launches "
-                        "itself from a terminal)")
+                   help="--progress: the live display (default when `coordinator run` "
+                        "launches itself from a terminal); --no-progress: no progress output "
+                        "at all; otherwise a plain line every --progress-interval seconds")
+    r.add_argument("--progress-interval", action=Once, type=non_negative_float, default=30.0,
+                   metavar="S",
+                   help="seconds between plain progress lines on stderr when there is no "
+                        "live display (a batch job's log; default 30, 0: none)")
+    r.add_argument("--metrics-file", action=Once, type=Path, default=None, metavar="PATH",
+                   help="Prometheus text file for node_exporter's textfile collector, "
+                        "rewritten every 10 s and at exit (e.g. DIR/campaign.prom)")
     r.add_argument("--summary-json", action=Once, type=Path, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
                         "peak memory) as JSON at exit, for scripts")
