@@ -208,6 +208,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--db", type=Path, required=True)
     s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
 
+    pl = sub.add_parser("plot", help="charts of a campaign's history: PNG files and an "
+                                     "index.html (read-only; needs the plot extra)",
+                        description="Like afl-plot: PNG charts of tasks done and queue "
+                                    "depth, throughput, test cases, per-rank utilisation and "
+                                    "faults over time, and an index.html that shows them, from "
+                                    "the timestamps the campaign file holds. Read-only: works "
+                                    "on a finished campaign, a copy, or a live one. Needs "
+                                    "matplotlib (pip install -e '.[plot]').")
+    pl.add_argument("--db", type=Path, required=True)
+    pl.add_argument("outdir", type=Path, metavar="OUTDIR",
+                    help="where the charts and index.html go (made if missing)")
+
     c = sub.add_parser("check", help="audit a campaign file's consistency (read-only)",
                        description="Check every rule a campaign file must hold: conservation "
                                    "of tasks, one record per dispatch, no result from a "
@@ -262,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `status | head`: the reader had enough
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return ExitStatus.OK
+        if ns.cmd == "plot":
+            from .plot import plot
+            return plot(ns.db, ns.outdir)
         if ns.cmd == "check":
             return commands.check(ns.db, ns.json)
         if ns.cmd == "requeue":
