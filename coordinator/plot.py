@@ -97,28 +97,44 @@ def _times(s: PlotSeries, centre: bool = True):
             for i in range(s.n)]
 
 
+#: The faults chart's panels: what each shows, of `PlotSeries.events`.
+_EVENT_PANELS = (
+    ("quarantined", ("quarantine/result", "quarantine/ready")),
+    ("retries", ("requeued", "deferred", "failed", "task_failed")),
+    ("ranks", ("watchdog", "worker_recovered", "worker_failed")),
+)
+
+
 def _render(path: Path, title: str, s: PlotSeries, draw) -> None:
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
-    rows = len(s.busy) if draw is _ranks else 0
-    fig, ax = plt.subplots(figsize=(10, 4 if not rows else max(3.0, 1.6 + 0.14 * rows)),
-                           dpi=100)
+    if draw is _events:
+        height, panels = 6.5, len(_EVENT_PANELS)
+    elif draw is _ranks:
+        height, panels = max(3.0, 1.6 + 0.14 * len(s.busy)), 1
+    else:
+        height, panels = 4.0, 1
+    fig, axes = plt.subplots(panels, 1, figsize=(10, height), dpi=100, sharex=True,
+                             squeeze=False)
+    axes = [row[0] for row in axes]
     try:
-        draw(ax, s)
-        ax.set_title(title)
-        loc = mdates.AutoDateLocator()
-        ax.xaxis.set_major_locator(loc)
-        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=timezone.utc))
-        ax.set_xlabel(f"time (UTC); buckets of {duration(s.width)}")
-        # The campaign's span, also for a chart with nothing to draw (matplotlib's default
-        # then spans years).
-        ax.set_xlim(*(mdates.date2num(datetime.fromtimestamp(t, timezone.utc))
-                      for t in (s.t0, s.at(s.n))))
-        for inc, at in s.incarnations:
-            x = mdates.date2num(datetime.fromtimestamp(at, timezone.utc))
-            ax.axvline(x, color="grey", linestyle=":", linewidth=1)
-            ax.annotate(f" start {inc}", (x, 0), xycoords=("data", "axes fraction"),
-                        fontsize=7, color="grey", ha="left", va="bottom", rotation=90)
+        draw(axes if draw is _events else axes[0], s)
+        axes[0].set_title(title)
+        axes[-1].set_xlabel(f"time (UTC); buckets of {duration(s.width)}")
+        for ax in axes:
+            loc = mdates.AutoDateLocator()
+            ax.xaxis.set_major_locator(loc)
+            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=timezone.utc))
+            # The campaign's span, also for a chart with nothing to draw (matplotlib's
+            # default then spans years).
+            ax.set_xlim(*(mdates.date2num(datetime.fromtimestamp(t, timezone.utc))
+                          for t in (s.t0, s.at(s.n))))
+            for inc, at in s.incarnations:
+                x = mdates.date2num(datetime.fromtimestamp(at, timezone.utc))
+                ax.axvline(x, color="grey", linestyle=":", linewidth=1)
+                if ax is axes[0]:
+                    ax.annotate(f" start {inc}", (x, 0), xycoords=("data", "axes fraction"),
+                                fontsize=7, color="grey", ha="left", va="bottom", rotation=90)
         fig.tight_layout()
         fig.savefig(path)
     finally:
@@ -200,21 +216,26 @@ def _ranks(ax, s: PlotSeries) -> None:
     ax.figure.colorbar(im, ax=ax, label="share of the bucket busy", pad=0.01)
 
 
-def _events(ax, s: PlotSeries) -> None:
+def _events(axes, s: PlotSeries) -> None:
+    """One panel per kind of trouble, each kind a line of its own colour: rare events (a
+    death) stay visible beside frequent ones (quarantined messages)."""
     t = _times(s)
-    shown = [(k, v) for k, v in sorted(s.events.items()) if any(v)]
-    if not shown:
-        ax.text(0.5, 0.5, "nothing quarantined, requeued, timed out or lost",
-                transform=ax.transAxes, ha="center", va="center", color="grey")
-        ax.set_ylim(0, 1)
-        ax.set_yticks([])
-        return
-    for kind, counts in shown:
-        ax.plot(t, counts, marker=".", linewidth=1, label=_EVENT_LABELS.get(kind, kind))
-    ax.set_ylabel("per bucket")
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="upper left", fontsize=8, ncols=2)
-    ax.grid(alpha=0.3)
+    for ax, (what, kinds) in zip(axes, _EVENT_PANELS):
+        shown = [(k, s.events[k]) for k in kinds if any(s.events.get(k, ()))]
+        for kind, counts in shown:
+            ax.plot(t, counts, marker=".", markersize=4, linewidth=1,
+                    label=f"{_EVENT_LABELS.get(kind, kind)} ({sum(counts)})")
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if shown:
+            ax.legend(loc="upper right", fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"none ({', '.join(_EVENT_LABELS[k] for k in kinds)})",
+                    transform=ax.transAxes, ha="center", va="center", color="grey",
+                    fontsize=9)
+            ax.set_ylim(0, 1)
+            ax.set_yticks([])
 
 
 def _index(db: Path, s: PlotSeries, stats: Stats, running: bool) -> str:
