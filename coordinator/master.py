@@ -26,10 +26,10 @@ from store import dispatches as dsp
 from store import tasks as task_ops
 from store.campaign import Store
 from store.engine import write_lock_holders
+from store.errors import StoreError
 from store.journal import Tx
 from store.schema import EventKind, TaskState, WorkerState
 from store.semantic import content_hash
-from store.errors import StoreError
 from store.stats import stats_text
 from store.workers import (
     idle_ranks,
@@ -174,15 +174,21 @@ class Master:
         return self.summary
 
     def _finish(self, start: float) -> None:
+        # Called from run()'s handler too: then the store may be what failed (or its write
+        # lock what the run gave up waiting for), and only reads are tried.
+        failing = sys.exc_info()[1] is not None
         s = None
         try:
             s = self._observer.read(running=False)
             self._progress.update(s)  # the last frame (or line) shows the end
-            try:
-                self._observer.record(s)  # the incarnation's end, for `status`
-            except StoreError as e:  # the numbers themselves are in the database
-                print(f"coordinator: the run's last observation was not recorded: {e}",
-                      file=sys.stderr, flush=True)
+            if failing:
+                self._observer.write_metrics(s)
+            else:
+                try:
+                    self._observer.record(s)  # the incarnation's end, for `status`
+                except StoreError as e:  # the numbers themselves are in the database
+                    print(f"coordinator: the run's last observation was not recorded: {e}",
+                          file=sys.stderr, flush=True)
         finally:
             self._progress.stop()
             self.summary.elapsed_s = time.monotonic() - start
