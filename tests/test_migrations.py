@@ -657,3 +657,12 @@ def test_0009_adds_observations_loads_the_finds_index_and_views_and_goes_back(tm
 
     _run_alembic(db, "downgrade", "0008")
     assert _dump(db) == before
+
+
+def test_the_revisions_read_without_alembic_are_alembics():
+    """`store.revisions` reads the scripts' own `revision` lines (no Alembic import, for the
+    start's checks, `status` and `plot`); it must name the chain Alembic walks."""
+    from store.revisions import head, known_revisions
+
+    assert list(known_revisions()) == versioning.revisions_in_order()
+    assert head() == versioning.head_revision()

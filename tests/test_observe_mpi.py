@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 
 import mpi_jobs
 import pytest
@@ -18,7 +17,7 @@ from coordinator.launcher import LAUNCHER_FAILED
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
-LINE = re.compile(r"^coordinator: progress (.*)$", re.M)
+LINE = re.compile(r"^coordinator: progress (.*)$", re.MULTILINE)
 
 
 def _fields(line: str) -> dict[str, str]:

@@ -106,7 +106,7 @@ def test_without_matplotlib_the_command_says_what_to_install(charts, tmp_path):
              "from coordinator.cli import main\n"
              f"sys.exit(main(['plot', '--db', {str(db)!r}, {str(tmp_path / 'x')!r}]))\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+                          timeout=120, cwd=ROOT, check=False)
     assert done.returncode == ExitStatus.USAGE
     assert "pip install -e '.[plot]'" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "x").exists()
