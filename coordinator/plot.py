@@ -178,14 +178,14 @@ def _throughput(ax, s: PlotSeries) -> None:
 
 
 def _testcases(ax, s: PlotSeries) -> None:
-    t_end, t_mid = _times(s, centre=False), _times(s)
+    t_end = _times(s, centre=False)
     ax.plot(t_end, _cumulative(s.testcases), drawstyle="steps-post", color="tab:purple",
             label="written so far")
     ax.set_ylabel("test cases written")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
-    ax2.bar(t_mid, s.testcases, width=s.width / 86400 * 0.9, color="tab:purple", alpha=0.25,
-            label="per bucket")
+    ax2.plot(t_end, s.testcases, drawstyle="steps-pre", color="tab:grey", linewidth=0.8,
+             alpha=0.7, label="per bucket (right axis)")
     ax2.set_ylabel("per bucket")
     ax2.set_ylim(bottom=0)
     if not any(s.testcases):
