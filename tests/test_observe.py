@@ -164,3 +164,21 @@ def test_a_dispatch_longer_than_a_bucket_is_spread_over_the_buckets_it_covered(t
 
 def test_found_counts_only_results_that_wrote_test_cases():
     assert Found(0, 0, None).last_at is None
+
+
+def test_the_live_display_shows_the_fields_it_lacked(campaign):
+    """Elapsed, ETA, test cases and the last find, beside what it showed before."""
+    from rich.console import Console
+
+    from coordinator.progress import _table
+
+    seen = read_file(campaign, read_observed)[0]
+    snap = Snapshot(at=seen.found.last_at + 5, stats=seen.stats, found=seen.found,
+                    started_at=seen.found.last_at - 60, rates={"last_minute": 3.0},
+                    finite=True, ranks={})
+    out = io.StringIO()
+    Console(file=out, width=120, force_terminal=False).print(_table(snap))
+    text = out.getvalue()
+    for field in ("elapsed", "1m05s", "ETA", "0s", "test cases", "60", "last find", "5s ago",
+                  "done", "300", "quarantined", "result 17 / ready 0"):
+        assert field in text, (field, text)
