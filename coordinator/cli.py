@@ -204,7 +204,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="-- COMMAND ARGS...: the command executor's command; @@ is replaced "
                         "by the input file's path (without @@ the input is on stdin)")
 
-    s = sub.add_parser("status", help="what a campaign database holds")
+    s = sub.add_parser("status", help="one screen for a campaign: tasks, rates, ETA, test "
+                                      "cases, ranks, faults (read-only)")
     s.add_argument("--db", type=Path, required=True)
     s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
 

@@ -4,9 +4,11 @@ metrics file's counters equal to it too."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
+import sys
 
 import mpi_jobs
 import pytest
@@ -40,7 +42,7 @@ def _start(args: list[str], err_path) -> Job:
 
 def test_batch_progress_lines_are_plain_at_the_interval_and_agree_with_status(tmp_path):
     db, err, prom = tmp_path / "c.db", tmp_path / "stderr.txt", tmp_path / "c.prom"
-    args = ["run", "--db", str(db), "--demo", "4000", "--demo-work-ms", "3",
+    args = ["run", "--db", str(db), "--demo", "4000", "--demo-work-ms", "5",
             "--progress-interval", "1", "--metrics-file", str(prom)]
     job = _start(args, err)
     wait_for(db, "SELECT count(*) FROM results", lambda n: n is not None and n > 200)
@@ -52,6 +54,13 @@ def test_batch_progress_lines_are_plain_at_the_interval_and_agree_with_status(tm
     live = status_json(db)
     assert live["master"]["running"] is True
     at = live["incarnation_run_s"]
+    if importlib.util.find_spec("matplotlib") is not None:  # the [plot] extra
+        # `plot` reads a live campaign without blocking it, and draws what is in flight.
+        shown = subprocess.run([sys.executable, "-m", "coordinator", "plot", "--db", str(db),
+                                str(tmp_path / "charts")], capture_output=True, text=True,
+                               timeout=120, check=False)
+        assert shown.returncode == 0, shown.stderr
+        assert "a master was running" in (tmp_path / "charts" / "index.html").read_text()
     done = finish(job, timeout=240)
     lines = _lines(err)
     older = [int(x["done"]) for x in lines if _seconds(x["elapsed"]) <= at - 1]
