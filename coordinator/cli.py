@@ -171,8 +171,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-message-bytes", action=Once, type=int_range(1024), default=64 << 20,
                    help="larger worker messages are quarantined as malformed (default 64 MiB)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="live progress display (default: on when `coordinator run` launches "
-                        "itself from a terminal)")
+                   help="--progress: the live display (default when `coordinator run` "
+                        "launches itself from a terminal); --no-progress: no progress output "
+                        "at all; otherwise a plain line every --progress-interval seconds")
+    r.add_argument("--progress-interval", action=Once, type=non_negative_float, default=30.0,
+                   metavar="S",
+                   help="seconds between plain progress lines on stderr when there is no "
+                        "live display (a batch job's log; default 30, 0: none)")
+    r.add_argument("--metrics-file", action=Once, type=Path, default=None, metavar="PATH",
+                   help="Prometheus text file for node_exporter's textfile collector, "
+                        "rewritten every 10 s and at exit (e.g. DIR/campaign.prom)")
     r.add_argument("--summary-json", action=Once, type=Path, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
                         "peak memory) as JSON at exit, for scripts")
@@ -206,9 +214,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="-- COMMAND ARGS...: the command executor's command; @@ is replaced "
                         "by the input file's path (without @@ the input is on stdin)")
 
-    s = sub.add_parser("status", help="what a campaign database holds")
+    s = sub.add_parser("status", help="one screen for a campaign: tasks, rates, ETA, test "
+                                      "cases, ranks, faults (read-only)")
     s.add_argument("--db", type=Path, required=True)
     s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
+
+    pl = sub.add_parser("plot", help="charts of a campaign's history: PNG files and an "
+                                     "index.html (read-only; needs the plot extra)",
+                        description="Like afl-plot: PNG charts of tasks done and queue "
+                                    "depth, throughput, test cases, per-rank utilisation and "
+                                    "faults over time, and an index.html that shows them, from "
+                                    "the timestamps the campaign file holds. Read-only: works "
+                                    "on a finished campaign, a copy, or a live one. Needs "
+                                    "matplotlib (pip install -e '.[plot]').")
+    pl.add_argument("--db", type=Path, required=True)
+    pl.add_argument("outdir", type=Path, metavar="OUTDIR",
+                    help="where the charts and index.html go (made if missing)")
 
     c = sub.add_parser("check", help="audit a campaign file's consistency (read-only)",
                        description="Check every rule a campaign file must hold: conservation "
@@ -289,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `status | head`: the reader had enough
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return ExitStatus.OK
+        if ns.cmd == "plot":
+            from .plot import plot
+            return plot(ns.db, ns.outdir)
         if ns.cmd == "check":
             return commands.check(ns.db, ns.json)
         if ns.cmd == "requeue":

@@ -145,12 +145,14 @@ class RunConfig:
     max_message_bytes: int
     demo_work_ms: float
     worker_spin_ms: float | None  # None: by the MPI library (transport.worker_spin_default)
-    progress: bool
+    progress: bool  # the live display
     inject: dict[str, float] | None = None
     inject_seed: int = 0
     inject_log: Path | None = None
     summary_json: Path | None = None
     master_pid_file: Path | None = None
+    progress_interval_s: float = 0.0  # plain progress lines; 0: none
+    metrics_file: Path | None = None
 
 
 def _same_directory(a: Path, b: Path) -> bool:
@@ -268,7 +270,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--db {ns.db} is a directory; it names the campaign's database "
                           f"file, e.g. --db {ns.db / 'campaign.db'}")
     stats_file = ns.stats_file or ns.db.with_name(ns.db.name + ".stats")
-    for flag, path in (("--stats-file", ns.stats_file), ("--summary-json", ns.summary_json)):
+    for flag, path in (("--stats-file", ns.stats_file), ("--summary-json", ns.summary_json),
+                       ("--metrics-file", ns.metrics_file)):
         # Written at the end: found out then, after the whole run.
         if path is None:
             continue
@@ -292,6 +295,10 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         lock_wait_s=ns.lock_wait, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
         demo_work_ms=ns.demo_work_ms, worker_spin_ms=ns.worker_spin_ms,
         progress=bool(ns.progress),
+        # A rank's stderr is a pipe or a file under mpiexec: without the live display (asked
+        # for by the self-launcher when its own stderr is a terminal), plain lines.
+        progress_interval_s=0.0 if ns.progress is not None else ns.progress_interval,
+        metrics_file=ns.metrics_file,
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
         summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )

@@ -27,10 +27,11 @@ from store import dispatches as dsp
 from store import tasks as task_ops
 from store.campaign import Store
 from store.engine import write_lock_holders
+from store.errors import StoreError
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, TaskState, WorkerState
 from store.semantic import content_hash
-from store.stats import Stats, read_stats, stats_text
+from store.stats import stats_text
 from store.workers import (
     idle_ranks,
     parked_detail,
@@ -41,9 +42,10 @@ from store.workers import (
 )
 
 from .gate import Gate, Inbound, Stray
+from .observer import Observer
 from .output import TestcaseWriter, input_id, replace_text
 from .processes import describe_process, fence, process_exists
-from .progress import Progress
+from .progress import Progress, Snapshot, stats_fields
 from .protocol import ReadyStatus, ResultStatus, mint_token
 from .sources import NewInput
 from .transport import ANY_TAG, Backoff, Received, SendFailed, Transport
@@ -91,7 +93,11 @@ class MasterConfig:
     feedback: bool = True            # test cases found by results become new tasks
     exit_when_drained: bool = True   # --demo/--tasks: stop when nothing is queued or active
     source_interval_s: float = 1.0
-    progress: bool = False
+    progress: bool = False           # the live display (a terminal at the far end)
+    progress_interval_s: float = 0.0  # plain progress lines on stderr, 0: none
+    observe_interval_s: float = 10.0  # observation rows, rank loads and the metrics file
+    busy_window_s: float = 300.0      # the ranks' busy fraction is over this long
+    metrics_file: Path | None = None
     linger_s: float = 0.0005         # group commit: hold a round open this long for more answers
     stall_grace_s: float = 120.0     # no rank can take work this long: the run ends
     start_wait_s: float = 60.0       # a rank silent this long after the start is lost
@@ -148,7 +154,12 @@ class Master:
         self._lost_checked = False
         transport.max_message_bytes = config.max_message_bytes
         self._stalled_since: float | None = None  # monotonic; None: some rank can work
-        self._progress = Progress(enabled=config.progress)
+        self._progress = Progress(live=config.progress, interval_s=config.progress_interval_s)
+        self._observer = Observer(store, lambda: list(range(1, transport.size)),
+                                  interval_s=config.observe_interval_s,
+                                  window_s=config.busy_window_s,
+                                  finite=config.exit_when_drained,
+                                  metrics_file=config.metrics_file)
         self.stats_error: str | None = None  # why the last stats file write failed
         #: Says, once a minute, what a write waits for (`LockWaiter`).
         self.lock_waiter = LockWaiter(store.path, store.lock_wait_s)
@@ -189,12 +200,21 @@ class Master:
         return self.summary
 
     def _finish(self, start: float) -> None:
+        # Called from run()'s handler too: then the store may be what failed (or its write
+        # lock what the run gave up waiting for), and only reads are tried.
+        failing = sys.exc_info()[1] is not None
         s = None
         try:
-            if self._progress.enabled:
-                with self.store.reading() as conn:
-                    s = read_stats(conn)
-                self._progress.update(s)  # the last frame shows the end
+            s = self._observer.read(running=False)
+            self._progress.update(s)  # the last frame (or line) shows the end
+            if failing:
+                self._observer.write_metrics(s)
+            else:
+                try:
+                    self._observer.record(s)  # the incarnation's end, for `status`
+                except StoreError as e:  # the numbers themselves are in the database
+                    print(f"coordinator: the run's last observation was not recorded: {e}",
+                          file=sys.stderr, flush=True)
         finally:
             self._progress.stop()
             self.summary.elapsed_s = time.monotonic() - start
@@ -643,11 +663,14 @@ class Master:
     # -- stats and progress ----------------------------------------------------------------
     def _periodic(self) -> None:
         now = time.monotonic()
+        self._observer.sample_busy(now)
         progress_due, stats_due = self._progress.due(now), now >= self._next_stats
-        if not (progress_due or stats_due):
+        observe_due = self._observer.due(now)
+        if not (progress_due or stats_due or observe_due):
             return
-        with self.store.reading() as conn:  # one read for both when they fall due together
-            s = read_stats(conn)
+        s = self._observer.read()  # one read for all that fall due together
+        if observe_due:
+            self._observer.record(s)
         if progress_due:
             self._progress.took(now, time.monotonic() - now)
             self._progress.update(s)
@@ -655,14 +678,14 @@ class Master:
             self._next_stats = now + self.config.stats_interval_s
             self.write_stats(s)
 
-    def write_stats(self, s: Stats | None = None) -> None:
+    def write_stats(self, s: Snapshot | None = None) -> None:
+        """The six counters of docs/protocol.md R10, then the progress line's fields."""
         if self.config.stats_file is None:
             return
         if s is None:
-            with self.store.reading() as conn:
-                s = read_stats(conn)
+            s = self._observer.read()
         try:
-            replace_text(self.config.stats_file, stats_text(s))
+            replace_text(self.config.stats_file, stats_text(s.stats) + stats_fields(s))
         except OSError as e:  # a convenience copy: the numbers stay in the database
             why = e.strerror or str(e)
             if why != self.stats_error:  # said once per cause, not every interval

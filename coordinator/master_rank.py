@@ -182,7 +182,8 @@ class MasterRank:
             grace_s=cfg.grace_s, stop_wait_s=cfg.stop_wait_s, stats_file=cfg.stats_file,
             stats_interval_s=cfg.stats_interval_s, max_depth=cfg.max_depth,
             feedback=cfg.feedback, exit_when_drained=cfg.afl_out is None,
-            progress=cfg.progress, stall_grace_s=cfg.stall_grace_s,
+            progress=cfg.progress, progress_interval_s=cfg.progress_interval_s,
+            metrics_file=cfg.metrics_file, stall_grace_s=cfg.stall_grace_s,
             start_wait_s=cfg.start_wait_s, batch=cfg.batch,
         ), sources=[s.poll for s in sources], writer=writer)
 

@@ -38,6 +38,7 @@ from .errors import (
 )
 from .journal import QuarantineSampler, RetryPolicy, Tx
 from .lock import lock_campaign
+from .observe import CommitTimes
 from .probe import probe
 from .schema import EventKind, campaign, tasks
 from .versioning import (
@@ -69,6 +70,7 @@ class Store:
         self.lock_wait_s, self.on_lock_wait = lock_wait_s, on_lock_wait
         self.quarantine_sampler = QuarantineSampler()
         self.policy, self.resume_report, self.clock = policy, resume_report, clock
+        self.commit_times = CommitTimes()
         #: The master's current coverage-bitmap version (READY versions above it are future).
         self.bitmap_version = bitmap_version
         self._conn: Connection | None = None
@@ -188,6 +190,8 @@ class Store:
                     sampler=self.quarantine_sampler)
             yield tx
             tx.flush()
+            committing = time.perf_counter()
+        self.commit_times.add(time.perf_counter() - committing)  # the COMMIT (and its fsync)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Connection]:

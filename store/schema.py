@@ -310,6 +310,13 @@ Index("ix_results_status", results.c.status)
 #: `status` sums the drops without reading a million results.
 DROPPED_SQL = "dropped > 0"
 Index("ix_results_dropped", results.c.dropped, sqlite_where=text(DROPPED_SQL))
+#: Only the results that wrote test cases are in it (revision 0010), with their time and
+#: count: the test cases found and the time of the last find are read from it alone. A
+#: result that found nothing writes no entry, so a no-op farm's commits pay nothing for it;
+#: a SymCC run that finds something takes seconds, against one more page in its commit.
+FOUND_SQL = "testcases > 0"
+Index("ix_results_found", results.c.committed_at, results.c.testcases,
+      sqlite_where=text(FOUND_SQL))
 
 quarantine = Table(
     "quarantine",
@@ -353,3 +360,44 @@ PER_TASK_EVENT_KINDS = (EventKind.ENQUEUED, EventKind.DISPATCHED)
 COUNTED_KIND_SQL = f"kind NOT IN ({', '.join(repr(k.value) for k in PER_TASK_EVENT_KINDS)})"
 Index("ix_events_counted_kind", events.c.kind, sqlite_where=text(COUNTED_KIND_SQL))
 Index("ix_events_task", events.c.task_id)
+
+
+# -- what the master observes of itself (revision 0010) --------------------------------------
+# Written by the master once per observation interval (`--progress-interval`'s sampling, every
+# few seconds), in a transaction of its own, never in a round: the per-task writes are not
+# touched. `coordinator status`, the progress lines and the metrics file read them.
+
+observations = Table(
+    "observations",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    # Tasks by state and test cases written, as `store.observe.read_counts` read them then:
+    # the rates of `status` are differences between these rows.
+    Column("queued", Integer, nullable=False),
+    Column("active", Integer, nullable=False),
+    Column("done", Integer, nullable=False),
+    Column("deferred", Integer, nullable=False),
+    Column("failed", Integer, nullable=False),
+    Column("testcases", Integer, nullable=False),
+)
+Index("ix_observations_incarnation_at", observations.c.incarnation, observations.c.at)
+
+rank_load = Table(
+    "rank_load",
+    metadata,
+    # One row per worker rank, replaced at every observation: the fraction of the last
+    # `window_s` seconds the rank held a dispatch, sampled by the master once a second.
+    Column("rank", Integer, primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    Column("window_s", Float, nullable=False),
+    Column("busy", Float, nullable=False),
+    CheckConstraint("busy >= 0 AND busy <= 1", name="fraction"),
+)
+
+#: The views revision 0010 made for post-mortems in the `sqlite3` shell (docs/sqlite.md).
+#: Their DDL is the migration's; the names are here for the tests and the docs.
+VIEWS = ("in_flight", "task_history", "throughput_per_minute", "rank_utilisation",
+         "held_tasks")

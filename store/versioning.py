@@ -12,9 +12,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
+from typing import TYPE_CHECKING
+
 from sqlalchemy import Connection, exc, inspect
 
 import migrations
@@ -26,10 +25,19 @@ from .errors import (
     StoreWriteError,
 )
 from .probe import probe
-from .revisions import known_revisions, revision_of
+from .revisions import head, known_revisions, revision_of
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+# Alembic is imported where a revision is run or walked, not here: `status` and `plot` only
+# compare the file's stamp with the head (`revisions`, a test holds the two views equal),
+# and importing Alembic was a third of their start-up.
 
 
 def alembic_config() -> Config:
+    from alembic.config import Config
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
     return cfg
@@ -37,6 +45,7 @@ def alembic_config() -> Config:
 
 @lru_cache(maxsize=1)
 def _script() -> ScriptDirectory:
+    from alembic.script import ScriptDirectory
     return ScriptDirectory.from_config(alembic_config())
 
 
@@ -69,15 +78,15 @@ def refuse_foreign(conn: Connection, path: str | os.PathLike[str]) -> None:
 
 def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
     """Refuse a file whose revision is not the code's head, naming the way forward."""
-    found, head = current_revision(conn), head_revision()
-    if found == head:
+    found, code_head = current_revision(conn), head()
+    if found == code_head:
         return
     refuse_foreign(conn, path)
     if found is None and not inspect(conn).get_table_names():
         # Empty: a master that has just created the file is about to write its schema.
         raise NoCampaignYet(path)
-    known = {rev.revision for rev in _script().walk_revisions()}
-    raise SchemaVersionError(str(path), found, head, newer=found is not None and found not in known)
+    raise SchemaVersionError(str(path), found, code_head,
+                             newer=found is not None and found not in known_revisions())
 
 
 def upgrade(path: str | os.PathLike[str], revision: str = "head", *,
@@ -108,6 +117,7 @@ def upgrade(path: str | os.PathLike[str], revision: str = "head", *,
             # an upgrade that fails or is interrupted keeps the revisions it completed.
             conn.commit()
             try:
+                from alembic import command
                 command.upgrade(cfg, revision)
                 conn.commit()
             except (exc.DBAPIError, sqlite3.Error) as e:

@@ -214,7 +214,7 @@ def test_an_afl_campaign_needs_something_to_run_its_inputs(tmp_path):
 
 
 def test_end_of_run_files_in_a_missing_directory_are_refused_at_start(tmp_path):
-    for flag in ("--stats-file", "--summary-json"):
+    for flag in ("--stats-file", "--summary-json", "--metrics-file"):
         with pytest.raises(ConfigError, match=f"{flag} .* does not exist"):
             resolve(tmp_path, flag, str(tmp_path / "missing" / "f"))
 
@@ -250,3 +250,22 @@ def test_worker_spin_is_left_to_the_mpi_library_unless_given(tmp_path, capsys):
     for bad in ("-1", "inf", "soon"):
         with pytest.raises(SystemExit):
             resolve(tmp_path, "--worker-spin-ms", bad)
+
+
+def test_plain_progress_lines_unless_the_live_display_or_none_is_asked_for(tmp_path):
+    """Under mpiexec rank 0's stderr is a pipe or a file: by default plain lines at the
+    interval; `--progress` (the self-launcher's, from a terminal) is the live display alone;
+    `--no-progress` is no progress output at all."""
+    default = resolve(tmp_path)
+    assert (default.progress, default.progress_interval_s) == (False, 30.0)
+    assert resolve(tmp_path, "--progress-interval", "5").progress_interval_s == 5.0
+    assert resolve(tmp_path, "--progress-interval", "0").progress_interval_s == 0.0
+    live = resolve(tmp_path, "--progress")
+    assert (live.progress, live.progress_interval_s) == (True, 0.0)
+    off = resolve(tmp_path, "--no-progress", "--progress-interval", "5")
+    assert (off.progress, off.progress_interval_s) == (False, 0.0)
+    for bad in ("-1", "inf", "often"):
+        with pytest.raises(SystemExit):
+            resolve(tmp_path, "--progress-interval", bad)
+    assert resolve(tmp_path, "--metrics-file", str(tmp_path / "c.prom")).metrics_file == \
+        tmp_path / "c.prom"

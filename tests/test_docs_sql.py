@@ -25,6 +25,9 @@ _END = SECTION.find("\n## ", 1)
 SECTION = SECTION if _END < 0 else SECTION[:_END]
 QUERIES = dict(re.findall(r"### (\d+)\.[^\n]*\n(?:.*?\n)*?```sql\n(.*?)```", SECTION,
                           flags=re.DOTALL))
+VIEWS_SECTION = PAGE[PAGE.index("\n## Views\n"):PAGE.index("\n## Queries\n")]
+VIEW_QUERIES = [q.strip() for q in re.search(r"```sql\n(.*?)```", VIEWS_SECTION,
+                                             flags=re.DOTALL)[1].split(";") if q.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +104,39 @@ def test_query_5_shows_a_late_result_of_a_retired_dispatch(campaign: Path, tmp_p
         rows = c.execute(QUERIES["5"]).fetchall()
     assert [r[2] for r in rows if r[2].startswith("quarantined")] == \
         ["quarantined result/unowned"]
+
+
+def test_the_page_uses_every_view_and_each_runs_on_a_campaign_file(campaign: Path):
+    """Each view of revision 0010 is in the page's table and used by one of its examples,
+    and each example runs (on a campaign with a held task and a dispatch in flight)."""
+    from store.schema import VIEWS
+
+    for view in VIEWS:
+        assert f"| `{view}` |" in VIEWS_SECTION, view
+        assert any(f"FROM {view}" in q for q in VIEW_QUERIES), view
+    with sqlite3.connect(f"file:{campaign}?mode=ro", uri=True) as c:
+        got = {q: c.execute(q).fetchall() for q in VIEW_QUERIES}
+    history = next(rows for q, rows in got.items() if "task_history" in q)
+    assert [r[3] for r in history][-1] == "result ok" and "dispatched" in [r[3] for r in history]
+    throughput = next(rows for q, rows in got.items() if "throughput_per_minute" in q)
+    assert sum(r[1] for r in throughput) == 30
+    [ranks] = [rows for q, rows in got.items() if "rank_utilisation" in q]
+    assert sorted(r[1] for r in ranks) == [1, 2, 3] and sum(r[3] for r in ranks) == 30
+
+
+def test_the_views_show_a_dispatch_in_flight_and_a_held_task(campaign: Path, tmp_path: Path):
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:
+        c.execute("DELETE FROM results WHERE task_id IN (7, 8)")
+        c.execute("UPDATE tasks SET state = 'active' WHERE id = 7")
+        c.execute("UPDATE tasks SET state = 'failed', reason = 'five failed attempts' "
+                  "WHERE id = 8")
+        c.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at) "
+                  "VALUES (?, 2, 7, 1, (SELECT max(at) + 1 FROM events))", ("7" * 64,))
+        assert c.execute("SELECT rank, task_id, sent FROM in_flight").fetchall() == [(2, 7, "no")]
+        assert c.execute("SELECT task_id, state, reason FROM held_tasks").fetchall() == [
+            (8, "failed", "five failed attempts")]
+        assert c.execute("SELECT what FROM task_history WHERE task_id = 7").fetchall()[-1] == (
+            "dispatched (in flight)",)

@@ -630,3 +630,50 @@ def test_0009_keeps_the_quarantine_and_goes_back_expanding_sampled_rows(tmp_path
         assert c.execute("SELECT channel, reason, count(*) FROM quarantine GROUP BY 1, 2 "
                          "ORDER BY 1, 2").fetchall() == [("ready", "stale", 4),
                                                           ("result", "missing", 1)]
+
+
+def test_0010_adds_observations_loads_the_finds_index_and_views_and_goes_back(tmp_path: Path):
+    """0010 changes no row: it adds two tables the master writes, a partial index of the
+    results that wrote test cases, and five views that read what 0009 files already hold.
+    The views work on a file brought forward; a downgrade leaves the file as 0009 made it."""
+    from store.schema import VIEWS
+
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0009")
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE results SET testcases = 2 WHERE task_id = 3")
+        conn.execute("INSERT INTO workers (rank, state, incarnation, host) "
+                     "VALUES (1, 'busy', 1, 'node1')")
+    before = _dump(db)
+    assert versioning.upgrade(db) == ("0009", versioning.head_revision())
+    after = _dump(db)
+    assert {t: rows for t, rows in after["rows"].items() if t != "alembic_version"} == {
+        **{t: rows for t, rows in before["rows"].items() if t != "alembic_version"},
+        "observations": [], "rank_load": []}
+    with sqlite3.connect(db) as conn:
+        views = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'view'")}
+        assert views == set(VIEWS)
+        assert conn.execute("SELECT rank, host, task_id, sent FROM in_flight").fetchall() == [
+            (1, "node1", 2, "yes")]
+        assert [r[0] for r in conn.execute("SELECT task_id FROM held_tasks")] == [4, 5]
+        assert conn.execute("SELECT results, testcases FROM throughput_per_minute"
+                            ).fetchall() == [(1, 2)]
+        assert conn.execute("SELECT inc, rank, results FROM rank_utilisation").fetchall() == [
+            (1, 2, 1)]
+        history = conn.execute("SELECT what FROM task_history WHERE task_id = 3").fetchall()
+        assert history == [("dispatched",), ("result ok",)]
+        assert conn.execute("SELECT count(*), total(testcases) FROM results "
+                            "INDEXED BY ix_results_found WHERE testcases > 0").fetchone() == (1, 2)
+
+    _run_alembic(db, "downgrade", "0009")
+    assert _dump(db) == before
+
+
+def test_the_revisions_read_without_alembic_are_alembics():
+    """`store.revisions` reads the scripts' own `revision` lines (no Alembic import, for the
+    start's checks, `status` and `plot`); it must name the chain Alembic walks."""
+    from store.revisions import head, known_revisions
+
+    assert list(known_revisions()) == versioning.revisions_in_order()
+    assert head() == versioning.head_revision()

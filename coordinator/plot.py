@@ -1,0 +1,276 @@
+"""`coordinator plot --db PATH OUTDIR`: charts of a campaign's history, like `afl-plot`: PNG
+files and an `index.html` that shows them, from the timestamps the database holds.
+
+Read-only (a finished campaign, a copy, or a live one, which it never blocks); the history is
+aggregated in SQL (`store.observe.plot_series`), so a million tasks take seconds. matplotlib
+is an optional extra: `pip install -e '.[plot]'`.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from store.engine import read_file
+from store.errors import StoreError
+from store.lock import lock_holder
+from store.observe import PlotSeries, plot_series
+from store.stats import Stats, read_stats
+from store.versioning import check_revision
+
+from .exits import ExitStatus
+from .progress import duration
+
+#: (file, title, what it shows), in the order index.html shows them.
+CHARTS = (
+    ("tasks.png", "Tasks over time",
+     "Results committed so far, and tasks created but not done (queued, in flight or held)."),
+    ("throughput.png", "Throughput",
+     "Results committed per minute, averaged over each bucket; results that are not ok apart."),
+    ("testcases.png", "Test cases over time",
+     "Test cases written by committed results, in all and per bucket."),
+    ("ranks.png", "Rank utilisation",
+     ("The share of each bucket each worker rank held a dispatch (committed ones, and what "
+      "is in flight on a live campaign; dispatches rolled back are not counted).")),
+    ("events.png", "Faults over time",
+     ("Quarantined messages, protocol requeues and deferrals, watchdog timeouts and "
+      "recoveries, worker deaths and tasks held as failed, per bucket.")),
+)
+
+INSTALL_HINT = ("coordinator plot needs matplotlib: install the plot extra, e.g. "
+                "`pip install -e '.[plot]'` in the project, or `pip install matplotlib`")
+
+_EVENT_LABELS = {
+    "quarantine/result": "quarantined RESULTs", "quarantine/ready": "quarantined READYs",
+    "requeued": "protocol requeues", "deferred": "protocol deferrals",
+    "watchdog": "watchdog timeouts", "worker_recovered": "watchdog recoveries",
+    "worker_failed": "worker deaths", "failed": "tasks held as failed",
+    "task_failed": "runs that failed (timeout)",
+}
+
+
+def plot(db: Path, outdir: Path) -> int:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"coordinator: {INSTALL_HINT}", file=sys.stderr)
+        return ExitStatus.USAGE
+    matplotlib.use("Agg")  # files only: no display, whatever the environment says
+    began = time.monotonic()
+    running = lock_holder(db) is not None if db.exists() else False
+
+    def read(conn):
+        check_revision(conn, db)
+        return plot_series(conn, time.time() if running else None), read_stats(conn)
+    try:
+        (series, stats), view = read_file(db, read)
+    except StoreError as e:
+        print(f"coordinator: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
+    read_s = time.monotonic() - began
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        for (name, title, _), draw in zip(CHARTS, (_tasks, _throughput, _testcases, _ranks,
+                                                    _events)):
+            _render(outdir / name, title, series, draw)
+        (outdir / "index.html").write_text(_index(db, series, stats, running))
+    except OSError as e:
+        print(f"coordinator: cannot write the charts to {outdir}: {e.strerror or e}",
+              file=sys.stderr)
+        return ExitStatus.STORE
+    if view.note():
+        print(f"note: {view.note()}", file=sys.stderr)
+    print(f"{outdir / 'index.html'}: {len(CHARTS)} charts of {db} ({series.n} buckets of "
+          f"{duration(series.width)}; read in {read_s:.1f} s, drawn in "
+          f"{time.monotonic() - began - read_s:.1f} s)")
+    return 0
+
+
+def _times(s: PlotSeries, centre: bool = True):
+    """Each bucket's time as matplotlib dates (UTC)."""
+    import matplotlib.dates as mdates
+    off = 0.5 if centre else 1.0
+    return [mdates.date2num(datetime.fromtimestamp(s.at(i) + off * s.width, timezone.utc))
+            for i in range(s.n)]
+
+
+#: The faults chart's panels: what each shows, of `PlotSeries.events`.
+_EVENT_PANELS = (
+    ("quarantined", ("quarantine/result", "quarantine/ready")),
+    ("retries", ("requeued", "deferred", "failed", "task_failed")),
+    ("ranks", ("watchdog", "worker_recovered", "worker_failed")),
+)
+
+
+def _render(path: Path, title: str, s: PlotSeries, draw) -> None:
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+    if draw is _events:
+        height, panels = 6.5, len(_EVENT_PANELS)
+    elif draw is _ranks:
+        height, panels = max(3.0, 1.6 + 0.14 * len(s.busy)), 1
+    else:
+        height, panels = 4.0, 1
+    fig, axes = plt.subplots(panels, 1, figsize=(10, height), dpi=100, sharex=True,
+                             squeeze=False)
+    axes = [row[0] for row in axes]
+    try:
+        draw(axes if draw is _events else axes[0], s)
+        axes[0].set_title(title)
+        axes[-1].set_xlabel(f"time (UTC); buckets of {duration(s.width)}")
+        for ax in axes:
+            loc = mdates.AutoDateLocator()
+            ax.xaxis.set_major_locator(loc)
+            ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc, tz=timezone.utc))
+            # The campaign's span, also for a chart with nothing to draw (matplotlib's
+            # default then spans years).
+            ax.set_xlim(*(mdates.date2num(datetime.fromtimestamp(t, timezone.utc))
+                          for t in (s.t0, s.at(s.n))))
+            for inc, at in s.incarnations:
+                x = mdates.date2num(datetime.fromtimestamp(at, timezone.utc))
+                ax.axvline(x, color="grey", linestyle=":", linewidth=1)
+                if ax is axes[0]:
+                    ax.annotate(f" start {inc}", (x, 0), xycoords=("data", "axes fraction"),
+                                fontsize=7, color="grey", ha="left", va="bottom", rotation=90)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def _cumulative(xs: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def _tasks(ax, s: PlotSeries) -> None:
+    t = _times(s, centre=False)
+    done = _cumulative(s.done)
+    created = _cumulative(s.created)
+    ax.plot(t, done, drawstyle="steps-post", label="done (results committed)", color="tab:green")
+    ax.plot(t, [c - d for c, d in zip(created, done)], drawstyle="steps-post",
+            label="not done (queued, in flight or held)", color="tab:orange")
+    ax.set_ylabel("tasks")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+
+
+def _throughput(ax, s: PlotSeries) -> None:
+    t = _times(s)
+    per_min = 60.0 / s.width
+    width = s.width / 86400 * 0.9
+    ok = [(d - b) * per_min for d, b in zip(s.done, s.not_ok)]
+    bad = [b * per_min for b in s.not_ok]
+    ax.bar(t, ok, width=width, color="tab:blue", label="ok")
+    if any(bad):
+        ax.bar(t, bad, width=width, bottom=ok, color="tab:red", label="not ok")
+    ax.set_ylabel("results per minute")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _testcases(ax, s: PlotSeries) -> None:
+    t_end = _times(s, centre=False)
+    ax.plot(t_end, _cumulative(s.testcases), drawstyle="steps-post", color="tab:purple",
+            label="written so far")
+    ax.set_ylabel("test cases written")
+    ax.set_ylim(bottom=0)
+    ax2 = ax.twinx()
+    ax2.plot(t_end, s.testcases, drawstyle="steps-pre", color="tab:grey", linewidth=0.8,
+             alpha=0.7, label="per bucket (right axis)")
+    ax2.set_ylabel("per bucket")
+    ax2.set_ylim(bottom=0)
+    if not any(s.testcases):
+        ax.text(0.5, 0.5, "no test cases written", transform=ax.transAxes, ha="center",
+                va="center", color="grey")
+    lines, labels = ax.get_legend_handles_labels()
+    bars, bar_labels = ax2.get_legend_handles_labels()
+    ax.legend(lines + bars, labels + bar_labels, loc="upper left")
+    ax.grid(alpha=0.3)
+
+
+def _ranks(ax, s: PlotSeries) -> None:
+    import matplotlib.dates as mdates
+    ranks = sorted(s.busy)
+    if not ranks:
+        ax.text(0.5, 0.5, "no dispatch committed yet", transform=ax.transAxes, ha="center",
+                va="center", color="grey")
+        ax.set_yticks([])
+        return
+    grid = [[min(1.0, max(0.0, v / s.width)) for v in s.busy[r]] for r in ranks]
+    x0 = mdates.date2num(datetime.fromtimestamp(s.t0, timezone.utc))
+    x1 = mdates.date2num(datetime.fromtimestamp(s.at(s.n), timezone.utc))
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=1,
+                   extent=(x0, x1, len(ranks) - 0.5, -0.5))
+    step = max(1, len(ranks) // 16)
+    ax.set_yticks(range(0, len(ranks), step), [str(r) for r in ranks[::step]])
+    ax.set_ylabel("rank")
+    ax.figure.colorbar(im, ax=ax, label="share of the bucket busy", pad=0.01)
+
+
+def _events(axes, s: PlotSeries) -> None:
+    """One panel per kind of trouble, each kind a line of its own colour: rare events (a
+    death) stay visible beside frequent ones (quarantined messages)."""
+    t = _times(s)
+    for ax, (what, kinds) in zip(axes, _EVENT_PANELS):
+        shown = [(k, s.events[k]) for k in kinds if any(s.events.get(k, ()))]
+        for kind, counts in shown:
+            ax.plot(t, counts, marker=".", markersize=4, linewidth=1,
+                    label=f"{_EVENT_LABELS.get(kind, kind)} ({sum(counts)})")
+        ax.set_ylabel(what)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if shown:
+            ax.legend(loc="upper right", fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"none ({', '.join(_EVENT_LABELS[k] for k in kinds)})",
+                    transform=ax.transAxes, ha="center", va="center", color="grey",
+                    fontsize=9)
+            ax.set_ylim(0, 1)
+            ax.set_yticks([])
+
+
+def _index(db: Path, s: PlotSeries, stats: Stats, running: bool) -> str:
+    t = stats.tasks
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    span = f"{_utc(s.t0)} to {_utc(s.at(s.n))}"
+    esc = html.escape
+    figures = "\n".join(
+        f'<figure>\n  <h2>{esc(title)}</h2>\n  <img src="{name}" alt="{esc(title)}" '
+        f'width="1000">\n  <figcaption>{esc(caption)}</figcaption>\n</figure>'
+        for name, title, caption in CHARTS)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>{esc(db.name)}: campaign charts</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; max-width: 1040px; }}
+figure {{ margin: 0 0 2em 0; }}
+img {{ max-width: 100%; height: auto; border: 1px solid #ddd; }}
+figcaption, .meta {{ color: #555; font-size: 90%; }}
+</style>
+</head>
+<body>
+<h1>{esc(db.name)}</h1>
+<p class="meta">{esc(str(db))}: incarnation {stats.incarnation}, schema
+{esc(str(stats.schema_revision))}; {'a master was running' if running else 'no master running'}
+when drawn ({when}). {t['done']} done, {t['queued']} queued, {t['active']} active,
+{t['deferred']} deferred, {t['failed']} failed; {stats.results} results. From {span}, in
+buckets of {duration(s.width)}.</p>
+{figures}
+</body>
+</html>
+"""
+
+
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))

@@ -1,0 +1,56 @@
+"""Campaign files made by the real master and store, without MPI: what `status`, the metrics
+file, the stats file, `plot` and the views are tested on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fakes import InstantWorkers, ready_message
+
+from coordinator.master import Master, MasterConfig, Summary
+from coordinator.output import TestcaseWriter
+from coordinator.sources import demo_tasks
+from coordinator.transport import Received
+from coordinator.wire import TAG_READY, TAG_RESULT, Result, decode_work, encode
+from store.campaign import Store
+from store.tasks import enqueue_tasks
+
+
+class FindingWorkers(InstantWorkers):
+    """Workers that answer at once, as `round_cost`'s do, but like a campaign with troubles:
+    every 5th run writes a test case, every 23rd fails (`error`), and every 17th WORK is first
+    answered with a RESULT carrying a token that is not the dispatch's (quarantined as
+    `stale`)."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers)
+        self.sent = 0
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        work = decode_work(data)
+        self.sent += 1
+        n = self.sent
+        if n % 17 == 0:
+            self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, encode(Result(
+                token="0" * 64, status="ok"))))
+        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, encode(Result(
+            token=work.token, status="error" if n % 23 == 0 else "ok", value={"n": n},
+            testcases=[(f"tc{n}", f"found by run {n}".encode())] if n % 5 == 0 else [],
+            detail="exit status 1" if n % 23 == 0 else ""))))
+        self.queues[TAG_READY].append(ready_message(dest, work.token))
+
+
+def finding_campaign(db: Path, tasks: int = 300, workers: int = 3, **config) -> Summary:
+    """A finished campaign of `tasks` demo tasks run by the real master against
+    `FindingWorkers`; its test cases go to DB.out/. `config` overrides `MasterConfig`."""
+    store = Store.open(db)
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [t.as_task() for t in demo_tasks(tasks)])
+        writer = TestcaseWriter(db.with_name(db.name + ".out"), afl_style=False)
+        return Master(store, FindingWorkers(workers), MasterConfig(**{
+            "stats_file": db.with_name(db.name + ".stats"), "linger_s": 0, "grace_s": 1,
+            "stop_wait_s": 1, "feedback": False, "observe_interval_s": 0.05, **config}),
+            writer=writer).run()
+    finally:
+        store.close()

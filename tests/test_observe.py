@@ -1,0 +1,184 @@
+"""What a running campaign shows, on campaign files made by the real master: `status --json`'s
+figures, the stats file, the plain progress lines, the metrics file, and the rates' arithmetic.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from campaigns import finding_campaign
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.cli import main
+from coordinator.exits import ExitStatus
+from coordinator.progress import (
+    Progress,
+    Snapshot,
+    eta_s,
+    progress_line,
+    rate_over,
+    rates,
+)
+from store.engine import read_file
+from store.observe import Found, Sample, plot_series, read_observed
+from store.stats import read_stats, stats_text
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("observe")
+    db = d / "c.db"
+    summary = finding_campaign(db, metrics_file=d / "c.prom")
+    assert summary.committed == 300
+    return db
+
+
+def _status(db: Path, capsys) -> dict:
+    assert main(["status", "--db", str(db), "--json"]) == ExitStatus.OK
+    return json.loads(capsys.readouterr().out)
+
+
+def _stats(db: Path):
+    return read_file(db, read_stats)[0]
+
+
+def _rows(db: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+        return c.execute(sql).fetchall()
+
+
+def test_the_stats_file_keeps_the_six_labels_first_then_the_progress_fields(campaign):
+    text = campaign.with_name(campaign.name + ".stats").read_text()
+    six = stats_text(_stats(campaign))
+    assert text.startswith(six)  # byte for byte
+    rest = text[len(six):].splitlines()
+    assert [line.split(":")[0] for line in rest] == [
+        "Elapsed", "Tasks", "Rate", "ETA", "Test cases", "Quarantined messages", "Parked ranks"]
+    assert rest[1] == "Tasks: 300 done, 0 queued, 0 active, 0 deferred, 0 failed"
+    assert rest[4].startswith("Test cases: 60 (the last ")
+    assert rest[5] == "Quarantined messages: 17"
+
+
+def test_the_metrics_file_parses_and_its_counters_equal_status_json(campaign, capsys):
+    text = campaign.with_name("c.prom").read_text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    got = _status(campaign, capsys)
+
+    def value(family: str, sample: str | None = None, **labels: str) -> float:
+        found = [s.value for s in families[family].samples
+                 if s.name == (sample or family) and labels.items() <= s.labels.items()]
+        assert len(found) == 1, (family, labels, found)
+        return found[0]
+
+    for family in families.values():
+        assert family.name.startswith("coordinator_")
+        assert all(s.labels.get("campaign") == "c.db" for s in family.samples)
+    assert families["coordinator_results"].type == "counter"
+    for state, n in got["tasks"].items():
+        assert value("coordinator_tasks", state=state) == n
+    for status, n in got["results_by_status"].items():
+        assert value("coordinator_results", "coordinator_results_total", status=status) == n
+    for channel, reasons in got["quarantine"].items():
+        for reason, n in reasons.items():
+            assert value("coordinator_quarantined_messages",
+                         "coordinator_quarantined_messages_total",
+                         channel=channel, reason=reason) == n
+    for family, key in (("coordinator_requeues", "requeued"),
+                        ("coordinator_deferrals", "deferred"),
+                        ("coordinator_watchdog_timeouts", "watchdog_timeouts"),
+                        ("coordinator_watchdog_recoveries", "watchdog_recoveries"),
+                        ("coordinator_worker_deaths", "worker_deaths"),
+                        ("coordinator_testcases_dropped", "dropped_testcases")):
+        assert value(family, family + "_total") == got[key], family
+    assert value("coordinator_testcases_written",
+                 "coordinator_testcases_written_total") == got["testcases"]["written"]
+    assert value("coordinator_last_find_timestamp_seconds") == pytest.approx(
+        got["testcases"]["last_at"])
+    assert value("coordinator_running") == 0 and value("coordinator_active_ranks") == 0
+    assert value("coordinator_commit_duration_seconds", "coordinator_commit_duration_seconds_count"
+                 ) > 100  # a commit per round: 300 tasks on 3 ranks
+    assert families["coordinator_commit_duration_seconds"].type == "summary"
+
+
+def test_progress_lines_are_plain_and_say_what_the_snapshot_says(campaign):
+    seen = read_file(campaign, read_observed)[0]
+    now = seen.found.last_at + 12
+    snap = Snapshot(at=now, stats=seen.stats, found=seen.found, started_at=now - 3723,
+                    rates={"last_minute": 2.5, "last_hour": 2.0, "overall": 1.5},
+                    finite=True, ranks={"parked": 1, "busy": 2})
+    out = io.StringIO()
+    p = Progress(live=False, interval_s=30, stream=out)
+    p.start()
+    p.update(snap)
+    line = out.getvalue()
+    assert line.count("\n") == 1 and "\x1b" not in line
+    assert line == ("coordinator: progress elapsed=1h02m03s done=300 queued=0 active=0 "
+                    "deferred=0 failed=0 rate_1m=2.5/s eta=0s testcases=60 last_find=12s_ago "
+                    "quarantined=17 parked=1\n")
+    assert progress_line(snap) + "\n" == line
+
+
+def test_rates_are_taken_from_the_latest_sample_old_enough():
+    samples = [Sample(0.0, 0, 0), Sample(10.0, 100, 0), Sample(50.0, 500, 0),
+               Sample(100.0, 900, 0)]
+    assert rate_over(samples, 110.0, 1000, 60.0) == pytest.approx((1000 - 500) / 60)
+    assert rate_over(samples, 110.0, 1000, None) == pytest.approx(1000 / 110)
+    # Younger than the window: since the first sample.
+    assert rate_over(samples, 110.0, 1000, 3600.0) == pytest.approx(1000 / 110)
+    assert rate_over([Sample(10.0, 5, 0)], 10.05, 6, 60.0) is None  # too short a span
+    assert rate_over([], 10.0, 6, 60.0) is None
+    assert set(rates(samples, 110.0, 1000)) == {"last_minute", "last_hour", "overall"}
+    tasks = {"queued": 90, "active": 10}
+    assert eta_s(tasks, 20.0, True) == 5.0
+    assert eta_s(tasks, 20.0, False) is None and eta_s(tasks, None, True) is None
+    assert eta_s({"queued": 0, "active": 0}, None, True) == 0.0
+
+
+def test_plot_series_adds_up_to_the_campaigns_rows(campaign):
+    s = read_file(campaign, plot_series)[0]
+    assert sum(s.done) == 300 and sum(s.not_ok) == 13 and sum(s.testcases) == 60
+    assert sum(s.created) == 300
+    assert sum(s.events["quarantine/result"]) == 17
+    [(busy,)] = _rows(campaign, "SELECT total(committed_at - dispatched_at) FROM results")
+    assert sum(sum(row) for row in s.busy.values()) == pytest.approx(busy)
+    assert sorted(s.busy) == [1, 2, 3] and s.incarnations[0][0] == 1
+
+
+def test_a_dispatch_longer_than_a_bucket_is_spread_over_the_buckets_it_covered(tmp_path):
+    """A run of 25 s in buckets of 1 s adds a second to each bucket it spans: the chart of
+    a rank's load shows it busy all along, not 25 s in one bucket."""
+    db = tmp_path / "long.db"
+    finding_campaign(db, tasks=3, workers=1)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE results SET dispatched_at = committed_at - 25.5 WHERE task_id = 1")
+    s = read_file(db, plot_series)[0]
+    assert s.width == 1.0
+    row = s.busy[1]
+    assert max(row) <= 1.0 + 1e-9
+    assert sum(1 for v in row if v > 0.999) >= 24
+
+
+def test_found_counts_only_results_that_wrote_test_cases():
+    assert Found(0, 0, None).last_at is None
+
+
+def test_the_live_display_shows_the_fields_it_lacked(campaign):
+    """Elapsed, ETA, test cases and the last find, beside what it showed before."""
+    from rich.console import Console
+
+    from coordinator.progress import _table
+
+    seen = read_file(campaign, read_observed)[0]
+    snap = Snapshot(at=seen.found.last_at + 5, stats=seen.stats, found=seen.found,
+                    started_at=seen.found.last_at - 60, rates={"last_minute": 3.0},
+                    finite=True, ranks={})
+    out = io.StringIO()
+    Console(file=out, width=120, force_terminal=False).print(_table(snap))
+    text = out.getvalue()
+    for field in ("elapsed", "1m05s", "ETA", "0s", "test cases", "60", "last find", "5s ago",
+                  "done", "300", "quarantined", "result 17 / ready 0"):
+        assert field in text, (field, text)

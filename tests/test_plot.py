@@ -1,0 +1,129 @@
+"""`coordinator plot`: PNG charts and an index.html from a real campaign file, read-only; the
+page loaded in a real headless browser (Debian's Chromium), every chart loading."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from campaigns import finding_campaign
+
+from coordinator.cli import main
+from coordinator.exits import ExitStatus
+from coordinator.plot import CHARTS
+
+pytest.importorskip("matplotlib", reason="the plot extra: pip install -e '.[plot]'")
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+#: As root in a closed network: no sandbox, and none of the background connections.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def _listing(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def charts(tmp_path_factory) -> tuple[Path, Path]:
+    """A campaign with test cases, failed results and quarantined messages, plotted."""
+    d = tmp_path_factory.mktemp("plot")
+    db = d / "campaign.db"
+    assert finding_campaign(db, tasks=600).committed == 600
+    before = _listing(d)
+    out = d / "charts"
+    assert main(["plot", "--db", str(db), str(out)]) == ExitStatus.OK
+    after = _listing(d)
+    assert after.pop("charts") and after == before  # nothing beside the file was written
+    return db, out
+
+
+def _check_image(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path.name
+    assert path.stat().st_size > 10_000, path.name
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.size[0] >= 800 and im.size[1] >= 250, (path.name, im.size)
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colours is not None and len(colours) > 50, path.name  # not a blank canvas
+
+
+def test_every_chart_is_a_real_image_and_the_index_shows_each(charts):
+    _, out = charts
+    html = (out / "index.html").read_text()
+    shown = re.findall(r'<img src="([^"]+)"', html)
+    assert shown == [name for name, _, _ in CHARTS]
+    for name in shown:
+        _check_image(out / name)
+    assert "600 done" in html
+
+
+def test_the_page_loads_every_chart_in_a_real_browser(charts, tmp_path):
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    _, out = charts
+    problems: list[str] = []
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+                    if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
+            page.goto((out / "index.html").as_uri(), wait_until="load")
+            images = page.evaluate(
+                "Array.from(document.images).map(i => [i.getAttribute('src'), i.complete, "
+                "i.naturalWidth, i.naturalHeight])")
+            title = page.title()
+        finally:
+            browser.close()
+    assert problems == []
+    assert [src for src, *_ in images] == [name for name, _, _ in CHARTS]
+    for src, complete, width, height in images:
+        assert complete and width >= 800 and height >= 250, (src, width, height)
+    assert title == "campaign.db: campaign charts"
+
+
+def test_without_matplotlib_the_command_says_what_to_install(charts, tmp_path):
+    db, _ = charts
+    probe = ("import sys; sys.modules['matplotlib'] = None\n"
+             "from coordinator.cli import main\n"
+             f"sys.exit(main(['plot', '--db', {str(db)!r}, {str(tmp_path / 'x')!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, check=False)
+    assert done.returncode == ExitStatus.USAGE
+    assert "pip install -e '.[plot]'" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_campaign_of_100000_tasks_is_plotted(tmp_path):
+    """Made directly with SQL (tools/big_campaign.py): aggregated in SQL, it takes seconds."""
+    spec = importlib.util.spec_from_file_location("big_campaign",
+                                                  ROOT / "tools" / "big_campaign.py")
+    assert spec and spec.loader
+    big = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(big)
+    db = tmp_path / "big.db"
+    big.build(db, 100_000, 16, 86400.0)
+    out = tmp_path / "charts"
+    assert main(["plot", "--db", str(db), str(out)]) == ExitStatus.OK
+    for name, _, _ in CHARTS:
+        _check_image(out / name)
+    assert "index.html" in os.listdir(out)
+    shutil.rmtree(out)

@@ -1,0 +1,102 @@
+"""`coordinator status`: one screen for a whole campaign, like `afl-whatsup`, and `--json` with
+the same figures; on campaign files made by the real master, read-only."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from campaigns import finding_campaign
+
+from coordinator.cli import main
+from coordinator.exits import ExitStatus
+from store.engine import read_file
+from store.stats import read_stats, stats_text
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory) -> Path:
+    db = tmp_path_factory.mktemp("status") / "c.db"
+    assert finding_campaign(db).committed == 300
+    return db
+
+
+def _status(db: Path, capsys) -> dict:
+    assert main(["status", "--db", str(db), "--json"]) == ExitStatus.OK
+    return json.loads(capsys.readouterr().out)
+
+
+def _rows(db: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+        return c.execute(sql).fetchall()
+
+
+def test_status_json_keeps_its_keys_and_adds_the_campaigns_figures(campaign, capsys):
+    got = _status(campaign, capsys)
+    old = {"tasks", "results", "results_by_status", "quarantine", "requeued", "deferred",
+           "watchdog_timeouts", "watchdog_recoveries", "incarnation", "schema_revision",
+           "master", "dropped_testcases", "dropped_results"}
+    new = {"now", "campaign_created_at", "campaign_age_s", "incarnation_started_at",
+           "incarnation_run_s", "source", "rate", "eta_s", "testcases", "quarantined",
+           "parked_ranks", "worker_deaths", "oldest_dispatch", "ranks"}
+    assert old | new == set(got)
+    [(written, finding, last)] = _rows(campaign, "SELECT sum(testcases), count(*), "
+                                                 "max(committed_at) FROM results "
+                                                 "WHERE testcases > 0")
+    assert (written, finding) == (60, 60)  # every 5th run found one
+    assert got["testcases"]["written"] == written and got["testcases"]["results"] == finding
+    assert got["testcases"]["last_at"] == pytest.approx(last)
+    assert got["results_by_status"] == {"ok": 287, "error": 13}
+    assert got["quarantine"]["result"] == {"stale": 17} and got["quarantined"] == 17
+    assert got["tasks"] == {"queued": 0, "active": 0, "done": 300, "deferred": 0, "failed": 0}
+    # The master is gone: its rates of the last minute and hour are nobody's now; the
+    # incarnation's own rate is what its observations say.
+    assert got["rate"]["last_minute"] is None and got["rate"]["last_hour"] is None
+    [(first_at, first_done), (last_at, last_done)] = [
+        _rows(campaign, f"SELECT at, done FROM observations ORDER BY id {o} LIMIT 1")[0]
+        for o in ("ASC", "DESC")]
+    assert last_done == 300
+    assert got["rate"]["overall"] == pytest.approx((300 - first_done) / (last_at - first_at))
+    assert got["incarnation_run_s"] == pytest.approx(last_at - got["incarnation_started_at"])
+    assert got["eta_s"] == 0 and got["oldest_dispatch"] is None
+    assert got["source"] is None  # (Store.open was given no settings)
+    assert [r["rank"] for r in got["ranks"]] == [1, 2, 3]
+    loads = dict(_rows(campaign, "SELECT rank, busy FROM rank_load"))
+    assert {r["rank"]: r["busy"] for r in got["ranks"]} == loads
+
+
+def test_status_text_is_one_screen_with_the_same_figures(campaign, capsys):
+    assert main(["status", "--db", str(campaign)]) == ExitStatus.OK
+    out = capsys.readouterr().out
+    assert "test cases: 60 written by 60 results; the last " in out
+    assert "quarantined: 17; requeued: 0; parked ranks: 0; worker deaths: 0" in out
+    assert "rate: - last minute, - last hour, " in out and "; ETA 0s" in out
+    assert "committed results: 300 (error=13, ok=287)" in out
+    # The stats text closes it, as before.
+    assert out.endswith(stats_text(_stats(campaign)))
+
+
+def _stats(db: Path):
+    return read_file(db, read_stats)[0]
+
+
+def test_status_of_a_live_dispatch_shows_the_rank_its_task_and_age(campaign, tmp_path, capsys):
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:  # task 7 back in flight on rank 2, recorded 30 s ago
+        c.execute("DELETE FROM results WHERE task_id = 7")
+        c.execute("UPDATE tasks SET state = 'active' WHERE id = 7")
+        c.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at) "
+                  "VALUES (?, 2, 7, 1, strftime('%s', 'now') - 30)", ("7" * 64,))
+        c.execute("UPDATE workers SET state = 'busy' WHERE rank = 2")
+    got = _status(copy, capsys)
+    assert got["oldest_dispatch"]["rank"] == 2 and got["oldest_dispatch"]["task_id"] == 7
+    assert 29 <= got["oldest_dispatch"]["age_s"] < 120
+    [rank2] = [r for r in got["ranks"] if r["rank"] == 2]
+    assert rank2["task_id"] == 7 and rank2["state"] == "busy"
+    assert main(["status", "--db", str(copy)]) == ExitStatus.OK
+    out = capsys.readouterr().out
+    assert "oldest active dispatch: task 7 on rank 2, " in out
