@@ -19,6 +19,7 @@ from pathlib import Path
 
 from store.campaign import Store
 from store.errors import StoreError, StoreWriteError
+from store.imports import DEMO_SOURCE, Imported, ImportKind, identity_of, record_import
 from store.journal import RetryPolicy
 from store.stats import other_messages_text, read_stats, result_statuses, stats_text
 from store.tasks import enqueue_tasks, origins_starting_with
@@ -44,7 +45,14 @@ from .output import TestcaseWriter, replace_text
 from .preflight import check_run
 from .preflight import writer as test_case_writer
 from .processes import exit_now, host_and_pid
-from .sources import AflQueueSource, afl_queue_missing, demo_tasks, load_tasks_jsonl
+from .sources import (
+    AflQueueSource,
+    DemoTasks,
+    TasksFile,
+    afl_queue_missing,
+    demo_tasks,
+    load_tasks_jsonl,
+)
 from .transport import SendFailed, Transport
 from .wire import Start, encode
 
@@ -126,7 +134,7 @@ class MasterRank:
         checked = check_run(self.cfg)
         cfg = self.cfg = checked.cfg
         self.resolved_argv, self.notes = checked.argv, [*checked.notes]
-        initial = self._initial_tasks()
+        initial = self._initial_tasks(checked.known)
         sources = [AflQueueSource(cfg.afl_out, cfg.fuzzer)] if cfg.afl_out is not None else []
         writer = test_case_writer(cfg)
         self.store = Store.open(
@@ -136,28 +144,52 @@ class MasterRank:
             settings=campaign_settings(cfg),
             check_settings=lambda stored: self.notes.extend(check_resume(cfg, stored)),
             lock_wait_s=cfg.lock_wait_s, on_lock_wait=LockWaiter(cfg.db, cfg.lock_wait_s))
-        if initial:
+        if initial is not None:
             self._import(initial)
         self.master = self._make_master(sources, writer)
         if self.early_stops:
             self.master.request_stop(self.early_stops[0])
 
-    def _initial_tasks(self):
+    def _initial_tasks(self, known: Imported | None) -> DemoTasks | TasksFile | None:
+        """The tasks this start imports: none of a tasks file an earlier start imported and
+        that is unchanged since, only the demo tasks past those already in."""
         cfg = self.cfg
-        if cfg.tasks_file is not None and _size(cfg.tasks_file) >= BIG_TASKS_FILE:
+        if cfg.demo is not None:
+            start = min(known.count, cfg.demo) if known is not None else 0
+            if known is not None and start:
+                self.notes.append(
+                    f"{start} of {cfg.demo} tasks were already in the campaign (demo tasks "
+                    f"imported by incarnation {known.incarnation}) and were not made again"
+                    + (f"; {cfg.demo - start} added" if start < cfg.demo else ""))
+            return demo_tasks(cfg.demo, start=start) if start < cfg.demo else None
+        if cfg.tasks_file is None:
+            return None
+        if known is not None:
+            self.notes.append(
+                f"tasks file {cfg.tasks_file} is unchanged since incarnation "
+                f"{known.incarnation} imported it ({known.count:,} tasks, all in the "
+                f"campaign): not read again")
+            return None
+        if _size(cfg.tasks_file) >= BIG_TASKS_FILE:
             # Minutes for millions of lines, before the pid line: say what is going on.
             _say(f"reading {_size(cfg.tasks_file) / 1e6:,.0f} MB of tasks from "
                  f"{cfg.tasks_file}...")
-        return (demo_tasks(cfg.demo) if cfg.demo is not None else
-                load_tasks_jsonl(cfg.tasks_file) if cfg.tasks_file is not None else [])
+        return load_tasks_jsonl(cfg.tasks_file)
 
-    def _import(self, initial) -> None:
-        """All or nothing: the initial tasks are imported in one transaction."""
+    def _import(self, initial: DemoTasks | TasksFile) -> None:
+        """All or nothing: the initial tasks are imported in one transaction, with the row
+        that says so (`store.imports`: a --resume of the same source does not read it)."""
         assert self.store is not None
         if len(initial) >= 100_000:
             _say(f"importing {len(initial):,} tasks in one transaction...")
         with self.store.transaction("import of the initial tasks") as tx:
             added = enqueue_tasks(tx, (i.as_task() for i in initial))
+            if isinstance(initial, DemoTasks):
+                what = (ImportKind.DEMO, DEMO_SOURCE, None, initial.n)
+            else:
+                what = (ImportKind.TASKS_FILE, str(initial.path.resolve()),
+                        identity_of(initial.identity), len(initial))
+            record_import(tx.db, tx.incarnation, tx.now, *what, added=len(added))
         if len(added) < len(initial):
             # A task is its semantic payload: the same payload again (another input_file with
             # the same path included) is the same task, and is not run twice.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from store.errors import CampaignExistsError, CampaignLockedError
+from store.imports import Imported, demo_imported, file_identity, file_imported
 from store.probe import Probe, probe
 
 from .config import DEFAULT_DEMO_TASKS, RunConfig, how_it_runs
@@ -30,6 +31,9 @@ class Checked:
     argv: list[str] | None    # the command as resolved (its program's absolute path)
     notes: list[str]          # what the start says besides (what a --resume took over)
     probe: Probe
+    #: An earlier import of this run's tasks file, unchanged since, or of demo tasks: what
+    #: a --resume need not read again (the master imports what is past it, if anything).
+    known: Imported | None = None
 
 
 def check_run(cfg: RunConfig) -> Checked:
@@ -58,7 +62,18 @@ def check_run(cfg: RunConfig) -> Checked:
         _check_tasks_file(cfg.tasks_file)
     argv = getattr(build_executor(cfg), "argv", None)
     writer(cfg)
-    return Checked(cfg, argv, notes, found)
+    return Checked(cfg, argv, notes, found, _imported_before(cfg, found))
+
+
+def _imported_before(cfg: RunConfig, found: Probe) -> Imported | None:
+    if not (cfg.resume and found.campaign):
+        return None
+    if cfg.tasks_file is not None:
+        source, identity = file_identity(cfg.tasks_file)  # (checked readable just before)
+        return file_imported(found.imports, source, identity)
+    if cfg.demo is not None:
+        return demo_imported(found.imports)
+    return None
 
 
 def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DatabaseOpenError, NoCampaignYet, SchemaVersionError
+from .imports import Imported, read_imports
 from .lock import lock_holder, refuse_aliases
 from .readonly import cannot_open, readonly_connector
 from .revisions import head, known_revisions, revision_of
@@ -29,6 +30,7 @@ class Probe:
     settings: dict[str, Any] | None = None  # the first run's executor and source
     tasks: int = 0
     master: int | None = None      # the pid of a master (or `db upgrade`) holding it now
+    imports: tuple[Imported, ...] = ()  # what its starts imported (revision 0011)
 
 
 def probe(path: str | os.PathLike[str], *, current: bool = True) -> Probe:
@@ -97,4 +99,5 @@ def _read(db: sqlite3.Connection, path: Path, current: bool) -> Probe:
         settings = None
     n = db.execute("SELECT count(*) FROM tasks").fetchone()[0]
     return Probe(exists=True, campaign=True, revision=revision,
-                 settings=settings if isinstance(settings, dict) else None, tasks=n)
+                 settings=settings if isinstance(settings, dict) else None, tasks=n,
+                 imports=read_imports(db))

@@ -33,6 +33,8 @@ from sqlalchemy import (
     text,
 )
 
+from .imports import ImportKind
+
 metadata = MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -396,6 +398,30 @@ rank_load = Table(
     Column("busy", Float, nullable=False),
     CheckConstraint("busy >= 0 AND busy <= 1", name="fraction"),
 )
+
+# -- what a start imported (revision 0011) ---------------------------------------------------
+
+imports = Table(
+    "imports",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("incarnation", Integer, nullable=False),
+    Column("at", Float, nullable=False),
+    Column("kind", Text, nullable=False),
+    # The tasks file's absolute path ('demo' for the built-in tasks).
+    Column("source", Text, nullable=False),
+    # The tasks file as it was read (device, inode, size, modification time in ns): a
+    # --resume naming the same file unchanged does not read it again. NULL for the demo.
+    Column("identity", Text, nullable=True),
+    # The tasks the source holds (the demo: N, all of 0 .. N-1 now in the campaign) and how
+    # many of them were new to it.
+    Column("count", Integer, nullable=False),
+    Column("added", Integer, nullable=False),
+    _enum_check("kind", ImportKind),
+    CheckConstraint("count >= 0 AND added >= 0 AND added <= count", name="counts"),
+)
+Index("ix_imports_source", imports.c.kind, imports.c.source)
+
 
 #: The views revision 0010 made for post-mortems in the `sqlite3` shell (docs/sqlite.md).
 #: Their DDL is the migration's; the names are here for the tests and the docs.

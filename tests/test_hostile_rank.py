@@ -69,7 +69,9 @@ def test_an_oversized_message_is_consumed_without_being_held(tmp_path, size):
     """A message over 2 GiB ended the master (exit 5), and one of 1.9 GB raised its RSS to
     1.9 GiB although --max-message-bytes was 64 MiB: the size is now read from the probe and
     the message consumed into a small buffer, quarantined as oversized."""
-    job, db, summary = hostile_job(tmp_path, "oversized", str(size))
+    # Making and sending 2 GiB took the rank past a 5 s --stop-wait on a loaded machine: it
+    # had not acknowledged the STOP when the 60 tasks were done (exit 4, UNACKED).
+    job, db, summary = hostile_job(tmp_path, "oversized", str(size), stop_wait="60")
     done = finish(job, timeout=240)
     assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
     check_conservation(db, expected_tasks=60)

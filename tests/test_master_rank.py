@@ -5,6 +5,9 @@ a stand-in that records the verdict."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+
 import pytest
 from fakes import VerdictTransport
 
@@ -51,3 +54,88 @@ def test_a_real_bad_tasks_file_is_a_usage_error(db_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert got == ExitStatus.USAGE and transport.verdicts == [ExitStatus.USAGE]
     assert "tasks.jsonl:2: unknown key 'nope'" in err and "Traceback" not in err
+
+
+# -- a --resume reads only what it has not imported ------------------------------------------
+
+def started(db_path, *args: str) -> master_rank.MasterRank:
+    """The master rank's start alone (import included), its store closed again."""
+    cfg = resolve_run(_parser().parse_args(["run", "--db", str(db_path), *args]))
+    rank = master_rank.MasterRank(cfg, VerdictTransport())
+    try:
+        rank._start()
+    finally:
+        if rank.store is not None:
+            rank.store.close()
+    return rank
+
+
+def rows(db_path, sql: str) -> list[tuple]:
+    with contextlib.closing(sqlite3.connect(db_path)) as db:
+        return db.execute(sql).fetchall()
+
+
+def test_a_resume_does_not_read_an_unchanged_tasks_file_again(db_path, tmp_path, monkeypatch):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"data": {i}}}\n' for i in range(5)))
+    started(db_path, "--tasks", str(tasks))
+    assert rows(db_path, "SELECT incarnation, kind, source, count, added FROM imports") == [
+        (1, "tasks_file", str(tasks.resolve()), 5, 5)]
+
+    def never(_path):
+        raise AssertionError("the unchanged tasks file was read again")
+    with monkeypatch.context() as m:
+        m.setattr(master_rank, "load_tasks_jsonl", never)
+        again = started(db_path, "--resume", "--tasks", str(tasks))
+    assert any("is unchanged since incarnation 1 imported it (5 tasks" in n
+               for n in again.notes)
+    # Changed (a line appended): read again, the known tasks found there, the new one added.
+    with tasks.open("a") as f:
+        f.write('{"data": 5}\n')
+    changed = started(db_path, "--resume", "--tasks", str(tasks))
+    assert not any("unchanged" in n for n in changed.notes)
+    assert rows(db_path, "SELECT incarnation, count, added FROM imports ORDER BY id") == [
+        (1, 5, 5), (3, 6, 1)]
+    assert rows(db_path, "SELECT count(*) FROM tasks") == [(6,)]
+    # The same file under another name (a symlink) is the same file.
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tasks)
+    with monkeypatch.context() as m:
+        m.setattr(master_rank, "load_tasks_jsonl", never)
+        started(db_path, "--resume", "--tasks", str(link))
+
+
+def test_a_resume_makes_only_the_demo_tasks_past_those_already_in(db_path, monkeypatch):
+    started(db_path, "--demo", "4")
+    made: list[int] = []
+    real = master_rank.enqueue_tasks
+
+    def counting(tx, new, **kw):
+        new = list(new)
+        made.extend(t.payload["data"]["n"] for t in new)
+        return real(tx, new, **kw)
+    monkeypatch.setattr(master_rank, "enqueue_tasks", counting)
+    more = started(db_path, "--resume", "--demo", "6")
+    assert made == [4, 5]
+    assert any(n.startswith("4 of 6 tasks were already in the campaign (demo tasks imported "
+                            "by incarnation 1)") for n in more.notes)
+    made.clear()
+    fewer = started(db_path, "--resume", "--demo", "5")
+    assert made == [] and any(n.startswith("5 of 5 tasks were already") for n in fewer.notes)
+    assert rows(db_path, "SELECT incarnation, kind, count, added FROM imports ORDER BY id") == [
+        (1, "demo", 4, 4), (2, "demo", 6, 2)]
+    assert rows(db_path, "SELECT count(*), min(json_extract(payload, '$.data.n')), "
+                         "max(json_extract(payload, '$.data.n')) FROM tasks") == [(6, 0, 5)]
+
+
+def test_an_import_that_is_undone_leaves_no_import_row(db_path, tmp_path):
+    """The row and the tasks are one transaction: a tasks file that turns out bad imports
+    nothing and says nothing was imported, so the next --resume reads it again."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"data": 1}\n')
+    started(db_path, "--tasks", str(tasks))
+    tasks.write_text('{"data": 1}\n{"data": 2}\n{"nope": 3}\n')
+    got, transport = start(db_path, "--resume", "--tasks", str(tasks))
+    assert got == ExitStatus.USAGE
+    assert rows(db_path, "SELECT count, added FROM imports") == [(1, 1)]
+    assert rows(db_path, "SELECT count(*) FROM tasks") == [(1,)]

@@ -646,7 +646,7 @@ def test_0010_adds_observations_loads_the_finds_index_and_views_and_goes_back(tm
         conn.execute("INSERT INTO workers (rank, state, incarnation, host) "
                      "VALUES (1, 'busy', 1, 'node1')")
     before = _dump(db)
-    assert versioning.upgrade(db) == ("0009", versioning.head_revision())
+    assert versioning.upgrade(db, "0010") == ("0009", "0010")
     after = _dump(db)
     assert {t: rows for t, rows in after["rows"].items() if t != "alembic_version"} == {
         **{t: rows for t, rows in before["rows"].items() if t != "alembic_version"},
@@ -677,3 +677,19 @@ def test_the_revisions_read_without_alembic_are_alembics():
 
     assert list(known_revisions()) == versioning.revisions_in_order()
     assert head() == versioning.head_revision()
+
+
+def test_0011_adds_the_imports_table_empty_and_goes_back(tmp_path: Path):
+    """0011 changes no row: a campaign brought forward has no import rows, so its first
+    --resume reads its task source as before."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0010")
+    before = _dump(db)
+    assert versioning.upgrade(db, "0011") == ("0010", "0011")
+    after = _dump(db)
+    assert {t: rows for t, rows in after["rows"].items() if t != "alembic_version"} == {
+        **{t: rows for t, rows in before["rows"].items() if t != "alembic_version"},
+        "imports": []}
+    _run_alembic(db, "downgrade", "0010")
+    assert _dump(db) == before

@@ -80,7 +80,7 @@ def test_a_second_start_on_a_running_campaign_changes_nothing(tmp_path):
         assert first.poll() is None
         second = run(args[:1] + ["--resume"] + args[1:], timeout=120)
         assert second.returncode == ExitStatus.USAGE, second.stderr[-2000:]
-        assert "in use by another master" in second.stderr
+        assert "is in use by a running master (pid" in second.stderr
         assert live.read_bytes() == b"half a test case"
         assert first.poll() is None  # the first master runs on
     finally:

@@ -12,6 +12,7 @@ from store.engine import open_engine
 from store.schema import (
     Channel,
     EventKind,
+    ImportKind,
     LeaseKind,
     QuarantineReason,
     TaskState,
@@ -70,6 +71,7 @@ ENUM_COLUMNS = {
     ("quarantine", "channel"): Channel,
     ("quarantine", "reason"): QuarantineReason,
     ("events", "kind"): EventKind,
+    ("imports", "kind"): ImportKind,
 }
 
 
