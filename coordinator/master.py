@@ -539,7 +539,8 @@ class Master:
         """A current result (or one task's of a batch, `task_id`): its test cases written and
         fed back, its run time taken into the mean that sizes automatic batches."""
         written, created = self._keep_testcases(
-            tx, task_id if task_id is not None else active.task_id, res.testcases)
+            tx, task_id if task_id is not None else active.task_id,
+            res.testcases) if res.testcases else (0, 0)
         if self.config.batch is None and res.duration_s >= 0:
             self._task_s = (res.duration_s if self._task_s is None
                             else 0.9 * self._task_s + 0.1 * res.duration_s)

@@ -387,8 +387,14 @@ def clip_detail(text: str, limit: int = DETAIL_MAX_CHARS) -> str:
 DROPPED_NOTE = re.compile(r"dropped \d+ of \d+ output (files|entries) \(")
 
 
+_ABSENT = object()
+
+
 def _field(parsed: Any, key: str) -> Any:
-    return parsed.get(key) if isinstance(parsed, Mapping) else getattr(parsed, key, None)
+    got = getattr(parsed, key, _ABSENT)  # a Struct: no ABC check (see gate._get)
+    if got is not _ABSENT:
+        return got
+    return parsed.get(key) if isinstance(parsed, Mapping) else None
 
 
 def failure_detail(parsed: Any) -> str | None:
@@ -397,6 +403,8 @@ def failure_detail(parsed: Any) -> str | None:
     result only the command executor's note of output files it dropped (over its limits),
     else None (the happy path writes nothing)."""
     if _field(parsed, "status") == "ok":
+        if not _field(parsed, "detail"):
+            return None  # the happy path
         notes = [line for line in str(_field(parsed, "detail") or "").splitlines()
                  if DROPPED_NOTE.match(line)]
         return "\n".join(notes)[:DETAIL_MAX_CHARS] if notes else None

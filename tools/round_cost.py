@@ -32,7 +32,8 @@ from store.campaign import Store  # noqa: E402
 from store.tasks import enqueue_tasks  # noqa: E402
 
 
-def run_once(tasks: int, workers: int, sync: str, *, trace: bool) -> dict[str, float]:
+def run_once(tasks: int, workers: int, sync: str, *, trace: bool,
+             batch: int | None = 1) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         store = Store.open(Path(d) / "round.db", synchronous=sync)
         try:
@@ -49,7 +50,7 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool) -> dict[str, f
                 raw.set_trace_callback(count)
             master = Master(store, InstantWorkers(workers), MasterConfig(
                 stats_file=Path(d) / "stats", progress=False, linger_s=0, grace_s=1,
-                stop_wait_s=1))
+                stop_wait_s=1, batch=batch))
             started = time.perf_counter()
             summary = master.run()
             elapsed = time.perf_counter() - started
@@ -72,19 +73,28 @@ def main() -> int:
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each; the best is kept")
+    p.add_argument("--batch", type=int, default=1, help="tasks per dispatch (default 1)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="also write a cProfile of one more run (FULL) to this file")
     args = p.parse_args()
     print(f"# master alone: {args.tasks} demo tasks, {args.workers} instant workers, "
           f"SQLite {__import__('sqlite3').sqlite_version}, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d')}")
     for sync in args.sync or ["FULL", "NORMAL"]:
-        best = max((run_once(args.tasks, args.workers, sync, trace=False)
+        best = max((run_once(args.tasks, args.workers, sync, trace=False, batch=args.batch)
                     for _ in range(args.repeat)), key=lambda r: r["tasks_per_s"])
-        counted = run_once(args.tasks, args.workers, sync, trace=True)
+        counted = run_once(args.tasks, args.workers, sync, trace=True, batch=args.batch)
         print(f"synchronous={sync}: {best['tasks_per_s']:,.0f} tasks/s, "
               f"{best['us_per_tx']:.0f} µs per transaction, "
               f"{best['tx_per_task']:.2f} transactions per task, "
               f"{counted['sql_per_task']:.1f} SQL executions per task, "
               f"{counted['frames_per_tx']:.1f} WAL frames per commit")
+    if args.profile is not None:
+        import cProfile
+        with cProfile.Profile() as prof:
+            run_once(args.tasks, args.workers, "FULL", trace=False, batch=args.batch)
+        prof.dump_stats(args.profile)
+        print(f"profile of a FULL run in {args.profile}")
     return 0
 
 
