@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from conftest import Farm
+from mpi_jobs import check_conservation, query, run
 
 from store.audit import audit_path
 
@@ -128,3 +130,42 @@ def test_a_batch_rolled_back_by_rank_and_token_undoes_every_task_it_held(db_path
     assert all(v == ("queued", 0, 0) for v in states(farm).values())
     farm.close()
     assert audit_path(db_path).ok
+
+
+# -- under MPI: a poison task in a batch of 64 ----------------------------------------------
+
+POISON = 37
+POISON_MODULE = f"""
+def run(task):
+    n = task["data"]["n"]
+    # over the 2 MiB a value may have: this task's RESULT is invalid, and so is its batch's
+    return "x" * (3 << 20) if n == {POISON} else n * n
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_a_poison_task_in_a_batch_of_64_is_isolated_and_alone_charged(tmp_path):
+    """64 tasks in one batch, one of them poison (its value is over MAX_VALUE_BYTES, so the
+    batch's RESULT is invalid): the batch is split 64, 32, 16, 8, 4, 2, 1, each split
+    uncharged; only the poison task is ever charged, and it alone is deferred; the 63 others
+    commit their own results, each exactly once."""
+    mod = tmp_path / "poison.py"
+    mod.write_text(POISON_MODULE)
+    db = tmp_path / "c.db"
+    done = run(["run", "--db", str(db), "--demo", "64", "--batch", "64", "--callable",
+                f"{mod}:run", "--retries", "1", "--no-progress"], np=2, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=64)
+    rows = query(db, "SELECT json_extract(t.payload, '$.data.n'), t.state, t.attempts, "
+                     "r.value FROM tasks t LEFT JOIN results r ON r.task_id = t.id")
+    by_n = {n: (state, attempts, value) for n, state, attempts, value in rows}
+    poison_state, poison_attempts, poison_value = by_n.pop(POISON)
+    assert poison_state == "deferred" and poison_value is None and poison_attempts >= 1
+    assert by_n == {n: ("done", 0, str(n * n)) for n in range(64) if n != POISON}
+    splits = query(db, "SELECT detail FROM events WHERE kind = 'requeued' "
+                       "AND detail LIKE 'split:%' ORDER BY id")
+    assert len(splits) == math.ceil(math.log2(64)), splits
+    invalid = query(db, "SELECT count(*) FROM quarantine WHERE channel = 'result' "
+                        "AND reason = 'payload'")[0][0]
+    assert invalid == len(splits) + poison_attempts  # each split's batch, then the task alone
