@@ -46,7 +46,7 @@ PATH's) and --np ranks (rank 0 is the master, the others are workers). Under mpi
 the ranks it was given.
 
 examples:
-  coordinator run --db demo.db                      # {DEFAULT_DEMO_TASKS} built-in demo tasks, 4 ranks
+  coordinator run --db demo.db              # {DEFAULT_DEMO_TASKS} built-in demo tasks, 4 ranks
   mpiexec -n 64 coordinator run --db campaign.db --afl-out afl_out --fuzzer main \\
       --name symcc -- ./target_symcc @@
   coordinator run --db farm.db --tasks tasks.jsonl --callable mypkg.work:solve

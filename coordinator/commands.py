@@ -104,9 +104,10 @@ def status(db: Path, as_json: bool) -> int:
         print(f"note: {view.note()}")
     if master is not None:
         where = f"pid {master['pid']} on {master['host']}"
-        print("master: " + {True: f"running ({where})", False: f"not running (the last was "
-                            f"{where})", None: f"{where} (whether it runs cannot be told from here)"}[
-                                master["running"]])
+        state = {True: f"running ({where})",
+                 False: f"not running (the last was {where})",
+                 None: f"{where} (whether it runs cannot be told from here)"}[master["running"]]
+        print("master: " + state)
     if times.created_at is not None:
         run = (f"; this incarnation {'has run' if running else 'ran'} "
                f"{duration(end - times.incarnation_started_at)}"

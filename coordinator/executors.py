@@ -204,7 +204,8 @@ class CommandExecutor:
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     ) -> None:
         if isinstance(argv, (str, bytes)) or not argv:
-            raise UsageError("command executor needs a non-empty argv list, e.g. ['./target', '@@']")
+            raise UsageError("command executor needs a non-empty argv list, "
+                             "e.g. ['./target', '@@']")
         if not all(isinstance(a, str) for a in argv):
             raise UsageError(f"command argv must be a list of strings, got {list(argv)!r}")
         if not timeout_s > 0:
@@ -279,9 +280,11 @@ class CommandExecutor:
     ) -> ExecOutcome:
         argv = [self.argv[0], *(a.replace("@@", str(input_path)) for a in self.argv[1:])]
         try:
-            stdin_file = None if self.uses_file_arg else open(input_path, "rb")
+            # Closed in the `finally` below, after the child has it (it may not be opened at all).
+            stdin_file = None if self.uses_file_arg else open(input_path, "rb")  # noqa: SIM115
         except OSError as exc:
-            return ExecOutcome(status=STATUS_ERROR, detail=clip_detail(f"cannot open input for stdin: {exc}"))
+            return ExecOutcome(status=STATUS_ERROR,
+                               detail=clip_detail(f"cannot open input for stdin: {exc}"))
         running_commands.spawning = True
         try:
             proc = subprocess.Popen(
@@ -296,7 +299,8 @@ class CommandExecutor:
             )
         except OSError as exc:
             running_commands.spawned(None)
-            return ExecOutcome(status=STATUS_ERROR, detail=clip_detail(f"cannot start {argv[0]!r}: {exc}"))
+            return ExecOutcome(status=STATUS_ERROR,
+                               detail=clip_detail(f"cannot start {argv[0]!r}: {exc}"))
         except BaseException:
             running_commands.spawned(None)
             raise
@@ -318,7 +322,8 @@ class CommandExecutor:
             return ExecOutcome(
                 status=STATUS_TIMEOUT,
                 returncode=returncode,
-                detail=_join_detail(f"timed out after {self.timeout_s:g} s; process group killed", stderr_tail),
+                detail=_join_detail(
+                    f"timed out after {self.timeout_s:g} s; process group killed", stderr_tail),
             )
         if returncode != 0:
             return ExecOutcome(
@@ -498,7 +503,8 @@ def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
         return value, []
     raw = value["testcases"]
     if not isinstance(raw, dict):
-        raise ValueError(f"result['testcases'] must be a dict of name -> bytes, got {type(raw).__name__}")
+        raise ValueError(f"result['testcases'] must be a dict of name -> bytes, "
+                         f"got {type(raw).__name__}")
     testcases: list[tuple[str, bytes]] = []
     for name, content in raw.items():
         if not isinstance(name, str) or not isinstance(content, (bytes, bytearray, memoryview)):
@@ -584,7 +590,8 @@ class PythonExecutor:
             value, testcases = _split_testcases(result)
             value = _as_json(value)
         except ValueError as exc:
-            return ExecOutcome(status=STATUS_ERROR, duration_s=duration, detail=clip_detail(str(exc)))
+            return ExecOutcome(status=STATUS_ERROR, duration_s=duration,
+                               detail=clip_detail(str(exc)))
         return ExecOutcome(status=STATUS_OK, value=value, testcases=testcases, duration_s=duration)
 
 
@@ -640,7 +647,8 @@ class DemoExecutor:
         try:
             n = self._task_number(task, input_bytes)
         except (OSError, ValueError) as exc:
-            return ExecOutcome(status=STATUS_ERROR, duration_s=time.perf_counter() - started, detail=clip_detail(str(exc)))
+            return ExecOutcome(status=STATUS_ERROR, duration_s=time.perf_counter() - started,
+                               detail=clip_detail(str(exc)))
         if self.work_ms > 0:
             _burn_cpu(self.work_ms)
         value = {"n": n, "digest": demo_digest(n), "collatz_steps": collatz_steps(n)}

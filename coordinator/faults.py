@@ -35,7 +35,8 @@ class FaultySender(Sender):
         self._log = None
         if plan.log_dir is not None:
             plan.log_dir.mkdir(parents=True, exist_ok=True)
-            self._log = open(plan.log_dir / f"faults-rank{transport.rank}.jsonl", "a",
+            # Held for the rank's life, appended to line by line (closed at exit).
+            self._log = open(plan.log_dir / f"faults-rank{transport.rank}.jsonl", "a",  # noqa: SIM115
                              buffering=1)
 
     def _draw(self) -> set[str]:

@@ -1,7 +1,7 @@
 """The generation gate: applies one phase's drained messages to the store in one transaction.
 
-The master loop (docs/protocol.md §3) calls, every round and in this order: `apply_ready` (drain READY),
-`plan_dispatches` (dispatch; committed before any send), `apply_results` (drain RESULT),
+The master loop (docs/protocol.md §3) calls, every round and in this order: `apply_ready` (drain
+READY), `plan_dispatches` (dispatch; committed before any send), `apply_results` (drain RESULT),
 `sweep` (recovery) and `watchdog`. No MPI here: messages arrive already decoded (or as
 `Undecodable`), so the whole protocol can be driven from tests with real database files.
 """
@@ -319,7 +319,8 @@ class Gate:
             values = [dsp.encode_value(_value_of(o)) for o in batch]
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             return f"value is not JSON-serialisable: {e}"[:300]
-        failed = [t for t, o in zip(task_ids, batch) if _status_of(o) in RETRY_STATUSES]
+        failed = [t for t, o in zip(task_ids, batch, strict=True)
+                  if _status_of(o) in RETRY_STATUSES]
         if len(failed) == len(task_ids):
             dsp.retry_all(tx, a.rank, a.token, str(_status_of(batch[0])))
             out.retried.append(a.rank)
@@ -328,7 +329,7 @@ class Gate:
             dsp.end_without_result(tx, a.rank, a.token, failed, "timeout")
             out.retried.append(a.rank)
         out.committed += [self.commit(tx, a, o, value, task_id=t)
-                          for t, o, value in zip(task_ids, batch, values)
+                          for t, o, value in zip(task_ids, batch, values, strict=True)
                           if _status_of(o) not in RETRY_STATUSES]
         return None
 

@@ -1,4 +1,5 @@
-"""The master rank: the five phases of a round, in the protocol's order (docs/protocol.md §3), over the durable store.
+"""The master rank: the five phases of a round, in the protocol's order (docs/protocol.md §3), over
+the durable store.
 
     drain READY -> dispatch to idle ranks -> drain RESULT -> recovery sweep -> watchdog sweep
 
@@ -222,7 +223,8 @@ class Master:
         self.write_stats(s)
 
     def _round(self) -> bool:
-        """One round, one transaction, in the protocol's order (docs/protocol.md §3); WORK leaves only after COMMIT.
+        """One round, one transaction, in the protocol's order (docs/protocol.md §3); WORK leaves
+        only after COMMIT.
 
         The next round's dispatch phase joins the transaction at its end (its READY drain
         would have nothing new: those messages were just applied), so a rank freed by this
@@ -374,9 +376,9 @@ class Master:
             if not (results or readies):
                 break
         if any_ready:
-            # docs/protocol.md §3: READY drained, then RESULT, then the sweep. A RESULT sent before a READY
-            # applied above and receivable only now is applied before the sweep can join that
-            # READY with an earlier invalid mark and roll a good dispatch back.
+            # docs/protocol.md §3: READY drained, then RESULT, then the sweep. A RESULT sent before
+            # a READY applied above and receivable only now is applied before the sweep can join
+            # that READY with an earlier invalid mark and roll a good dispatch back.
             late = self._receive_tag(TAG_RESULT)
             if late:
                 rr = self.gate.apply_results(tx, late, active=active)
@@ -740,9 +742,7 @@ class Master:
         here = socket.gethostname()
         gone = set()
         for rank, host, pid in dsp.holders(tx):
-            if rank in self._failed_ranks:
-                gone.add(rank)
-            elif host == here and pid and not process_exists(pid):
+            if rank in self._failed_ranks or host == here and pid and not process_exists(pid):
                 gone.add(rank)
         return gone
 

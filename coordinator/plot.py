@@ -74,7 +74,7 @@ def plot(db: Path, outdir: Path) -> int:
     try:
         outdir.mkdir(parents=True, exist_ok=True)
         for (name, title, _), draw in zip(CHARTS, (_tasks, _throughput, _testcases, _ranks,
-                                                    _events)):
+                                                    _events), strict=True):
             _render(outdir / name, title, series, draw)
         (outdir / "index.html").write_text(_index(db, series, stats, running))
     except OSError as e:
@@ -154,7 +154,7 @@ def _tasks(ax, s: PlotSeries) -> None:
     done = _cumulative(s.done)
     created = _cumulative(s.created)
     ax.plot(t, done, drawstyle="steps-post", label="done (results committed)", color="tab:green")
-    ax.plot(t, [c - d for c, d in zip(created, done)], drawstyle="steps-post",
+    ax.plot(t, [c - d for c, d in zip(created, done, strict=True)], drawstyle="steps-post",
             label="not done (queued, in flight or held)", color="tab:orange")
     ax.set_ylabel("tasks")
     ax.set_ylim(bottom=0)
@@ -166,7 +166,7 @@ def _throughput(ax, s: PlotSeries) -> None:
     t = _times(s)
     per_min = 60.0 / s.width
     width = s.width / 86400 * 0.9
-    ok = [(d - b) * per_min for d, b in zip(s.done, s.not_ok)]
+    ok = [(d - b) * per_min for d, b in zip(s.done, s.not_ok, strict=True)]
     bad = [b * per_min for b in s.not_ok]
     ax.bar(t, ok, width=width, color="tab:blue", label="ok")
     if any(bad):
@@ -220,7 +220,7 @@ def _events(axes, s: PlotSeries) -> None:
     """One panel per kind of trouble, each kind a line of its own colour: rare events (a
     death) stay visible beside frequent ones (quarantined messages)."""
     t = _times(s)
-    for ax, (what, kinds) in zip(axes, _EVENT_PANELS):
+    for ax, (what, kinds) in zip(axes, _EVENT_PANELS, strict=True):
         shown = [(k, s.events[k]) for k in kinds if any(s.events.get(k, ()))]
         for kind, counts in shown:
             ax.plot(t, counts, marker=".", markersize=4, linewidth=1,

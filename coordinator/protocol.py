@@ -1,5 +1,6 @@
-"""The protocol's pure rules (docs/protocol.md §2–§3): tokens, READY/RESULT classification, the join,
-the fail-closed `bitmap_version` rule. No I/O here, so every row of docs/protocol.md's tables is a test.
+"""The protocol's pure rules (docs/protocol.md §2–§3): tokens, READY/RESULT classification, the
+join, the fail-closed `bitmap_version` rule. No I/O here, so every row of docs/protocol.md's tables
+is a test.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ READY_TOKEN_KEY = "completed_dispatch_token"
 
 
 def classify_ready(msg: object, expected: str | None, *, consistent: bool = True) -> ReadyStatus:
-    """docs/protocol.md §3 READY table. `expected` is the token of the rank's active dispatch (or, for a
-    parked rank, the retired token it must echo); None when there is none. `consistent` is
+    """docs/protocol.md §3 READY table. `expected` is the token of the rank's active dispatch (or,
+    for a parked rank, the retired token it must echo); None when there is none. `consistent` is
     False when the rank's ownership rows disagree (an internal invariant is broken)."""
     if not isinstance(msg, Mapping):
         return ReadyStatus.MALFORMED

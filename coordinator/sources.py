@@ -36,7 +36,8 @@ __all__ = [
 
 # The semantic payload fields of a task (docs/protocol.md §4, plus `data` for generic farms).
 SEMANTIC_FIELDS = frozenset(
-    {"path", "data", "focus_bytes", "target_branch", "s2f_actions", "schedule_prefix", "continuation"}
+    {"path", "data", "focus_bytes", "target_branch", "s2f_actions", "schedule_prefix",
+     "continuation"}
 )
 # What a line of a tasks file may hold: the semantic fields plus where to read the input from.
 TASK_FILE_FIELDS = SEMANTIC_FIELDS | {"input_file"}
@@ -318,7 +319,8 @@ def _parse_line(path: pathlib.Path, lineno: int, raw: bytes,
     unknown = sorted(set(obj) - TASK_FILE_FIELDS)
     if unknown:
         raise TaskFileError(
-            path, lineno, f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(TASK_FILE_FIELDS))})"
+            path, lineno,
+            f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(TASK_FILE_FIELDS))})"
         )
     if "path" not in obj and "data" not in obj:
         raise TaskFileError(path, lineno, "a task needs 'path' or 'data'")
@@ -364,7 +366,8 @@ def _read_input_file(path: pathlib.Path, lineno: int, obj: dict,
                 return b""
         return pathlib.Path(input_file).read_bytes()
     except OSError as exc:
-        raise TaskFileError(path, lineno, f"cannot read input_file {input_file!r}: {exc.strerror or exc}") from None
+        raise TaskFileError(path, lineno, f"cannot read input_file {input_file!r}: "
+                                          f"{exc.strerror or exc}") from None
 
 
 def load_tasks_jsonl(path: os.PathLike[str] | str) -> TasksFile:

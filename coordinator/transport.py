@@ -150,7 +150,7 @@ class Transport:
         #: Started with Open MPI's ULFM (`--with-ft ulfm`): a rank's death or MPI_Abort does
         #: not end the job there, and MPI_Finalize can hang after a failure (ompi#11404), so
         #: the ranks end the job themselves (see runtime.end_job and worker.serve).
-        self.fault_tolerant = os.environ.get("OMPI_MCA_mpi_ft_enable") == "1"
+        self.fault_tolerant = os.environ.get("OMPI_MCA_mpi_ft_enable") == "1"  # noqa: SIM112 (its own case)
         self._failed: set[int] = set()      # every rank the runtime reported dead
         tighten_timer_slack()
         self._new_failed: list[int] = []    # reported since the last take_failed()

@@ -69,11 +69,12 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
 
 
 def leave_job(transport: Transport, why: str | None = None) -> None:
-    """A worker that cannot go on (its executor does not load here, a bug) must not return into MPI_Finalize: that waits for ranks
-    that will never finalize, spinning, and the master is never told. Under ULFM it exits
-    without finalizing, which the master sees as this rank's death (its task goes back to the
-    queue, the run goes on with the others; only a zero exit status keeps Open MPI's launcher
-    from ending the whole job). Without ULFM a rank's exit ends the job anyway: abort it."""
+    """A worker that cannot go on (its executor does not load here, a bug) must not return into
+    MPI_Finalize: that waits for ranks that will never finalize, spinning, and the master is never
+    told. Under ULFM it exits without finalizing, which the master sees as this rank's death (its
+    task goes back to the queue, the run goes on with the others; only a zero exit status keeps Open
+    MPI's launcher from ending the whole job). Without ULFM a rank's exit ends the job anyway: abort
+    it."""
     # The one line first: it must reach the terminal even if the traceback does not.
     print(f"coordinator: rank {transport.rank} cannot go on and leaves the job "
           + (f"({why}; " if why else "(") + "the master returns any task it held to the queue)",

@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .errors import FenceError
 from .journal import Tx
-from .schema import EventKind, LeaseKind, TaskState, WorkerState, dispatches, tasks
+from .schema import EventKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
 from .workers import set_workers
 
@@ -605,8 +605,9 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
                       attempts_delta=int(charged))
         back[:0] = taken.task_ids
     if not earlier_incarnations and rows:
-        # Only a rank whose READY was seen is idle: the others are still running the task
-        # just requeued, and get their STOP once their READY comes (docs/protocol.md §3, Shutdown: STOP after READY).
+        # Only a rank whose READY was seen is idle: the others are still running the task just
+        # requeued, and get their STOP once their READY comes (docs/protocol.md §3, Shutdown: STOP
+        # after READY).
         set_workers(tx, [(r.rank, WorkerState.IDLE) for r in rows
                          if r.rank not in charged_ranks and r.ready_at is not None])
     return back  # oldest dispatch first, as queued

@@ -31,7 +31,8 @@ _INSERT_QUARANTINE = ("INSERT INTO quarantine (at, incarnation, channel, reason,
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """docs/protocol.md §3 R7/R8: immediate requeues, then deferral; a total ceiling holds a task as failed.
+    """docs/protocol.md §3 R7/R8: immediate requeues, then deferral; a total ceiling holds a task as
+    failed.
 
     `retries`: post-send failures requeued at the head of the queue (0–16, default 1).
     `max_attempts`: failed dispatches after which the task is held as failed (both counts are

@@ -58,6 +58,6 @@ def revision_of(path: object, tables: set[str], stamps: list[str]) -> str | None
     ours = {t for t in tables if not t.startswith("sqlite_") and t != "alembic_version"}
     if not ours:
         return None
-    if CAMPAIGN_TABLES <= ours:
+    if ours >= CAMPAIGN_TABLES:
         raise UnstampedCampaignError(path)
     raise ForeignDatabaseError(path, sorted(ours))

@@ -39,7 +39,8 @@ def _int_list(name: str, value: object, *, minimum: int | None = None) -> list[i
 
 
 def normalize_target_branch(value: object) -> int:
-    """docs/protocol.md §4: an int in 1..2^64-1, anything else (bool, float, out of range) means none (0)."""
+    """docs/protocol.md §4: an int in 1..2^64-1, anything else (bool, float, out of range) means
+    none (0)."""
     return value if _is_int(value) and 1 <= value <= MAX_BRANCH else 0  # type: ignore[return-value]
 
 

@@ -137,7 +137,8 @@ def _reasons(counts: dict[str, int]) -> str:
 
 
 def stats_text(s: Stats) -> str:
-    """The periodic stats file and the final summary, with the exact labels of docs/protocol.md R10."""
+    """The periodic stats file and the final summary, with the exact labels of docs/protocol.md
+    R10."""
     return "\n".join([
         f"Quarantined worker results: {_reasons(s.quarantine.get('result', {}))}",
         f"Quarantined worker ready messages: {_reasons(s.quarantine.get('ready', {}))}",

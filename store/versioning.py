@@ -11,7 +11,6 @@ import sqlite3
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, exc, inspect

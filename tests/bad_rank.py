@@ -142,7 +142,7 @@ def main() -> None:
         send(ready(token), TAG_READY)
         honest(first_ready=False)
     elif MODE == "foreign":  # ARG small messages on a tag the master never receives
-        for i in range(int(ARG)):
+        for _ in range(int(ARG)):
             send(b"x" * 16, 99)
     elif MODE == "garbage":  # ARG undecodable RESULTs and READYs, then honest
         for i in range(int(ARG)):

@@ -203,7 +203,8 @@ def test_status_and_requeue_leave_an_empty_file_empty(db_path):
     db_path.write_bytes(b"")
     for args in (["status"], ["requeue", "--state", "all"]):
         got = _cli(*args, "--db", str(db_path))
-        assert got.returncode == ExitStatus.USAGE and "holds no campaign yet" in got.stderr, got.stderr
+        assert got.returncode == ExitStatus.USAGE, got.stderr
+        assert "holds no campaign yet" in got.stderr, got.stderr
         assert db_path.stat().st_size == 0
 
 

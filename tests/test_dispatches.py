@@ -58,10 +58,9 @@ def test_rollback_is_atomic_when_the_transaction_fails(farm):
     _, tok = started(farm)
     farm.ready(1, tok)
     before = snapshot(farm)
-    with pytest.raises(RuntimeError):
-        with farm.store.transaction() as tx:
-            assert recover_dispatch(tx, 1, tok) is not None
-            raise RuntimeError("crash before COMMIT")
+    with pytest.raises(RuntimeError), farm.store.transaction() as tx:
+        assert recover_dispatch(tx, 1, tok) is not None
+        raise RuntimeError("crash before COMMIT")
     assert snapshot(farm) == before
 
 

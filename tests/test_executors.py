@@ -483,7 +483,8 @@ def test_demo_from_input_bytes_or_path(tmp_path, workdir):
     assert by_path.value == by_bytes.value
 
 
-@pytest.mark.parametrize("task", [{"data": {"n": -1}}, {"data": {"n": True}}, {"data": {"n": "5"}}, {}])
+@pytest.mark.parametrize("task", [{"data": {"n": -1}}, {"data": {"n": True}},
+                                  {"data": {"n": "5"}}, {}])
 def test_demo_bad_task_is_an_error_outcome(workdir, task):
     out = DemoExecutor().run(task, None, workdir)
     assert out.status == "error"

@@ -200,7 +200,7 @@ def test_an_invalid_result_is_quarantined_joined_with_its_ready_and_retried(tmp_
     # one quarantine row per faulted dispatch, recorded against that dispatch's token
     assert sorted(r[4] for r in rows) == sorted(faulted)
     assert {(r[0], r[1]) for r in rows} == {("result", reason)}
-    for channel, _, rank, token, expected, detail in rows:
+    for _channel, _, rank, token, expected, detail in rows:
         assert expected in dispatched_to(db, rank)
         if kind == "result_bad_token":
             assert token == expected.upper()
@@ -344,7 +344,7 @@ def test_a_malformed_ready_is_quarantined_and_the_heartbeat_frees_the_rank(tmp_p
 
     rows = quarantine_rows(db)
     assert len(rows) == len(faulted)  # malformed even when no dispatch is active
-    for channel, reason, rank, token, expected, detail in rows:
+    for channel, reason, _rank, token, expected, detail in rows:
         assert (channel, reason, token) == ("ready", "malformed", None)
         assert detail.startswith("wrong shape") and "$.completed_dispatch_token" in detail
         assert expected is None or expected in faulted
@@ -365,12 +365,12 @@ def test_a_malformed_ready_is_quarantined_and_the_heartbeat_frees_the_rank(tmp_p
 ], ids=["after-result", "before-result"])
 def test_a_stale_ready_is_quarantined_while_its_dispatch_is_active(tmp_path, inject, seed,
                                                                    at_least):
-    # A READY replaying an earlier token is `stale` while the current dispatch is active;
-    # once that dispatch's RESULT has committed the rank holds no dispatch, and docs/protocol.md §3 makes
-    # any valid old token `idle`. Sent after its RESULT (the worker's order), which of the
-    # two a replay meets depends on which the master applies first (MPI orders messages per
-    # tag only), so any number of stale rows up to the replays is right. With `reorder` the
-    # replayed READY leaves before the RESULT: then it is stale.
+    # A READY replaying an earlier token is `stale` while the current dispatch is active; once that
+    # dispatch's RESULT has committed the rank holds no dispatch, and docs/protocol.md §3 makes any
+    # valid old token `idle`. Sent after its RESULT (the worker's order), which of the two a replay
+    # meets depends on which the master applies first (MPI orders messages per tag only), so any
+    # number of stale rows up to the replays is right. With `reorder` the replayed READY leaves
+    # before the RESULT: then it is stale.
     kind = "ready_stale"
     db, log, done = campaign(tmp_path, inject, seed)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -743,4 +743,4 @@ def test_the_job_ends_when_the_master_aborts_it(tmp_path, cause):
 
 
 def test_every_fault_kind_is_covered():
-    assert COVERED == set(KINDS)
+    assert set(KINDS) == COVERED

@@ -116,7 +116,8 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     # Writes the master's pid, runs for 3 s, and records the master's exit status (0).
     starts = tmp_path / "starting-mpiexec"
     starts.write_text("#!/bin/sh\n" + version + "while [ $# -gt 0 ]; do\n"
-                      "  if [ \"$1\" = --master-pid-file ]; then echo $$ > \"$2\"; f=$2; fi; shift\n"
+                      "  if [ \"$1\" = --master-pid-file ]; then echo $$ > \"$2\"; f=$2; fi;"
+                      " shift\n"
                       "done\nsleep 3\necho 0 > \"$f.exit\"\n")
     for script in (hang, starts):
         script.chmod(0o755)

@@ -86,11 +86,11 @@ def _campaign_of_demo_tasks(path, n: int) -> Store:
 @pytest.mark.timeout(60)
 def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_that_ready(
         tmp_path):
-    """docs/protocol.md §3: a valid RESULT waiting in its tag queue is committed before the sweep can roll
-    its dispatch back. Here a malformed RESULT sets the invalid mark first; the valid RESULT
-    becomes receivable together with the READY, after a poll's RESULT drain and before its
-    READY drain. A round that applied that READY and ended without draining RESULT again
-    would let the sweep join READY and invalid mark, and roll a good dispatch back."""
+    """docs/protocol.md §3: a valid RESULT waiting in its tag queue is committed before the sweep
+    can roll its dispatch back. Here a malformed RESULT sets the invalid mark first; the valid
+    RESULT becomes receivable together with the READY, after a poll's RESULT drain and before its
+    READY drain. A round that applied that READY and ended without draining RESULT again would let
+    the sweep join READY and invalid mark, and roll a good dispatch back."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
     try:
         ranks = ScriptedAnswers(1, lambda token: [
@@ -181,9 +181,9 @@ def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on
 
 @pytest.mark.timeout(60)
 def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_path):
-    """Pre-send compensation (docs/protocol.md R6): the WORK never left, so nothing is charged: the task
-    keeps its queue place and its counts, the event is `send_failed` (no requeue, no
-    recovery), and the rank that could not be reached is marked failed and left alone."""
+    """Pre-send compensation (docs/protocol.md R6): the WORK never left, so nothing is charged: the
+    task keeps its queue place and its counts, the event is `send_failed` (no requeue, no recovery),
+    and the rank that could not be reached is marked failed and left alone."""
     from coordinator.transport import SendFailed
     ranks = ScriptedAnswers(2, answered_after(0))
     answer = ranks.send_work
@@ -248,8 +248,8 @@ def _worker_state(path, rank: int) -> str | None:
 
 @pytest.mark.timeout(60)
 def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp_path):
-    """docs/protocol.md §3, Shutdown: STOP only after the worker has shown READY. Rank 1 is still running
-    when the grace period ends (its task goes back to the queue); it answers a few polls
+    """docs/protocol.md §3, Shutdown: STOP only after the worker has shown READY. Rank 1 is still
+    running when the grace period ends (its task goes back to the queue); it answers a few polls
     later, and only then is sent its STOP. Meanwhile the database says it is busy, not idle."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
     try:

@@ -364,9 +364,8 @@ def test_a_migrated_file_accepts_every_enum_value_the_code_writes(tmp_path: Path
                     "INSERT INTO quarantine (at, incarnation, channel, reason, rank) "
                     "VALUES (0, 1, 'result', 'bogus', 1)",
                     "UPDATE tasks SET state = 'bogus' WHERE id = 1"):
-            with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
-                with conn:
-                    conn.execute(sql)
+            with pytest.raises(sqlite3.IntegrityError, match="CHECK"), conn:
+                conn.execute(sql)
     finally:
         conn.close()
 

@@ -352,7 +352,8 @@ def test_a_tasks_file_holds_nothing_and_is_refused_if_changed_before_the_import(
         ('{"path": "x", "continuation": {"k": [[18446744073709551616]]}}', "out of range"),
     ],
 )
-def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_path, bad_line, reason):
+def test_jsonl_bad_line_is_reported_with_its_number_and_nothing_returned(tmp_path, bad_line,
+                                                                        reason):
     tasks = write_lines(tmp_path / "tasks.jsonl", ['{"path": "a"}', "", bad_line, '{"path": "b"}'])
     with pytest.raises(TaskFileError) as err:
         load_tasks_jsonl(tasks)
@@ -409,7 +410,7 @@ def test_jsonl_missing_file(tmp_path):
 
 def test_demo_tasks():
     tasks = demo_tasks(3)
-    assert [t.payload for t in tasks] == [{"data": {"n": 0}}, {"data": {"n": 1}}, {"data": {"n": 2}}]
+    assert [t.payload for t in tasks] == [{"data": {"n": i}} for i in range(3)]
     assert all(t.input_bytes is None and t.origin == "demo" for t in tasks)
     assert len(tasks) == 3 and list(demo_tasks(0)) == []
     with pytest.raises(ValueError):

@@ -8,8 +8,8 @@ one record per dispatch, no commit from an ended or retired token, leases owned 
 dispatch, the statistics against the rows they count) -- and the whole observable state
 against the model.
 
-The model is an independent oracle: it classifies READY and RESULT messages from docs/protocol.md §3 on
-its own, without calling `coordinator.protocol`.
+The model is an independent oracle: it classifies READY and RESULT messages from docs/protocol.md §3
+on its own, without calling `coordinator.protocol`.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class GateMachine(RuleBasedStateMachine):
         log_task_transitions(self.path)
         # -- the model --
         self.payloads = []
-        for name, extra, stored, present in CATALOG:
+        for name, extra, _stored, present in CATALOG:
             p = str(self.tmp / "inputs" / name)
             self.payloads.append({"path": p, **extra})
             if present:
@@ -188,8 +188,8 @@ class GateMachine(RuleBasedStateMachine):
         t.state = "queued"
 
     def _retry(self, d: MDispatch, *, protocol: bool = True) -> None:
-        """_apply_retry, as docs/protocol.md R7/R8 and the ceiling say it must behave. A task whose run
-        failed (a `timeout` RESULT) is retried alike but counted apart from protocol
+        """_apply_retry, as docs/protocol.md R7/R8 and the ceiling say it must behave. A task whose
+        run failed (a `timeout` RESULT) is retried alike but counted apart from protocol
         failures."""
         t = self.tasks[d.task_id]
         t.attempts += 1
@@ -260,7 +260,7 @@ class GateMachine(RuleBasedStateMachine):
                 self.blobs.add(stored)
         assert len(created) == len(fresh), (idxs, created, fresh)
         pos = self._tail()
-        for i, tid in zip(fresh, created):
+        for i, tid in zip(fresh, created, strict=True):
             name, extra, stored, _ = CATALOG[i]
             keys = set()
             if "target_branch" in extra:
@@ -396,7 +396,9 @@ class GateMachine(RuleBasedStateMachine):
         with self.store.transaction() as tx:
             plan = self.gate.plan_dispatches(tx, idle,
                                              deadline_s=DEADLINE_S if with_deadline else None)
-        assert [(p.rank, p.task.id) for p in plan] == [(r, t.id) for r, t in zip(idle, picks)]
+        # one dispatch per idle rank, as far as there are tasks to pick
+        assert [(p.rank, p.task.id) for p in plan] == [
+            (r, t.id) for r, t in zip(idle, picks, strict=False)]
         # Some sends may fail (the rank died): pre-send compensation rewinds those exactly.
         unsent = (data.draw(st.sets(st.sampled_from([p.rank for p in plan])), label="unsent")
                   if plan and data.draw(st.integers(0, 4), label="send_failures") == 0
@@ -407,7 +409,7 @@ class GateMachine(RuleBasedStateMachine):
                     assert dsp.cancel_dispatch(tx, p.rank, p.token, detail="send failed")
             dsp.mark_sent(tx, [p.token for p in plan if p.rank not in unsent])
         all_issued = {t for ts in self.issued.values() for t in ts}
-        for p, t in zip(plan, picks):
+        for p, t in zip(plan, picks, strict=False):  # one per idle rank
             assert _is_token(p.token) and p.token not in all_issued
             self.issued[p.rank].append(p.token)
             if p.rank in unsent:  # the task keeps its queue place; nothing is counted
@@ -457,8 +459,8 @@ class GateMachine(RuleBasedStateMachine):
                 "status": "ok"}
 
     def _send_results(self, msgs: list[tuple[int, str]], data: st.DataObject) -> list[str]:
-        """One RESULT drain, all messages in one transaction; the oracle is docs/protocol.md §3's RESULT
-        classification. Returns the statuses."""
+        """One RESULT drain, all messages in one transaction; the oracle is docs/protocol.md §3's
+        RESULT classification. Returns the statuses."""
         bodies: list[Inbound] = []
         expect: list[tuple[int, str]] = []
         commits: list[MDispatch] = []
@@ -601,7 +603,7 @@ class GateMachine(RuleBasedStateMachine):
         with self.store.transaction() as tx:
             recs = self.gate.sweep(tx)
         assert [(r.rank, r.token) for r in recs] == [(d.rank, d.token) for d in joined]
-        for d, rec in zip(joined, recs):
+        for d, rec in zip(joined, recs, strict=True):
             self._recover(d)
             self.wstate[d.rank] = "idle"  # its current READY was seen
             self.events["recovered"] += 1

@@ -109,7 +109,8 @@ def test_a_well_formed_result_round_trips(status):
     pytest.param({"token": T}, id="no-status"),
 ])
 def test_results_off_schema_are_refused(body):
-    """Strict: nothing is coerced, nothing unknown is ignored; the reason is returned, not raised."""
+    """Strict: nothing is coerced, nothing unknown is ignored; the reason is returned, not
+    raised."""
     res, why = check_result(body)
     assert res is None and isinstance(why, str) and why
 

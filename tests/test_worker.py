@@ -21,8 +21,8 @@ class _Counting:
 
 
 def test_the_worker_runs_no_work_whose_token_is_not_canonical(tmp_path):
-    """docs/protocol.md R1: a WORK whose token is not canonical is a protocol error on the worker: nothing
-    runs and no RESULT is sent (there is no token to echo). A canonical one runs, and its
+    """docs/protocol.md R1: a WORK whose token is not canonical is a protocol error on the worker:
+    nothing runs and no RESULT is sent (there is no token to echo). A canonical one runs, and its
     RESULT carries the WORK's token, whatever the value holds (the single sender overwrites it),
     then READY echoes that token."""
     from coordinator.transport import Received

@@ -108,7 +108,8 @@ def build(path: Path, tasks: int, ranks: int, span_s: float, seed: int = 0) -> N
             [(t0 + 10 * k, queued, active, int(done * k / n_obs), int(done * k / n_obs) // 10 * 3)
              for k in range(n_obs + 1)])
         conn.executemany(
-            "INSERT INTO rank_load (rank, at, incarnation, window_s, busy) VALUES (?, ?, 1, 300, ?)",
+            "INSERT INTO rank_load (rank, at, incarnation, window_s, busy) "
+            "VALUES (?, ?, 1, 300, ?)",
             [(r, now - 5, rnd.uniform(0.6, 1.0)) for r in range(1, ranks + 1)])
     conn.close()
 
