@@ -205,8 +205,8 @@ def wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
 # -- fencing ------------------------------------------------------------------------------------
 
 #: Where an MPI launcher puts a process's rank, and the name of its job (Open MPI / PMIx;
-#: MPICH's Hydra / PMI). A process is a rank of this job only if it has the master's job
-#: name and the rank, as its launcher set them.
+#: MPICH's Hydra sets no job name: `_job_of`). A process is a rank of this job only if it has
+#: the master's job and the rank, as its launcher set them.
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 JOB_VARS = ("PMIX_NAMESPACE", "PMI_KVSNAME", "PMI_JOBID", "OMPI_MCA_ess_base_jobid")
 
@@ -227,10 +227,41 @@ def environment_of(pid: int) -> dict[str, str] | None:
     return env
 
 
+def _launcher_of(pid: int, rank_var: str) -> int | None:
+    """The nearest ancestor of `pid` that carries no rank: the launcher's process on this host
+    (MPICH Hydra's proxy), whatever wrappers the rank was started under; None if it cannot be
+    told."""
+    for _ in range(64):
+        fields = proc_stat(pid)
+        if fields is None:
+            return None
+        pid = int(fields[1])
+        env = environment_of(pid) if pid > 1 else None
+        if env is None:
+            return None
+        if rank_var not in env:
+            return pid
+    return None
+
+
+def _job_of(pid: int, env: Mapping[str, str], rank_var: str) -> dict[str, str]:
+    """What names the job of process `pid` (with environment `env`): its launcher's job
+    variables; where the launcher sets none (MPICH's Hydra), the launcher's process on this
+    host, which one job's ranks here share and no other job's do."""
+    job = {v: env[v] for v in JOB_VARS if v in env}
+    if not job:
+        launcher = _launcher_of(pid, rank_var)
+        if launcher is not None:
+            job["launcher pid"] = str(launcher)
+    return job
+
+
 def _job() -> tuple[dict[str, str], str | None]:
-    """This process's job name (its launcher's variables) and the variable of its rank."""
-    return ({v: os.environ[v] for v in JOB_VARS if v in os.environ},
-            next((v for v in RANK_VARS if v in os.environ), None))
+    """This process's job (`_job_of`) and the variable of its rank."""
+    rank_var = next((v for v in RANK_VARS if v in os.environ), None)
+    if rank_var is None:
+        return {}, None
+    return _job_of(os.getpid(), os.environ, rank_var), rank_var
 
 
 def find_rank_process(rank: int) -> int | None:
@@ -243,8 +274,7 @@ def find_rank_process(rank: int) -> int | None:
     parents = {}
     for pid, fields in proc_stats():
         env = environment_of(pid) if pid != os.getpid() else None
-        if env and env.get(rank_var) == str(rank) and all(
-                env.get(v) == value for v, value in ours.items()):
+        if env and env.get(rank_var) == str(rank) and _job_of(pid, env, rank_var) == ours:
             parents[pid] = int(fields[1])
     roots = [pid for pid, ppid in parents.items() if ppid not in parents]
     return roots[0] if len(roots) == 1 else None
@@ -260,7 +290,7 @@ def not_our_rank(pid: int, rank: int) -> str | None:
     theirs = environment_of(pid)
     if theirs is None:
         return f"process {pid}'s environment cannot be read"
-    if any(theirs.get(v) != value for v, value in ours.items()):
+    if _job_of(pid, theirs, rank_var) != ours:
         return f"process {pid} is not a process of this job"
     if theirs.get(rank_var) != str(rank):
         return f"process {pid} is not rank {rank} of this job"
