@@ -191,3 +191,71 @@ def test_a_pid_that_is_not_the_ranks_own_process_is_never_fenced(tmp_path, capsy
             other.kill()
             other.wait()
     assert f"rank 1 reported pid {other.pid}, which is not fenced" in capsys.readouterr().err
+
+
+# MPICH's Hydra starts a host's ranks from one proxy process and sets no job variable: only
+# PMI_RANK (and PMI_SIZE, PMI_FD...). This proxy does the same with the commands it is given,
+# one rank each, and passes its stdout on.
+HYDRA_LIKE_PROXY = textwrap.dedent("""\
+    import json, subprocess, sys
+    procs = [subprocess.Popen(argv, env={**json.loads(sys.argv[1]), "PMI_RANK": str(rank)})
+             for rank, argv in enumerate(json.loads(sys.argv[2]))]
+    for p in procs:
+        p.wait()
+    """)
+
+SLEEPING_RANK = textwrap.dedent("""\
+    import os, time
+    print(os.getpid(), flush=True)
+    time.sleep(600)
+    """)
+
+# Rank 0 of the proxy's job: what the master's fence would make of its own rank 1, of the
+# other job's rank 1 (whose pid it is given) and of its rank 1 taken for rank 2.
+CHECKING_RANK = textwrap.dedent("""\
+    import json, sys, time
+    from coordinator.processes import find_rank_process, not_our_rank
+    deadline = time.monotonic() + 20
+    while (found := find_rank_process(1)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    other = int(sys.argv[1])
+    print(json.dumps({"found": found, "own": not_our_rank(found, 1),
+                      "as rank 2": not_our_rank(found, 2), "other": not_our_rank(other, 1)}))
+    """)
+
+
+@pytest.mark.timeout(60)
+def test_ranks_of_a_launcher_that_sets_no_job_variable_are_told_by_its_proxy():
+    """Under MPICH the fence refused every rank ('no job name to check the process against'),
+    and a stop past --stop-wait left every busy rank's command running. A rank's job is then
+    the nearest ancestor without a rank variable: the proxy its host's ranks share, whatever
+    wrapper (here `sh -c`) a rank was started under."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k not in (*JOB_VARS, *RANK_VARS)}
+    sleeping = [sys.executable, "-c", SLEEPING_RANK]
+    wrapped = ["sh", "-c", f"{sys.executable} -c '{SLEEPING_RANK}'; true"]
+    procs = []
+    try:
+        other_job = subprocess.Popen(
+            [sys.executable, "-c", HYDRA_LIKE_PROXY, json.dumps(env),
+             json.dumps([sleeping, sleeping])], stdout=subprocess.PIPE, text=True,
+            start_new_session=True)
+        procs.append(other_job)
+        other_pid = int(other_job.stdout.readline())
+        this_job = subprocess.Popen(
+            [sys.executable, "-c", HYDRA_LIKE_PROXY, json.dumps(env),
+             json.dumps([[sys.executable, "-c", CHECKING_RANK, str(other_pid)], wrapped])],
+            stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(this_job)
+        lines = [this_job.stdout.readline(), this_job.stdout.readline()]  # in either order
+        seen = json.loads(next(line for line in lines if line.startswith("{")))
+        own_pid = int(next(line for line in lines if not line.startswith("{")))
+    finally:
+        for proc in procs:  # each proxy's session: its ranks and what they started
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert seen["found"] is not None and seen["found"] != own_pid  # the `sh` around it
+    assert seen["own"] is None, seen
+    assert seen["as rank 2"] == f"process {seen['found']} is not rank 2 of this job"
+    assert seen["other"] == f"process {other_pid} is not a process of this job"
