@@ -511,6 +511,19 @@ def test_startup_crash_checks(campaign, tmp_path):
     assert r["problems"] == [] and r["latency"]["startup_crash"][0] > 0
 
 
+def test_a_master_that_stopped_with_work_left_has_not_finished_the_campaign():
+    """Under ULFM, every worker dead: the master's last line, with tasks still queued (exit
+    6), was taken for a finished campaign, and the trial was checked as one (13 "lost")."""
+    stopped = ("coordinator: this run committed 12 results in 0.7 s (31 tasks/s in the loop; "
+               "1286 rounds, 20 transactions; master peak RSS 69 MiB); campaign: 12 done, 13 "
+               "queued, 0 deferred, 0 failed, 12 results; continue it with --resume; stats in "
+               "c.db.stats\n")
+    assert not fc.campaign_finished("$ mpiexec ...\n" + stopped)
+    drained = stopped.replace("12 done, 13 queued, 0 deferred", "24 done, 0 queued, 1 deferred")
+    assert fc.campaign_finished("$ mpiexec ...\n" + drained)
+    assert not fc.campaign_finished("$ mpiexec ...\n")
+
+
 def test_a_trial_failing_only_its_kinds_checks_fails():
     t = {"tasks_lost": 0, "wrong_commits": 0, "duplicate_commits": 0, "integrity_ok": True,
          "leftover_rows": 0, "stats_mismatches": 0, "kind_problems": []}

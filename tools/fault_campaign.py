@@ -60,6 +60,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -140,6 +141,9 @@ CAUSE_KINDS = ("recovered", "watchdog", "interrupted", "task_failed", "stop_requ
 FOLLOW_KINDS = ("requeued", "deferred", "failed", "retried", "task_deferred", "defer_failed")
 
 FINISHED_MARK = "this run committed"  # the master's last line after a drained campaign
+#: ... which a master that stopped with work left prints too (every worker dead under ULFM,
+#: exit 6): the campaign is drained only with nothing queued.
+FINISHED_LINE = re.compile(r"campaign: \d+ done, (\d+) queued")
 RATE_MIN, RATE_MAX = 0.02, 0.3
 
 
@@ -872,7 +876,7 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
             fault.settle()
     if ended_by == "exit" and LAUNCHER_FAILED in err_path.read_text(errors="replace"):
         ended_by = "launcher_failed"  # Open MPI's own flake (exit 213): nothing ran; rerun
-    finished = FINISHED_MARK in out_path.read_text(errors="replace")
+    finished = campaign_finished(out_path.read_text(errors="replace"))
     master_exit = None
     if pid_file is not None:
         with contextlib.suppress(OSError, ValueError):
@@ -881,6 +885,15 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
                   finished, _scalar(db, "SELECT count(*) FROM results"),
                   _scalar(db, "SELECT count(*) FROM dispatches"), round(started_at, 4),
                   master_exit)
+
+
+def campaign_finished(out: str) -> bool:
+    """The master's last line (stdout) says the campaign drained: nothing left queued."""
+    for line in reversed(out.splitlines()):
+        if FINISHED_MARK in line:
+            m = FINISHED_LINE.search(line)
+            return m is None or m.group(1) == "0"
+    return False
 
 
 # -- checking a campaign from its database -------------------------------------------------
