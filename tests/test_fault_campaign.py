@@ -395,6 +395,23 @@ def test_a_lock_held_past_lock_wait_must_stop_the_master(campaign, tmp_path):
         assert fc.check_harness_faults(db, runs, {"held_lock": rec}, tmp_path)["problems"] == []
 
 
+def test_a_hold_before_the_tasks_are_imported_is_judged(campaign, tmp_path):
+    """A lock taken while the master creates a new campaign (the schema there, no task yet):
+    it must write, so wait within --lock-wait and say so. Seed 1, trial 177: a 5.6 s hold
+    there was waited out in silence, and not judged (no queued task)."""
+    db, _, _ = campaign
+    rec = _lock_record(hold_s=5.59, lock_wait_s=30.0, outlasts=False,
+                       master_alive_at_release=True, work_left_at_acquire=0,
+                       tasks_at_acquire=0)
+    (tmp_path / "run00.err").write_text("")
+    r = fc.check_harness_faults(db, _runs(0), {"held_lock": rec}, tmp_path)
+    assert any("never said it waited" in p for p in r["problems"])
+    assert r["details"]["held_lock"]["judged"]
+    past = _lock_record(work_left_at_acquire=0, tasks_at_acquire=0)
+    r = fc.check_harness_faults(db, _runs(0), {"held_lock": past}, tmp_path)
+    assert any("expected 3" in p for p in r["problems"])
+
+
 def test_a_long_hold_within_lock_wait_must_be_said(campaign, tmp_path):
     db, _, _ = campaign
     rec = _lock_record(hold_s=6.0, lock_wait_s=30.0, outlasts=False,
@@ -497,10 +514,15 @@ def test_startup_crash_checks(campaign, tmp_path):
     r = fc.check_harness_faults(db, _runs(0), {"startup_crash": rec}, tmp_path)
     assert r["problems"] == [] and r["latency"] == {"startup_crash": [0.25]}
     assert r["details"]["startup_crash"]["went_on"]
-    # Ended by this harness (its kill of the whole job): not judged.
+    # Ended by this harness (its kill of the whole job): gone on if the death was recorded,
+    # else not judged.
     r = fc.check_harness_faults(db, _runs(None, "harness_kill", False), {"startup_crash": rec},
                                 tmp_path)
-    assert r["problems"] == []
+    assert r["problems"] == [] and r["details"]["startup_crash"]["went_on"]
+    later = {**rec, "killed_at": 5.0}
+    r = fc.check_harness_faults(db, _runs(None, "harness_kill", False), {"startup_crash": later},
+                                tmp_path)
+    assert r["problems"] == [] and r["details"]["startup_crash"]["went_on"] is None
     # Without ULFM the job ends; it must not hang.
     plain = {**rec, "ulfm": False}
     r = fc.check_harness_faults(db, _runs(None, "timeout", False), {"startup_crash": plain},

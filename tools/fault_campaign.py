@@ -610,9 +610,11 @@ class HeldLock(HarnessFault):
             rec["acquired_at"] = time.time()
             rec["acquire_wait_s"] = round(rec["acquired_at"] - asked, 4)
             rec["master_alive_at_acquire"] = job.master_alive()
-            # The master must write again (and so wait) while work is left.
+            # The master must write again (and so wait) while work is left, or while it has
+            # not imported its tasks yet (its start: the schema is there, the tasks not).
             rec["work_left_at_acquire"] = conn.execute(
                 "SELECT count(*) FROM tasks WHERE state IN ('queued', 'active')").fetchone()[0]
+            rec["tasks_at_acquire"] = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
             time.sleep(self.plan.hold_s)
             rec["master_alive_at_release"] = job.master_alive()
         finally:
@@ -1144,9 +1146,9 @@ def check_harness_faults(db: Path, runs: list[dict[str, Any]],
 
     - held_lock: a hold shorter than --lock-wait must not stop the master (exit 3, "database
       is locked"); a longer one must, if the master had to write during it (it was running
-      with work left when the lock was taken, or said it waited) and ended by itself (a
-      master killed meanwhile, by the launcher after a worker's death or by this harness, is
-      not judged). A hold of 4 s or more that the master
+      with work left, or tasks still to import, when the lock was taken, or said it waited)
+      and ended by itself (a master killed meanwhile, by the launcher after a worker's death
+      or by this harness, is not judged). A hold of 4 s or more that the master
       outlived with work left must have been said (naming this process's pid). Recovery: from
       the ROLLBACK to the campaign's next commit (a resumed master's, after an exit 3).
     - aliased_file: `run --resume`, `status` and `check` on the second name each exit 2
@@ -1154,7 +1156,7 @@ def check_harness_faults(db: Path, runs: list[dict[str, Any]],
       one name again afterwards; no run of the trial was refused.
     - startup_crash: the job must not hang (the per-job limit); under ULFM a job the harness
       did not end must go on: its master ends by itself and records the rank's death
-      (`worker_failed`). Recovery: without ULFM, from the kill to the first result committed
+      (`worker_failed`); one the harness ended counts as gone on if the death was recorded. Recovery: without ULFM, from the kill to the first result committed
       by the relaunched job; under ULFM, to the `worker_failed` event."""
     out: dict[str, Any] = {"problems": [], "latency": {}, "faults": {}, "details": {}}
     by_run = {j["run"]: j for j in runs}
@@ -1217,10 +1219,11 @@ def _judge_lock(rec: dict[str, Any], by_run: dict[int, dict[str, Any]], err_of,
     master_exit = job.get("master_exit")
     d["stopped"] = master_exit == ExitStatus.STORE
     d["said"] = LOCK_WAIT_LINE.format(pid=rec["holder_pid"]) in err
-    # The master had to write while the lock was held: it was running with work left, or it
-    # said it waited (a master past its last result still writes at its end).
+    # The master had to write while the lock was held: it was running with work left or
+    # still to import its tasks, or it said it waited (a master past its last result still
+    # writes at its end).
     alive = bool(rec.get("master_alive_at_acquire"))
-    running = alive and bool(rec.get("work_left_at_acquire"))
+    running = alive and bool(rec.get("work_left_at_acquire") or rec.get("tasks_at_acquire") == 0)
     hold, wait = rec["hold_s"], rec["lock_wait_s"]
     if rec["outlasts"]:
         if (running or (alive and d["said"])) and master_exit is not None:
@@ -1309,10 +1312,15 @@ def _judge_startup(rec: dict[str, Any], runs: list[dict[str, Any]],
     else:
         d["before_first_dispatch"] = True  # the master had not even begun its incarnation
     if rec["ulfm"]:
-        if job.get("ended_by") not in ("exit", None):
-            return  # ended by this harness (its kill, a stall): not the death's doing
         failed_at = value("SELECT min(at) FROM events WHERE kind = 'worker_failed' AND rank = ? "
                           "AND at >= ?", rank, killed_at - 1.0)
+        if job.get("ended_by") not in ("exit", None):
+            # Ended by this harness (its kill, a stall), not by the death: judged only by
+            # what the master did before (it recorded the death and went on).
+            if failed_at is not None:
+                d["went_on"] = True
+                out["latency"]["startup_crash"] = [round(failed_at - killed_at, 4)]
+            return
         d["went_on"] = job.get("master_exit") is not None and failed_at is not None
         if job.get("master_exit") is None:
             problems.append(f"startup_crash: under ULFM the job ended with rank {rank}'s death "
