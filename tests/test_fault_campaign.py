@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -29,12 +32,18 @@ def _load_tool():
 fc = _load_tool()
 
 
+#: The short campaign's seed: its 4 trials hold the three harness kinds (an aliased file in
+#: two; a held lock past --lock-wait; a start-up crash with and without ULFM) among
+#: injected ones.
+SHORT_SEED = 29
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_short_campaign_passes_and_writes_both_reports(tmp_path):
     out_json, out_md = tmp_path / "report.json", tmp_path / "report.md"
     done = subprocess.run(
-        [sys.executable, str(TOOL), "--trials", "4", "--tasks", "20", "--seed", "1",
+        [sys.executable, str(TOOL), "--trials", "4", "--tasks", "20", "--seed", str(SHORT_SEED),
          "--timeout-per-job", "20", "--max-restarts", "8", "--workdir", str(tmp_path / "w"),
          "--json", str(out_json), "--markdown", str(out_md)],
         capture_output=True, text=True, timeout=280)
@@ -49,23 +58,70 @@ def test_short_campaign_passes_and_writes_both_reports(tmp_path):
     assert report["duplicate_commits"] == report["integrity_failures"] == 0
     assert set(report["per_kind"]) == set(fc.ALL_KINDS)
     assert report["faults_injected"] > 0  # the plans did inject something
+    assert report["kind_failures"] == 0
+    h = report["harness_faults"]
+    assert h["held_lock"]["held"] == h["held_lock"]["past_lock_wait_stopped"] == 1
+    assert h["aliased_file"]["linked"] == 2
+    assert h["aliased_file"]["refused"] == h["aliased_file"]["commands"] == 6
+    assert h["startup_crash"]["killed"] == 2
     assert done.stdout.count("\ntrial ") + done.stdout.startswith("trial ") == 4
     md = out_md.read_text()
-    assert "fault_campaign.py --trials 4 --tasks 20 --seed 1" in md
+    assert f"fault_campaign.py --trials 4 --tasks 20 --seed {SHORT_SEED}" in md
     assert "| **all** |" in md
+    assert "| `held_lock` |" in md and "## The operator's environment" in md
+
+
+def test_the_short_campaign_holds_every_harness_kind():
+    plans = fc.draw_plans(4, seed=SHORT_SEED, tasks=20, kill_fraction=0.3)
+    assert {k for p in plans for k in p.kinds} >= set(fc.HARNESS_KINDS)
+    assert any(p.lock and p.lock.outlasts for p in plans)
+    assert {p.startup.ulfm for p in plans if p.startup} == {True, False}
 
 
 def test_plans_are_seeded_and_cover_every_kind():
     plans = fc.draw_plans(len(fc.ALL_KINDS), seed=3, tasks=40, kill_fraction=0.3)
-    assert {k for p in plans for k in p.rates} == set(fc.ALL_KINDS)
-    assert all(1 <= len(p.rates) <= 4 for p in plans)
+    assert {k for p in plans for k in p.kinds} == set(fc.ALL_KINDS)
+    assert all(1 <= len(p.kinds) <= 4 for p in plans)
     assert all(fc.RATE_MIN <= r <= fc.RATE_MAX for p in plans for r in p.rates.values())
     again = fc.draw_plans(len(fc.ALL_KINDS), seed=3, tasks=40, kill_fraction=0.3)
-    assert [(p.rates, p.inject_seed, p.kill) for p in plans] == \
-           [(p.rates, p.inject_seed, p.kill) for p in again]
+    assert [(p.rates, p.inject_seed, p.kill, p.lock, p.alias, p.startup) for p in plans] == \
+           [(p.rates, p.inject_seed, p.kill, p.lock, p.alias, p.startup) for p in again]
     many = fc.draw_plans(400, seed=3, tasks=40, kill_fraction=0.3)
     assert 80 <= sum(p.kill is not None for p in many) <= 160
-    assert min(Counter(k for p in many for k in p.rates).values()) >= 25
+    assert min(Counter(k for p in many for k in p.kinds).values()) >= 25
+
+
+def test_plans_of_the_harness_kinds(tmp_path):
+    many = fc.draw_plans(400, seed=5, tasks=25, kill_fraction=0.3, workers=3)
+    assert all(set(p.rates) <= set(fc.INJECT_KINDS) for p in many)  # never an --inject kind
+    locks = [p.lock for p in many if p.lock]
+    short = [lk for lk in locks if lk.outlasts]
+    assert [i % fc.SHORT_EVERY for i, lk in enumerate(locks) if lk.outlasts] == [0] * len(short)
+    assert all((lk.hold_s, lk.lock_wait_s) == (fc.SHORT_HOLD_S, fc.SHORT_LOCK_WAIT_S)
+               for lk in short)
+    assert all(fc.HOLD_MIN_S <= lk.hold_s <= fc.HOLD_MAX_S < lk.lock_wait_s
+               for lk in locks if not lk.outlasts)
+    assert all(0 <= p.after_results < 25 for p in (*locks, *(q.alias for q in many if q.alias)))
+    starts = [p.startup for p in many if p.startup]
+    assert {s.rank for s in starts} == {1, 2, 3}
+    assert all(0.02 <= s.delay_s <= 0.2 for s in starts)
+    assert [i % fc.ULFM_EVERY for i, s in enumerate(starts) if s.ulfm] == \
+           [0] * sum(s.ulfm for s in starts)
+    # The command line: the trial's --lock-wait, the master's pid file, and no --inject for
+    # a plan of the harness's kinds alone.
+    plan = fc.TrialPlan(0, {}, 7, None, lock=short[0])
+    args = fc.run_args(tmp_path / "c.db", plan, fc.Options(), tmp_path / "inject", 1,
+                       tmp_path / "run01.pid")
+    assert "--inject" not in args and "--inject-seed" not in args
+    assert args[args.index("--lock-wait") + 1] == "2"
+    assert args[args.index("--master-pid-file") + 1] == str(tmp_path / "run01.pid")
+    assert args[-1] == "--resume"
+    plan = fc.TrialPlan(0, {"hang": 0.1}, 7, None)
+    args = fc.run_args(tmp_path / "c.db", plan, fc.Options(), tmp_path / "inject", 2)
+    assert args[args.index("--inject") + 1] == "hang=0.1"
+    assert args[args.index("--inject-seed") + 1] == "9"
+    assert args[args.index("--lock-wait") + 1] == f"{fc.LOCK_WAIT_S:g}"
+    assert plan.kinds == ["hang"] and plan.label() == "hang=0.1"
 
 
 # -- the checker against planted violations ------------------------------------------------
@@ -251,3 +307,247 @@ def test_checker_reports_a_dispatch_without_a_record(campaign):
     r = _check(db)
     assert r["wrong_commits"] == 0
     assert any("dispatches without a record" in p for p in r["problems"])
+
+
+# -- the harness's own faults, without MPI -------------------------------------------------
+
+class _Job:
+    """Stands for the job a harness fault acts on: `proc` a process of our own, `pid_file`
+    naming a live "master" (this test's process unless told)."""
+
+    def __init__(self, db: Path, tmp_path: Path, master: int | None = None):
+        self.proc = subprocess.Popen(["sleep", "60"])
+        pid_file = tmp_path / "run00.pid"
+        pid_file.write_text(f"{master or os.getpid()}\n")
+        self.ctx = fc.JobContext(self.proc, db, fc.DbMonitor(db), 0, pid_file)
+
+    def poll_until(self, fault, done, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, "the fault never came"
+            fault.poll(self.ctx)
+            time.sleep(0.004)
+
+    def close(self) -> None:
+        self.ctx.mon.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _runs(master_exit, ended_by="exit", finished=True, run=0) -> list[dict]:
+    return [{"run": run, "ended_by": ended_by, "exit_code": 0, "master_exit": master_exit,
+             "finished": finished, "started_at": 0.0}]
+
+
+def test_held_lock_takes_the_write_lock_holds_it_and_rolls_back(campaign, tmp_path):
+    db, _, _ = campaign
+    fault = fc.HeldLock(fc.LockPlan(after_results=0, delay_s=0.0, hold_s=0.6,
+                                    lock_wait_s=fc.LOCK_WAIT_S), db)
+    job = _Job(db, tmp_path)
+    try:
+        job.poll_until(fault, lambda: fault.record is not None
+                       and "acquired_at" in fault.record)
+        other = sqlite3.connect(db, timeout=0, isolation_level=None)
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("BEGIN IMMEDIATE")  # what the master meets meanwhile
+        fault.settle()
+        other.execute("BEGIN IMMEDIATE")  # released
+        other.execute("ROLLBACK")
+        other.close()
+    finally:
+        job.close()
+    rec = fault.record
+    assert rec["hold_s"] == 0.6 and not rec["outlasts"] and rec["holder_pid"] == os.getpid()
+    assert 0.6 <= rec["released_at"] - rec["acquired_at"] < 5
+    assert rec["master_alive_at_acquire"] and rec["work_left_at_acquire"] == 0
+    assert "error" not in rec
+    assert _check(db)["problems"] == []  # nothing written
+    judged = fc.check_harness_faults(db, _runs(0), {"held_lock": rec}, tmp_path)
+    assert judged["problems"] == [] and judged["faults"] == {"held_lock": 1}
+    stopped = fc.check_harness_faults(db, _runs(3), {"held_lock": rec}, tmp_path)
+    assert any("shorter than its --lock-wait" in p for p in stopped["problems"])
+
+
+def _lock_record(**kw) -> dict:
+    return {"run": 0, "hold_s": 5.0, "lock_wait_s": 2.0, "outlasts": True, "holder_pid": 4242,
+            "acquired_at": 100.0, "released_at": 105.0, "master_alive_at_acquire": True,
+            "work_left_at_acquire": 10, "master_alive_at_release": False, **kw}
+
+
+def test_a_lock_held_past_lock_wait_must_stop_the_master(campaign, tmp_path):
+    db, _, _ = campaign
+    (tmp_path / "run00.err").write_text(
+        "coordinator: waiting 1 s for the campaign's write lock, held by pid 4242 (python) ...\n"
+        "coordinator: database write failed during master round: database is locked (...)\n")
+    ok = fc.check_harness_faults(db, _runs(3, finished=False), {"held_lock": _lock_record()},
+                                 tmp_path)
+    assert ok["problems"] == []
+    assert ok["details"]["held_lock"] == {"held": True, "outlasts": True, "judged": True,
+                                          "stopped": True, "said": True}
+    assert ok["latency"]["held_lock"][0] > 0  # the fixture's commits came after t=105
+    went_on = fc.check_harness_faults(db, _runs(0), {"held_lock": _lock_record()}, tmp_path)
+    assert any("expected 3" in p for p in went_on["problems"])
+    # A master killed meanwhile (no status of its own), or one with nothing left to write
+    # that never waited, is not judged.
+    for runs, rec in ((_runs(None), _lock_record()),
+                      (_runs(0), _lock_record(work_left_at_acquire=0))):
+        (tmp_path / "run00.err").write_text("")
+        assert fc.check_harness_faults(db, runs, {"held_lock": rec}, tmp_path)["problems"] == []
+
+
+def test_a_hold_before_the_tasks_are_imported_is_judged(campaign, tmp_path):
+    """A lock taken while the master creates a new campaign (the schema there, no task yet):
+    it must write, so wait within --lock-wait and say so. Seed 1, trial 177: a 5.6 s hold
+    there was waited out in silence, and not judged (no queued task)."""
+    db, _, _ = campaign
+    rec = _lock_record(hold_s=5.59, lock_wait_s=30.0, outlasts=False,
+                       master_alive_at_release=True, work_left_at_acquire=0,
+                       tasks_at_acquire=0)
+    (tmp_path / "run00.err").write_text("")
+    r = fc.check_harness_faults(db, _runs(0), {"held_lock": rec}, tmp_path)
+    assert any("never said it waited" in p for p in r["problems"])
+    assert r["details"]["held_lock"]["judged"]
+    past = _lock_record(work_left_at_acquire=0, tasks_at_acquire=0)
+    r = fc.check_harness_faults(db, _runs(0), {"held_lock": past}, tmp_path)
+    assert any("expected 3" in p for p in r["problems"])
+
+
+def test_a_long_hold_within_lock_wait_must_be_said(campaign, tmp_path):
+    db, _, _ = campaign
+    rec = _lock_record(hold_s=6.0, lock_wait_s=30.0, outlasts=False,
+                       master_alive_at_release=True)
+    (tmp_path / "run00.err").write_text("")
+    r = fc.check_harness_faults(db, _runs(0), {"held_lock": rec}, tmp_path)
+    assert any("never said it waited" in p for p in r["problems"])
+    (tmp_path / "run00.err").write_text("coordinator: waiting 1 s for the campaign's write "
+                                        "lock, held by pid 4242 (python x) (a sqlite3 ...\n")
+    assert fc.check_harness_faults(db, _runs(0), {"held_lock": rec}, tmp_path)["problems"] == []
+
+
+@pytest.mark.timeout(120)
+def test_aliased_file_commands_are_refused_and_leave_nothing(campaign, tmp_path):
+    """The three commands, for real, on a second name of a campaign file."""
+    db, _, _ = campaign
+    fault = fc.AliasedFile(fc.AliasPlan(after_results=0, delay_s=0.0), db)
+    fault.prepare()  # as a trial does before its first job: the commands wait, loaded
+    job = _Job(db, tmp_path)
+    try:
+        job.poll_until(fault, lambda: fault.record is not None)
+        fault.settle()
+    finally:
+        job.close()
+        fault.close()
+    rec = fault.record
+    assert "error" not in rec, rec
+    assert rec["warm_s"] > 0 and all(c["seconds"] < 30 for c in rec["commands"].values())
+    assert sorted(p.name for p in db.parent.iterdir() if p.name.startswith("alias")) == []
+    assert {n: (c["exit"], c["refused"]) for n, c in rec["commands"].items()} == {
+        "run": (2, True), "status": (2, True), "check": (2, True)}
+    assert rec["beside_alias"] == [] and rec["left_after_unlink"] == []
+    assert rec["links_after"] == 1 and os.stat(db).st_nlink == 1
+    assert not list(db.parent.glob(fc.ALIAS_NAME + "*"))
+    r = fc.check_harness_faults(db, _runs(0), {"aliased_file": rec}, tmp_path)
+    assert r["problems"] == [] and r["faults"] == {"aliased_file": 1}
+    assert r["details"]["aliased_file"]["refused"] == 3
+
+
+def test_the_alias_checks_fail_on_what_they_must_refuse(campaign, tmp_path):
+    db, _, _ = campaign
+    refused = {"exit": 2, "timed_out": False, "refused": True, "output": "has 2 names"}
+    rec = {"run": 0, "linked_at": 1.0, "master_alive_at_link": True, "master_alive_after": True,
+           "commands": {"run": {**refused, "exit": 0, "refused": False, "output": "ran"},
+                        "status": refused},
+           "beside_alias": ["alias.db-shm", "alias.db-wal"], "left_after_unlink": [],
+           "links_after": 2}
+    (tmp_path / "run00.err").write_text("coordinator: c.db has 2 names (hard links ...)\n")
+    problems = fc.check_harness_faults(db, _runs(0), {"aliased_file": rec},
+                                       tmp_path)["problems"]
+    assert len(problems) == 5, problems
+    assert any("`coordinator run --db alias.db` exited 0" in p for p in problems)
+    assert any("`coordinator check` on the alias did not run" in p for p in problems)
+    assert any("alias.db-wal" in p for p in problems)
+    assert any("still has 2 names" in p for p in problems)
+    assert any("own runs [0] were refused" in p for p in problems)
+
+
+@pytest.mark.timeout(60)
+def test_startup_crash_kills_that_rank_once_the_master_recorded_its_pid(tmp_path):
+    """Stand-ins for a job's ranks (found the way the tool finds them: the database path on
+    the command line, the rank in the environment); only the planned rank is killed."""
+    db = tmp_path / "c.db"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "coordinator", str(db)]
+    ranks = {r: subprocess.Popen(sleeper, env={**os.environ, "OMPI_COMM_WORLD_RANK": str(r)})
+             for r in range(4)}
+    fault = fc.StartupCrash(fc.StartupPlan(rank=2, delay_s=0.05, ulfm=False), db)
+    job = _Job(db, tmp_path, master=ranks[0].pid)
+    try:
+        job.ctx.pid_file.unlink()
+        for _ in range(20):
+            fault.poll(job.ctx)  # no master pid yet: nothing
+        assert fault.record is None
+        job.ctx.pid_file.write_text(f"{ranks[0].pid}\n")
+        t0 = time.time()
+        job.poll_until(fault, lambda: fault.record is not None)
+        assert ranks[2].wait(timeout=10) == -signal.SIGKILL
+        assert all(ranks[r].poll() is None for r in (0, 1, 3))
+    finally:
+        job.close()
+        for p in ranks.values():
+            p.kill()
+            p.wait()
+    rec = fault.record
+    assert rec["pid"] == ranks[2].pid and rec["rank"] == 2 and rec["master_pid"] == ranks[0].pid
+    assert rec["killed_at"] - t0 >= 0.05
+
+
+def test_startup_crash_checks(campaign, tmp_path):
+    db, _, _ = campaign
+    rec = {"run": 0, "rank": 2, "pid": 1, "ulfm": True, "killed_at": 0.0, "delay_s": 0.1,
+           "master_pid": 99}
+    # Under ULFM the master must go on, and record the death.
+    r = fc.check_harness_faults(db, _runs(0), {"startup_crash": rec}, tmp_path)
+    assert any("never recorded rank 2's death" in p for p in r["problems"])
+    r = fc.check_harness_faults(db, _runs(None), {"startup_crash": rec}, tmp_path)
+    assert any("the job ended with rank 2's death" in p for p in r["problems"])
+    _write(db, "INSERT INTO events (at, incarnation, kind, rank) VALUES (0.25, 1, "
+               "'worker_failed', 2)")
+    r = fc.check_harness_faults(db, _runs(0), {"startup_crash": rec}, tmp_path)
+    assert r["problems"] == [] and r["latency"] == {"startup_crash": [0.25]}
+    assert r["details"]["startup_crash"]["went_on"]
+    # Ended by this harness (its kill of the whole job): gone on if the death was recorded,
+    # else not judged.
+    r = fc.check_harness_faults(db, _runs(None, "harness_kill", False), {"startup_crash": rec},
+                                tmp_path)
+    assert r["problems"] == [] and r["details"]["startup_crash"]["went_on"]
+    later = {**rec, "killed_at": 5.0}
+    r = fc.check_harness_faults(db, _runs(None, "harness_kill", False), {"startup_crash": later},
+                                tmp_path)
+    assert r["problems"] == [] and r["details"]["startup_crash"]["went_on"] is None
+    # Without ULFM the job ends; it must not hang.
+    plain = {**rec, "ulfm": False}
+    r = fc.check_harness_faults(db, _runs(None, "timeout", False), {"startup_crash": plain},
+                                tmp_path)
+    assert any("the job hung" in p for p in r["problems"])
+    runs = [*_runs(None, "exit", False), {**_runs(0)[0], "run": 1, "started_at": 0.0}]
+    r = fc.check_harness_faults(db, runs, {"startup_crash": plain}, tmp_path)
+    assert r["problems"] == [] and r["latency"]["startup_crash"][0] > 0
+
+
+def test_a_master_that_stopped_with_work_left_has_not_finished_the_campaign():
+    """Under ULFM, every worker dead: the master's last line, with tasks still queued (exit
+    6), was taken for a finished campaign, and the trial was checked as one (13 "lost")."""
+    stopped = ("coordinator: this run committed 12 results in 0.7 s (31 tasks/s in the loop; "
+               "1286 rounds, 20 transactions; master peak RSS 69 MiB); campaign: 12 done, 13 "
+               "queued, 0 deferred, 0 failed, 12 results; continue it with --resume; stats in "
+               "c.db.stats\n")
+    assert not fc.campaign_finished("$ mpiexec ...\n" + stopped)
+    drained = stopped.replace("12 done, 13 queued, 0 deferred", "24 done, 0 queued, 1 deferred")
+    assert fc.campaign_finished("$ mpiexec ...\n" + drained)
+    assert not fc.campaign_finished("$ mpiexec ...\n")
+
+
+def test_a_trial_failing_only_its_kinds_checks_fails():
+    t = {"tasks_lost": 0, "wrong_commits": 0, "duplicate_commits": 0, "integrity_ok": True,
+         "leftover_rows": 0, "stats_mismatches": 0, "kind_problems": []}
+    assert not fc.trial_failed(t)
+    assert fc.trial_failed({**t, "kind_problems": ["aliased_file: ..."]})

@@ -6,15 +6,26 @@ its database alone.
 
 Each trial is a fresh campaign: `coordinator run --demo T` under `mpiexec -n W+1` with a plan of
 1–4 fault kinds (`--inject`, rates 0.02–0.3, log-uniform) drawn from a seeded RNG; every kind
-leads a trial once per 16 trials, so a long campaign covers all of them. In `--kill-fraction` of
-the trials the harness SIGKILLs the whole job once at a random moment (by wall time, or once a
-random number of results has committed). Whatever ends a job — its own exit, a worker's
+leads a trial once per 19 trials (16 injected kinds, 3 of the harness's own, below), so a long
+campaign covers all of them. In `--kill-fraction` of the trials the harness SIGKILLs the whole
+job once at a random moment (by wall time, or once a random number of results has committed). Whatever ends a job — its own exit, a worker's
 injected SIGKILL (which takes an Open MPI job without ULFM down), the harness's kill, the
 per-job time limit, or a stall (every worker SIGSTOPped by `hang` with nothing in flight) —
 the harness kills what is left of it (every rank found in /proc by the database path, then
 mpiexec's process group: Open MPI gives each rank a process group of its own) and reruns the
 same command with `--resume`, until the master reports the campaign finished or
 `--max-restarts` is exhausted (an *incomplete* trial, reported).
+
+Three more kinds are the harness's own, made beside the job (the coordinator runs its
+ordinary code): `held_lock` (an operator's `BEGIN IMMEDIATE` held 1–12 s while the master runs,
+every trial with `--lock-wait 30`; the 1st, 5th, 9th... such trial holds 5 s against
+`--lock-wait 2`: the master must stop with exit 3, and is resumed), `aliased_file` (a hard link
+`alias.db` to the campaign file; `run --resume`, `status` and `check` on it, at once, while the
+master runs, must each exit 2 saying "has 2 names" and make nothing beside it; the link is then
+removed) and `startup_crash` (one worker rank SIGKILLed 20–200 ms after the master recorded its
+pid, before its start verdict: without ULFM the job ends and is resumed; the 1st, 4th, 7th...
+such trial runs all its jobs under ULFM, where the run must go on without the rank). A lasting
+fault (a hold, the commands on the alias) is over before the next launch.
 
 Each resumed run gets `--inject-seed base+run` (the worker RNGs restart at every launch, so
 with one seed every incarnation would replay the same faults in the same places);
@@ -29,20 +40,27 @@ task's value, and is not a token whose RESULT was never validly sent (a breaking
 it); one result per task (the schema allows no other), only for done tasks;
 `PRAGMA integrity_check` ok; `coordinator status --json` equals SQL counts over the rows.
 The rules that hold for any campaign are `store.audit`'s; this tool adds what only it knows
-(the T tasks and their values, the faults it injected, a finished run's end state).
+(the T tasks and their values, the faults it injected, a finished run's end state), and
+judges its own kinds (`check_harness_faults`): the exit statuses and lines each must or must
+not cause (the master's own status read beside `--master-pid-file`), nothing left beside the
+alias, a ULFM run going on.
 
 Exit status 1 if any trial lost a task, committed wrongly or twice, failed integrity, left
-dispatch/lease rows behind or had statistics disagreeing with its rows; else 0. Incomplete
+dispatch/lease rows behind, had statistics disagreeing with its rows or failed one of its
+kinds' own checks; else 0. Incomplete
 trials (restart budget exhausted) are reported but do not fail the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -50,6 +68,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
@@ -62,14 +81,43 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import Connection  # noqa: E402
 from sqlalchemy.exc import DBAPIError  # noqa: E402
 
+from coordinator.exits import ExitStatus  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
-from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
+from coordinator.launcher import (  # noqa: E402
+    LAUNCHER_FAILED,
+    exit_status_path,
+    find_mpiexec,
+    mpiexec_flags,
+)
 from store.audit import Check, ViolationKind, audit  # noqa: E402
 from store.engine import open_readonly  # noqa: E402
 from store.errors import NoCampaignYet, StoreError  # noqa: E402
 from store.schema import COUNTED_KIND_SQL  # noqa: E402
 
-ALL_KINDS: tuple[str, ...] = tuple(KINDS)
+#: Faults of the operator's environment that this harness makes itself, beside the job (no
+#: `--inject` kind: the coordinator runs its ordinary code).
+HARNESS_KINDS: dict[str, str] = {
+    "held_lock": "an operator's write transaction (BEGIN IMMEDIATE) held 1-12 s while the "
+                 "master runs; in 1 of 4 such trials 5 s against --lock-wait 2: exit 3, resumed",
+    "aliased_file": "a hard link alias.db to the campaign file while the master runs; run, "
+                    "status and check on it must each refuse it (exit 2, 'has 2 names')",
+    "startup_crash": "one worker rank SIGKILLed 20-200 ms after the master recorded its pid, "
+                     "before its start verdict; 1 in 3 such trials run under ULFM",
+}
+INJECT_KINDS: tuple[str, ...] = tuple(KINDS)
+ALL_KINDS: tuple[str, ...] = INJECT_KINDS + tuple(HARNESS_KINDS)
+
+#: --lock-wait of every trial but the ones whose held lock must outlast it: longer than any hold.
+LOCK_WAIT_S = 30.0
+#: The 1st, (1 + SHORT_EVERY)th, ... held_lock trials hold past their --lock-wait (exit 3).
+SHORT_LOCK_WAIT_S, SHORT_HOLD_S, SHORT_EVERY = 2.0, 5.0, 4
+HOLD_MIN_S, HOLD_MAX_S = 1.0, 12.0
+#: The 1st, (1 + ULFM_EVERY)th, ... startup_crash trials run under ULFM (the run goes on).
+ULFM_EVERY = 3
+#: The second name of the campaign file in an aliased_file trial.
+ALIAS_NAME = "alias.db"
+#: What every command says when it refuses a file with a second name.
+ALIAS_REFUSAL = "has 2 names"
 
 #: Kinds after which the dispatch normally cannot commit from its own RESULT: the master must
 #: roll it back (recovered, watchdog, or interrupted at the next --resume). Recovery latency is
@@ -93,6 +141,9 @@ CAUSE_KINDS = ("recovered", "watchdog", "interrupted", "task_failed", "stop_requ
 FOLLOW_KINDS = ("requeued", "deferred", "failed", "retried", "task_deferred", "defer_failed")
 
 FINISHED_MARK = "this run committed"  # the master's last line after a drained campaign
+#: ... which a master that stopped with work left prints too (every worker dead under ULFM,
+#: exit 6): the campaign is drained only with nothing queued.
+FINISHED_LINE = re.compile(r"campaign: \d+ done, (\d+) queued")
 RATE_MIN, RATE_MAX = 0.02, 0.3
 
 
@@ -107,23 +158,88 @@ class KillPlan:
 
 
 @dataclass
+class LockPlan:
+    """held_lock: once `after_results` results have committed (+ `delay_s`), hold the
+    campaign's write lock `hold_s`; the trial runs with --lock-wait `lock_wait_s`."""
+    after_results: int
+    delay_s: float
+    hold_s: float
+    lock_wait_s: float
+
+    @property
+    def outlasts(self) -> bool:
+        """The hold is longer than the master waits: it must stop (exit 3)."""
+        return self.hold_s > self.lock_wait_s
+
+
+@dataclass
+class AliasPlan:
+    """aliased_file: once `after_results` results have committed (+ `delay_s`)."""
+    after_results: int
+    delay_s: float
+
+
+@dataclass
+class StartupPlan:
+    """startup_crash: SIGKILL worker `rank` `delay_s` after the master recorded its pid (before
+    its start verdict); `ulfm`: every job of the trial runs under ULFM."""
+    rank: int
+    delay_s: float
+    ulfm: bool
+
+
+@dataclass
 class TrialPlan:
     index: int
     rates: dict[str, float]
     inject_seed: int
     kill: KillPlan | None
+    lock: LockPlan | None = None
+    alias: AliasPlan | None = None
+    startup: StartupPlan | None = None
 
     def inject_spec(self) -> str:
         return ",".join(f"{k}={r:g}" for k, r in self.rates.items())
 
+    @property
+    def kinds(self) -> list[str]:
+        """Every fault kind of the plan: the injected ones, then the harness's own."""
+        return [*self.rates, *(k for k, p in (("held_lock", self.lock),
+                                              ("aliased_file", self.alias),
+                                              ("startup_crash", self.startup)) if p)]
 
-def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float) -> list[TrialPlan]:
+    @property
+    def ulfm(self) -> bool:
+        return bool(self.startup and self.startup.ulfm)
+
+    @property
+    def lock_wait_s(self) -> float:
+        return self.lock.lock_wait_s if self.lock else LOCK_WAIT_S
+
+    def label(self) -> str:
+        """The plan in one line: the --inject spec, then the harness's kinds."""
+        parts = [self.inject_spec()] if self.rates else []
+        if self.lock:
+            parts.append(f"held_lock={self.lock.hold_s:g}s/lock-wait={self.lock.lock_wait_s:g}")
+        if self.alias:
+            parts.append("aliased_file")
+        if self.startup:
+            parts.append(f"startup_crash=rank{self.startup.rank}"
+                         + ("/ulfm" if self.startup.ulfm else ""))
+        return ",".join(parts)
+
+
+def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
+               workers: int = 3) -> list[TrialPlan]:
     """`n` trial plans from one seeded RNG. Each plan's first kind comes from a shuffled deck
     of all kinds (refilled when empty), so every kind leads one trial in each run of
-    len(KINDS) trials; 0–3 more distinct kinds join it. Rates are log-uniform in 0.02–0.3."""
+    len(ALL_KINDS) trials; 0–3 more distinct kinds join it. Rates of injected kinds are
+    log-uniform in 0.02–0.3; the harness's kinds draw their moment (a number of committed
+    results, 0 to tasks-1, plus up to 50 ms), hold, victim rank and MPI mode."""
     rng = random.Random(seed)
     deck: list[str] = []
     plans = []
+    locks = startups = 0
     for i in range(n):
         if not deck:
             deck = list(ALL_KINDS)
@@ -132,7 +248,22 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float) -> list[Tria
         extra = rng.randint(1, 4) - 1
         kinds += rng.sample([k for k in ALL_KINDS if k != kinds[0]], extra)
         rates = {k: round(math.exp(rng.uniform(math.log(RATE_MIN), math.log(RATE_MAX))), 3)
-                 for k in kinds}
+                 for k in kinds if k in KINDS}
+        lock = alias = startup = None
+        if "held_lock" in kinds:
+            at, delay = rng.randint(0, max(0, tasks - 1)), round(rng.uniform(0.0, 0.05), 3)
+            hold = round(rng.uniform(HOLD_MIN_S, HOLD_MAX_S), 2)
+            locks += 1
+            if locks % SHORT_EVERY == 1:
+                lock = LockPlan(at, delay, SHORT_HOLD_S, SHORT_LOCK_WAIT_S)
+            else:
+                lock = LockPlan(at, delay, hold, LOCK_WAIT_S)
+        if "aliased_file" in kinds:
+            alias = AliasPlan(rng.randint(0, max(0, tasks - 1)), round(rng.uniform(0.0, 0.05), 3))
+        if "startup_crash" in kinds:
+            startups += 1
+            startup = StartupPlan(rng.randint(1, max(1, workers)),
+                                  round(rng.uniform(0.02, 0.2), 3), startups % ULFM_EVERY == 1)
         kill = None
         if rng.random() < kill_fraction:
             if rng.random() < 0.3:
@@ -140,7 +271,7 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float) -> list[Tria
             else:
                 kill = KillPlan("progress", after_results=rng.randint(1, max(1, tasks - 1)),
                                 delay_s=round(rng.uniform(0.0, 0.05), 3))
-        plans.append(TrialPlan(i, rates, rng.randrange(1, 2**31), kill))
+        plans.append(TrialPlan(i, rates, rng.randrange(1, 2**31), kill, lock, alias, startup))
     return plans
 
 
@@ -155,6 +286,7 @@ class Options:
     timeout_per_job: float = 30.0
     max_restarts: int = 20
     same_inject_seed: bool = False
+    ulfm: bool = True    # the MPI has ULFM (Open MPI): else a plan's ULFM share runs without
 
 
 @dataclass
@@ -168,30 +300,45 @@ class JobRun:
     finished: bool       # the master reported the campaign finished
     results_after: int | None = None     # committed results when the job had ended
     in_flight_after: int | None = None   # dispatch rows it left behind
+    started_at: float | None = None      # wall clock (time.time()) at launch
+    master_exit: int | None = None       # the status the master recorded (None: it was killed)
 
 
 _MPIEXEC: str | None = None
-_FLAGS: dict[int, list[str]] = {}
+_FLAGS: dict[tuple[int, bool], list[str]] = {}
 
 
-def mpiexec_command(np: int, args: list[str]) -> list[str]:
+def mpiexec_command(np: int, args: list[str], ulfm: bool = False) -> list[str]:
+    """Open MPI without ULFM unless `ulfm` (a startup_crash trial's share): a dead rank then
+    costs that rank only."""
     global _MPIEXEC
     if _MPIEXEC is None:
         _MPIEXEC = find_mpiexec()
         if _MPIEXEC is None:
             raise SystemExit("fault_campaign: no mpiexec beside this Python or on PATH")
-    if np not in _FLAGS:
-        _FLAGS[np] = mpiexec_flags(_MPIEXEC, np)
-    return [_MPIEXEC, *_FLAGS[np], sys.executable, "-m", "coordinator", *args]
+    if (np, ulfm) not in _FLAGS:
+        _FLAGS[np, ulfm] = mpiexec_flags(_MPIEXEC, np, ulfm=ulfm)
+    return [_MPIEXEC, *_FLAGS[np, ulfm], sys.executable, "-m", "coordinator", *args]
 
 
-def run_args(db: Path, plan: TrialPlan, opts: Options, inject_dir: Path, run: int) -> list[str]:
-    seed = plan.inject_seed if opts.same_inject_seed else plan.inject_seed + run
+def inject_seed_of(plan: TrialPlan, opts: Options, run: int) -> int:
+    return plan.inject_seed if opts.same_inject_seed else plan.inject_seed + run
+
+
+def run_args(db: Path, plan: TrialPlan, opts: Options, inject_dir: Path, run: int,
+             pid_file: Path | None = None) -> list[str]:
+    """The job's command line; `pid_file`: where the master records its pid, and beside it
+    (`exit_status_path`) the status it ends with (what the held_lock checks read)."""
     args = ["run", "--db", str(db), "--demo", str(opts.tasks), "--demo-work-ms",
-            f"{opts.work_ms:g}", "--inject", plan.inject_spec(), "--inject-seed", str(seed),
-            "--inject-log", str(inject_dir), "--watchdog", f"{opts.watchdog_s:g}",
-            "--retries", "16", "--max-attempts", "50", "--grace", "1", "--stop-wait", "3",
-            "--no-progress"]
+            f"{opts.work_ms:g}"]
+    if plan.rates:
+        args += ["--inject", plan.inject_spec(), "--inject-seed",
+                 str(inject_seed_of(plan, opts, run)), "--inject-log", str(inject_dir)]
+    args += ["--watchdog", f"{opts.watchdog_s:g}", "--lock-wait", f"{plan.lock_wait_s:g}",
+             "--retries", "16", "--max-attempts", "50", "--grace", "1", "--stop-wait", "3",
+             "--no-progress"]
+    if pid_file is not None:
+        args += ["--master-pid-file", str(pid_file)]
     if run > 0:
         args.append("--resume")
     return args
@@ -305,43 +452,389 @@ class DbMonitor:
             self.conn = None
 
 
+class AfterResults:
+    """Due `delay_s` after the campaign has `after` committed results (polled every 5 ms;
+    with `after` 0, as soon as the master has created the campaign)."""
+
+    def __init__(self, after: int, delay_s: float):
+        self.after, self.delay_s = after, delay_s
+        self._deadline: float | None = None
+        self._next_poll = 0.0
+
+    def due(self, mon: DbMonitor) -> bool:
+        now = time.monotonic()
+        if self._deadline is not None:
+            return now >= self._deadline
+        if now >= self._next_poll:
+            self._next_poll = now + 0.005
+            n = mon.scalar("SELECT count(*) FROM results")
+            if n is not None and n >= self.after:
+                self._deadline = now + self.delay_s
+        return False
+
+
 class KillTrigger:
     """The harness's one SIGKILL of a trial, pending until it fires (across runs)."""
 
     def __init__(self, plan: KillPlan | None):
         self.plan = plan
         self.fired = False
-        self._deadline: float | None = None
-        self._next_poll = 0.0
+        self._progress = (AfterResults(plan.after_results, plan.delay_s)
+                          if plan is not None and plan.mode == "progress" else None)
 
     def due(self, mon: DbMonitor, elapsed: float) -> bool:
         p = self.plan
         if p is None or self.fired:
             return False
-        now = time.monotonic()
         if p.mode == "time":
             return elapsed >= p.at_s
-        if self._deadline is not None:
-            return now >= self._deadline
-        if now >= self._next_poll:
-            self._next_poll = now + 0.005
-            n = mon.scalar("SELECT count(*) FROM results")
-            if n is not None and n >= p.after_results:
-                self._deadline = now + p.delay_s
+        assert self._progress is not None
+        return self._progress.due(mon)
+
+
+# -- the harness's own faults: held lock, aliased file, start-up crash ----------------------
+
+@dataclass
+class JobContext:
+    """What a harness fault sees of the job it acts on."""
+    proc: subprocess.Popen
+    db: Path
+    mon: DbMonitor
+    run: int
+    pid_file: Path | None = None
+    _master: int | None = None
+
+    def master_pid(self) -> int | None:
+        """The master's pid once it has recorded it (past MPI_Init), else None."""
+        if self._master is None and self.pid_file is not None:
+            try:
+                text = self.pid_file.read_text().strip()
+            except OSError:
+                return None
+            self._master = int(text) if text.isdigit() else None
+        return self._master
+
+    def master_alive(self) -> bool:
+        pid = self.master_pid()
+        return pid is not None and _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie: a killed master is one until mpiexec reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+#: Where a rank finds its number in its environment: Open MPI's launcher, MPICH's Hydra.
+RANK_VARIABLES = (b"OMPI_COMM_WORLD_RANK=", b"PMI_RANK=")
+
+
+def _rank_of(pid: int) -> int | None:
+    """The MPI rank of a process of the job, from its environment (None if not a rank)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for var in env:
+        if var.startswith(RANK_VARIABLES):
+            value = var.partition(b"=")[2]
+            return int(value) if value.isdigit() else None
+    return None
+
+
+class HarnessFault:
+    """One fault of the harness's own in a trial: pending (across runs) until its moment,
+    then done once, in a thread of its own if it lasts (`settle` waits for it before the
+    next launch or the check). `record` says what happened; None while it has not."""
+
+    kind = ""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] | None = None
+        self._thread: threading.Thread | None = None
+
+    def poll(self, job: JobContext) -> None:
+        raise NotImplementedError
+
+    def _in_thread(self, body, *args) -> None:
+        def guarded() -> None:
+            assert self.record is not None
+            try:
+                body(*args)
+            except Exception as e:  # noqa: BLE001 -- said in the record, judged a problem
+                self.record["error"] = f"{type(e).__name__}: {e}"
+        self._thread = threading.Thread(target=guarded, name=self.kind, daemon=True)
+        self._thread.start()
+
+    def settle(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """The trial is over (after `settle`): anything of the fault's still running ends."""
+
+
+class HeldLock(HarnessFault):
+    """held_lock: what an operator's `sqlite3` shell does with `BEGIN IMMEDIATE`: the write
+    lock taken (waiting for the master's transaction, if one is open), held, rolled back."""
+
+    kind = "held_lock"
+
+    def __init__(self, plan: LockPlan | None, db: Path):
+        super().__init__()
+        self.plan, self.db = plan, db
+        self._due = AfterResults(plan.after_results, plan.delay_s) if plan else None
+
+    def poll(self, job: JobContext) -> None:
+        if self._due is None or self.record is not None or not self._due.due(job.mon):
+            return
+        assert self.plan is not None
+        self.record = {"run": job.run, "hold_s": self.plan.hold_s,
+                       "lock_wait_s": self.plan.lock_wait_s, "outlasts": self.plan.outlasts,
+                       "holder_pid": os.getpid()}
+        self._in_thread(self._hold, job)
+
+    def _hold(self, job: JobContext) -> None:
+        rec = self.record
+        assert rec is not None and self.plan is not None
+        asked = time.time()
+        # mode=rw: never create the file; isolation_level=None: the statements as written
+        conn = sqlite3.connect(f"file:{self.db}?mode=rw", uri=True, timeout=60,
+                               isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            rec["acquired_at"] = time.time()
+            rec["acquire_wait_s"] = round(rec["acquired_at"] - asked, 4)
+            rec["master_alive_at_acquire"] = job.master_alive()
+            # The master must write again (and so wait) while work is left, or while it has
+            # not imported its tasks yet (its start: the schema is there, the tasks not).
+            rec["work_left_at_acquire"] = conn.execute(
+                "SELECT count(*) FROM tasks WHERE state IN ('queued', 'active')").fetchone()[0]
+            rec["tasks_at_acquire"] = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+            time.sleep(self.plan.hold_s)
+            rec["master_alive_at_release"] = job.master_alive()
+        finally:
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                    rec["released_at"] = time.time()
+            finally:
+                conn.close()
+
+
+#: A command on the alias, started (and its modules imported) before the trial, run once the
+#: harness says go: cold, the three took 2-3 s here beside a busy job (10 s on a loaded
+#: machine), longer than the master's whole run, which must still be going on when they read
+#: the alias. It says it is ready by creating its file `argv[2]`; the go file holds the
+#: master's pid; its last line on stdout says when it answered and whether that master was
+#: still running then (its interpreter's exit takes a while longer on a busy machine).
+_WARM_COMMAND = """\
+import json, os, sys, time
+import coordinator.cli, coordinator.commands, coordinator.preflight
+import store.audit, store.probe, store.readonly
+go, ready, deadline = sys.argv[1], sys.argv[2], time.monotonic() + 3600
+open(ready, "w").close()
+while not os.path.exists(go):
+    if time.monotonic() > deadline:
+        sys.exit(125)
+    time.sleep(0.002)
+master = open(go).read().strip()
+status = coordinator.cli.main(sys.argv[3:])
+answered_at = time.time()
+alive = False
+if master.isdigit():
+    try:
+        with open(f"/proc/{master}/stat") as f:
+            alive = f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        pass
+print(json.dumps({"answered_at": answered_at, "master_alive": alive}), flush=True)
+sys.exit(status)
+"""
+
+
+class AliasedFile(HarnessFault):
+    """aliased_file: a second name (hard link) for the campaign file while the master runs,
+    and the three commands an operator could run on it, at once; then the name removed.
+    The commands are `coordinator.cli.main` in processes started before the trial's first
+    job (`prepare`), waiting for the go (`alias.go`) with their modules loaded."""
+
+    kind = "aliased_file"
+    COMMANDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("run", ("--resume",)), ("status", ()), ("check", ()))
+    TIMEOUT_S = 120.0
+
+    def __init__(self, plan: AliasPlan | None, db: Path):
+        super().__init__()
+        self.plan, self.db = plan, db
+        self.alias, self.go = db.with_name(ALIAS_NAME), db.with_name("alias.go")
+        self._due = AfterResults(plan.after_results, plan.delay_s) if plan else None
+        self._procs: dict[str, subprocess.Popen] | None = None
+        self.warm_s: float | None = None
+
+    def poll(self, job: JobContext) -> None:
+        if self._due is None or self.record is not None:
+            return
+        if self._procs is None:
+            self.prepare(wait_s=0.0)
+        if self._due.due(job.mon):
+            self.record = {"run": job.run, "warm_s": self.warm_s}
+            self._in_thread(self._alias, job)
+
+    def prepare(self, wait_s: float = 120.0) -> None:
+        """Start the commands, and wait (up to `wait_s`) until each has loaded its modules."""
+        if self.plan is None or self._procs is not None:
+            return
+        self.go.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        started = time.monotonic()
+        ready = {name: self.db.with_name(f"alias.ready-{name}") for name, _ in self.COMMANDS}
+        self._procs = {name: subprocess.Popen(
+            [sys.executable, "-c", _WARM_COMMAND, str(self.go), str(ready[name]), name, "--db",
+             str(self.alias), *rest], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, cwd=self.db.parent, start_new_session=True) for name, rest in self.COMMANDS}
+        while time.monotonic() - started < wait_s:
+            if all(r.exists() for r in ready.values()) or any(
+                    p.poll() is not None for p in self._procs.values()):
+                break
+            time.sleep(0.01)
+        self.warm_s = round(time.monotonic() - started, 3) if wait_s else None
+        for r in ready.values():
+            r.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """The trial is over: commands still waiting (the moment never came) are ended."""
+        for proc in (self._procs or {}).values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        self._procs = {} if self._procs is not None else None
+        self.go.unlink(missing_ok=True)
+
+    def alias_files(self) -> list[str]:
+        """What exists under the alias's name: the link, and what SQLite would make beside
+        it (-wal, -shm, -journal)."""
+        return sorted(p.name for p in self.db.parent.iterdir()
+                      if p.name.startswith(ALIAS_NAME))
+
+    def _alias(self, job: JobContext | None) -> None:
+        rec, procs = self.record, self._procs
+        assert rec is not None and procs is not None
+        os.link(self.db, self.alias)
+        try:
+            rec["linked_at"] = time.time()
+            rec["master_alive_at_link"] = job.master_alive() if job else None
+            started = time.monotonic()
+            master = job.master_pid() if job else None
+            tmp = self.go.with_name(self.go.name + ".tmp")
+            tmp.write_text(f"{master or ''}\n")
+            tmp.replace(self.go)  # whole, at once: the commands read the pid
+            ended: dict[str, float] = {}  # seconds from the go to its exit; -1: timed out
+            while len(ended) < len(procs):
+                now = time.monotonic()
+                for name, proc in procs.items():
+                    if name in ended:
+                        continue
+                    if proc.poll() is not None:
+                        ended[name] = now - started
+                    elif now - started > self.TIMEOUT_S:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        ended[name] = -1.0
+                time.sleep(0.005)
+            commands: dict[str, dict[str, Any]] = {}
+            for name, proc in procs.items():
+                out, err = proc.communicate()
+                seconds = ended[name]
+                said: dict[str, Any] = {}
+                with contextlib.suppress(json.JSONDecodeError, IndexError):
+                    said = json.loads(out.strip().splitlines()[-1])
+                answered = said.get("answered_at")
+                commands[name] = {
+                    "exit": proc.returncode, "timed_out": seconds < 0,
+                    "refused": ALIAS_REFUSAL in err, "seconds": round(seconds, 4),
+                    "answered_s": round(answered - rec["linked_at"], 4) if answered else None,
+                    "master_alive_at_answer": said.get("master_alive"),
+                    "output": (err + out)[-400:]}
+            rec["commands"] = commands
+            rec["seconds"] = round(time.monotonic() - started, 4)
+            rec["master_alive_after"] = job.master_alive() if job else None
+            rec["beside_alias"] = [n for n in self.alias_files() if n != ALIAS_NAME]
+        finally:
+            os.unlink(self.alias)
+            self.go.unlink(missing_ok=True)
+            rec["left_after_unlink"] = self.alias_files()
+            rec["links_after"] = os.stat(self.db).st_nlink
+
+
+class StartupCrash(HarnessFault):
+    """startup_crash: one worker rank SIGKILLed during the start: `delay_s` after the master
+    recorded its pid (it is past MPI_Init; its start verdict comes ~0.3 s later here), in the
+    first launch whose master got that far."""
+
+    kind = "startup_crash"
+
+    def __init__(self, plan: StartupPlan | None, db: Path):
+        super().__init__()
+        self.plan, self.db = plan, db
+        self._due_at: float | None = None
+        self._due_run: int | None = None
+        self._next_look = 0.0
+
+    def poll(self, job: JobContext) -> None:
+        if self.plan is None or self.record is not None:
+            return
+        if self._due_run != job.run:
+            self._due_at, self._due_run = None, job.run
+        now = time.monotonic()
+        if self._due_at is None:
+            if job.master_pid() is not None:
+                self._due_at = now + self.plan.delay_s
+            return
+        if now < max(self._due_at, self._next_look):
+            return
+        self._next_look = now + 0.02
+        master = job.master_pid()
+        victim = next((pid for pid in ranks_of(self.db)
+                       if pid not in (master, job.proc.pid) and _rank_of(pid) == self.plan.rank),
+                      None)
+        if victim is None:
+            if now > self._due_at + 2.0:  # the rank is gone already: said, judged
+                self.record = {"run": job.run, "rank": self.plan.rank, "ulfm": self.plan.ulfm,
+                               "error": f"rank {self.plan.rank} not found among the job's "
+                                        f"processes"}
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        self.record = {"run": job.run, "rank": self.plan.rank, "pid": victim,
+                       "ulfm": self.plan.ulfm, "killed_at": time.time(),
+                       "delay_s": self.plan.delay_s, "master_pid": master}
 
 
 def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: KillTrigger,
-            run: int, resume: bool, inject_seed: int) -> JobRun:
+            run: int, resume: bool, inject_seed: int, *,
+            faults: tuple[HarnessFault, ...] = (), pid_file: Path | None = None,
+            ulfm: bool = False) -> JobRun:
+    """One launch, until it ends (or the harness ends it). `faults` act on it while it runs
+    and are settled (a held lock released, an alias removed) before this returns; `ulfm`:
+    a dead worker does not end the job, so a stall is every *live* worker stopped."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out_path, err_path = log_base.with_suffix(".out"), log_base.with_suffix(".err")
     t0 = time.monotonic()
+    started_at = time.time()
     with open(out_path, "w") as out, open(err_path, "w") as err:
         out.write("$ " + shlex.join(cmd) + "\n")
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
         ended_by = "exit"
         mon = DbMonitor(db)
+        job = JobContext(proc, db, mon, run, pid_file)
         all_stopped_since: float | None = None
         next_stall_check = t0 + 0.5
         while proc.poll() is None:
@@ -354,10 +847,16 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
                 trigger.fired = True
                 ended_by = "harness_kill"
                 break
+            for fault in faults:
+                fault.poll(job)
             if now >= next_stall_check:
                 next_stall_check = now + 0.25
-                stopped = [p for p in ranks_of(db) if _stopped(p)]
-                if len(stopped) >= opts.workers:
+                pids = ranks_of(db)
+                stopped = [p for p in pids if _stopped(p)]
+                needed = opts.workers
+                if ulfm:  # the workers still alive (a dead one costs only itself)
+                    needed = sum(1 for p in pids if (_rank_of(p) or 0) >= 1) or opts.workers
+                if len(stopped) >= needed:
                     all_stopped_since = all_stopped_since or now
                     # Every worker hangs (SIGSTOP): nothing can progress once the watchdog has
                     # retired their dispatches. Kill only if work is left to do (else the
@@ -373,14 +872,30 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
                     all_stopped_since = None
             time.sleep(0.004)
         kill_everything(proc, db)
+        seconds = time.monotonic() - t0
         mon.close()
-    seconds = time.monotonic() - t0
+        for fault in faults:
+            fault.settle()
     if ended_by == "exit" and LAUNCHER_FAILED in err_path.read_text(errors="replace"):
         ended_by = "launcher_failed"  # Open MPI's own flake (exit 213): nothing ran; rerun
-    finished = FINISHED_MARK in out_path.read_text(errors="replace")
+    finished = campaign_finished(out_path.read_text(errors="replace"))
+    master_exit = None
+    if pid_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            master_exit = int(exit_status_path(pid_file).read_text().strip())
     return JobRun(run, resume, inject_seed, ended_by, proc.returncode, round(seconds, 3),
                   finished, _scalar(db, "SELECT count(*) FROM results"),
-                  _scalar(db, "SELECT count(*) FROM dispatches"))
+                  _scalar(db, "SELECT count(*) FROM dispatches"), round(started_at, 4),
+                  master_exit)
+
+
+def campaign_finished(out: str) -> bool:
+    """The master's last line (stdout) says the campaign drained: nothing left queued."""
+    for line in reversed(out.splitlines()):
+        if FINISHED_MARK in line:
+            m = FINISHED_LINE.search(line)
+            return m is None or m.group(1) == "0"
+    return False
 
 
 # -- checking a campaign from its database -------------------------------------------------
@@ -614,6 +1129,217 @@ def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
     return r
 
 
+# -- judging the harness's own faults ------------------------------------------------------
+
+#: What the master says while it waits for the write lock (`LockWaiter`), and when it stops.
+LOCK_WAIT_LINE = "for the campaign's write lock, held by pid {pid} ("
+LOCK_STOP_LINE = "database is locked"
+
+
+def check_harness_faults(db: Path, runs: list[dict[str, Any]],
+                         records: dict[str, dict[str, Any] | None],
+                         logs: Path | None = None) -> dict[str, Any]:
+    """Judge the harness's own faults of a trial: `records` are what `HeldLock`,
+    `AliasedFile` and `StartupCrash` recorded (None: not planned), `runs` the trial's jobs
+    (`JobRun` as dicts), `logs` the directory of their `runNN.err`. The exit statuses and
+    lines each fault must (or must not) cause, and its recovery, read-only from `db`.
+
+    - held_lock: a hold shorter than --lock-wait must not stop the master (exit 3, "database
+      is locked"); a longer one must, if the master had to write during it (it was running
+      with work left, or tasks still to import, when the lock was taken, or said it waited)
+      and ended by itself (a master killed meanwhile, by the launcher after a worker's death
+      or by this harness, is not judged). A hold of 4 s or more that the master
+      outlived with work left must have been said (naming this process's pid). Recovery: from
+      the ROLLBACK to the campaign's next commit (a resumed master's, after an exit 3).
+    - aliased_file: `run --resume`, `status` and `check` on the second name each exit 2
+      saying "has 2 names"; nothing made beside the alias (-wal, -shm, -journal); the file has
+      one name again afterwards; no run of the trial was refused.
+    - startup_crash: the job must not hang (the per-job limit); under ULFM a job the harness
+      did not end must go on: its master ends by itself and records the rank's death
+      (`worker_failed`); one the harness ended counts as gone on if the death was recorded. Recovery: without ULFM, from the kill to the first result committed
+      by the relaunched job; under ULFM, to the `worker_failed` event."""
+    out: dict[str, Any] = {"problems": [], "latency": {}, "faults": {}, "details": {}}
+    by_run = {j["run"]: j for j in runs}
+
+    def err_of(run: int) -> str:
+        if logs is None:
+            return ""
+        try:
+            return (logs / f"run{run:02d}.err").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    try:
+        conn = _ro(db) if db.exists() else None
+    except sqlite3.Error:
+        conn = None
+
+    def value(sql: str, *params: Any) -> Any:
+        if conn is None:
+            return None
+        try:
+            row = conn.execute(sql, params).fetchone()
+        except sqlite3.Error:
+            return None
+        return row[0] if row else None
+
+    def next_commit_after(t: float) -> float | None:
+        return value("SELECT min(t) FROM (SELECT min(at) AS t FROM events WHERE at > ? "
+                     "UNION ALL SELECT min(committed_at) FROM results WHERE committed_at > ?)",
+                     t, t)
+
+    try:
+        rec = records.get("held_lock")
+        if rec is not None:
+            _judge_lock(rec, by_run, err_of, next_commit_after, out)
+        rec = records.get("aliased_file")
+        if rec is not None:
+            _judge_alias(rec, runs, err_of, out)
+        rec = records.get("startup_crash")
+        if rec is not None:
+            _judge_startup(rec, runs, by_run, value, out)
+    finally:
+        if conn is not None:
+            conn.close()
+    return out
+
+
+def _judge_lock(rec: dict[str, Any], by_run: dict[int, dict[str, Any]], err_of,
+                next_commit_after, out: dict[str, Any]) -> None:
+    problems: list[str] = out["problems"]
+    d = out["details"]["held_lock"] = {"held": "acquired_at" in rec, "outlasts": rec["outlasts"],
+                                       "judged": False, "stopped": False, "said": False}
+    if rec.get("error"):
+        problems.append(f"held_lock: {rec['error']}")
+    if "acquired_at" not in rec:
+        return
+    out["faults"]["held_lock"] = 1
+    job = by_run.get(rec["run"], {})
+    err = err_of(rec["run"])
+    master_exit = job.get("master_exit")
+    d["stopped"] = master_exit == ExitStatus.STORE
+    d["said"] = LOCK_WAIT_LINE.format(pid=rec["holder_pid"]) in err
+    # The master had to write while the lock was held: it was running with work left or
+    # still to import its tasks, or it said it waited (a master past its last result still
+    # writes at its end).
+    alive = bool(rec.get("master_alive_at_acquire"))
+    running = alive and bool(rec.get("work_left_at_acquire") or rec.get("tasks_at_acquire") == 0)
+    hold, wait = rec["hold_s"], rec["lock_wait_s"]
+    if rec["outlasts"]:
+        if (running or (alive and d["said"])) and master_exit is not None:
+            d["judged"] = True
+            if master_exit != ExitStatus.STORE:
+                problems.append(f"held_lock: the master outlived a {hold:g} s hold past its "
+                                f"--lock-wait {wait:g} s: exit {master_exit}, expected 3")
+            elif LOCK_STOP_LINE not in err:
+                problems.append(f"held_lock: the master stopped with exit 3 without saying "
+                                f"{LOCK_STOP_LINE!r}")
+    else:
+        d["judged"] = running
+        if master_exit == ExitStatus.STORE or LOCK_STOP_LINE in err:
+            problems.append(f"held_lock: the master stopped (exit {master_exit}) under a "
+                            f"{hold:g} s hold, shorter than its --lock-wait {wait:g} s")
+        if running and hold >= 4 and rec.get("master_alive_at_release") and not d["said"]:
+            problems.append(f"held_lock: the master never said it waited for the write lock "
+                            f"held {hold:g} s by pid {rec['holder_pid']}")
+    if "released_at" in rec:
+        nxt = next_commit_after(rec["released_at"])
+        if nxt is not None:
+            out["latency"]["held_lock"] = [round(nxt - rec["released_at"], 4)]
+
+
+def _judge_alias(rec: dict[str, Any], runs: list[dict[str, Any]], err_of,
+                 out: dict[str, Any]) -> None:
+    problems: list[str] = out["problems"]
+    answers = [c["answered_s"] for c in rec.get("commands", {}).values()
+               if c.get("answered_s") is not None]
+    out["details"]["aliased_file"] = {
+        "linked": "linked_at" in rec, "seconds": rec.get("seconds"),
+        "last_answer_s": max(answers) if answers else None,
+        # the master ran from the link until every command had answered
+        "during_run": bool(rec.get("master_alive_at_link") and all(
+            c.get("master_alive_at_answer") for c in rec.get("commands", {}).values())),
+        "refused": sum(1 for c in rec.get("commands", {}).values()
+                       if c["exit"] == ExitStatus.USAGE and c["refused"])}
+    if rec.get("error"):
+        problems.append(f"aliased_file: {rec['error']}")
+    if "linked_at" not in rec:
+        return
+    out["faults"]["aliased_file"] = 1
+    commands = rec.get("commands", {})
+    for name, _ in AliasedFile.COMMANDS:
+        c = commands.get(name)
+        if c is None:
+            problems.append(f"aliased_file: `coordinator {name}` on the alias did not run")
+        elif c["exit"] != ExitStatus.USAGE or not c["refused"]:
+            problems.append(f"aliased_file: `coordinator {name} --db {ALIAS_NAME}` exited "
+                            f"{c['exit']}{' (timed out)' if c['timed_out'] else ''}, expected "
+                            f"2 and {ALIAS_REFUSAL!r}: {c['output'][-200:]!r}")
+    if rec.get("beside_alias"):
+        problems.append(f"aliased_file: made beside the alias: {rec['beside_alias']}")
+    if rec.get("left_after_unlink"):
+        problems.append(f"aliased_file: left after the alias was removed: "
+                        f"{rec['left_after_unlink']}")
+    if rec.get("links_after", 1) != 1:
+        problems.append(f"aliased_file: the campaign file still has {rec['links_after']} names")
+    refused = [j["run"] for j in runs if ALIAS_REFUSAL in err_of(j["run"])]
+    if refused:
+        problems.append(f"aliased_file: the trial's own runs {refused} were refused")
+
+
+def _judge_startup(rec: dict[str, Any], runs: list[dict[str, Any]],
+                   by_run: dict[int, dict[str, Any]], value, out: dict[str, Any]) -> None:
+    problems: list[str] = out["problems"]
+    d = out["details"]["startup_crash"] = {"killed": "killed_at" in rec, "ulfm": rec["ulfm"],
+                                           "before_first_dispatch": None, "went_on": None}
+    if rec.get("error"):
+        problems.append(f"startup_crash: {rec['error']}")
+    if "killed_at" not in rec:
+        return
+    out["faults"]["startup_crash"] = 1
+    killed_at, rank = rec["killed_at"], rec["rank"]
+    job = by_run.get(rec["run"], {})
+    if job.get("ended_by") == "timeout":
+        problems.append(f"startup_crash: the job hung after rank {rank} died during its start "
+                        f"(ended at the per-job limit)")
+    incarnation = value("SELECT incarnation FROM events WHERE kind = 'campaign' AND detail "
+                        "LIKE ? ORDER BY id DESC LIMIT 1", f"master pid={rec['master_pid']} %")
+    if incarnation is not None:
+        first = value("SELECT min(t) FROM (SELECT min(dispatched_at) AS t FROM results WHERE "
+                      "incarnation = ? UNION ALL SELECT min(at) FROM events WHERE kind = "
+                      "'dispatched' AND incarnation = ?)", incarnation, incarnation)
+        d["before_first_dispatch"] = first is None or first > killed_at
+    else:
+        d["before_first_dispatch"] = True  # the master had not even begun its incarnation
+    if rec["ulfm"]:
+        failed_at = value("SELECT min(at) FROM events WHERE kind = 'worker_failed' AND rank = ? "
+                          "AND at >= ?", rank, killed_at - 1.0)
+        if job.get("ended_by") not in ("exit", None):
+            # Ended by this harness (its kill, a stall), not by the death: judged only by
+            # what the master did before (it recorded the death and went on).
+            if failed_at is not None:
+                d["went_on"] = True
+                out["latency"]["startup_crash"] = [round(failed_at - killed_at, 4)]
+            return
+        d["went_on"] = job.get("master_exit") is not None and failed_at is not None
+        if job.get("master_exit") is None:
+            problems.append(f"startup_crash: under ULFM the job ended with rank {rank}'s death "
+                            f"during the start (the master recorded no exit status)")
+        elif failed_at is None:
+            problems.append(f"startup_crash: under ULFM the master never recorded rank {rank}'s "
+                            f"death during the start (no worker_failed event)")
+        else:
+            out["latency"]["startup_crash"] = [round(failed_at - killed_at, 4)]
+        return
+    later = [j for j in runs if j["run"] > rec["run"] and j.get("started_at") is not None]
+    d["went_on"] = bool(job.get("finished"))
+    if later:
+        first = value("SELECT min(committed_at) FROM results WHERE committed_at >= ?",
+                      later[0]["started_at"])
+        if first is not None:
+            out["latency"]["startup_crash"] = [round(first - killed_at, 4)]
+
+
 # -- one trial -----------------------------------------------------------------------------
 
 def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]:
@@ -621,38 +1347,59 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
     db, inject_dir = trial_dir / "c.db", trial_dir / "inject"
     t0 = time.monotonic()
     trigger = KillTrigger(plan.kill)
+    if plan.startup and plan.startup.ulfm and not opts.ulfm:  # (MPICH): judged without ULFM
+        plan = dataclasses.replace(plan, startup=dataclasses.replace(plan.startup, ulfm=False))
+    faults = (HeldLock(plan.lock, db), AliasedFile(plan.alias, db), StartupCrash(plan.startup, db))
+    faults[1].prepare()
     runs: list[JobRun] = []
     for run in range(opts.max_restarts + 1):
-        args = run_args(db, plan, opts, inject_dir, run)
-        seed = int(args[args.index("--inject-seed") + 1])
-        job = run_job(mpiexec_command(opts.workers + 1, args), db, trial_dir / f"run{run:02d}",
-                      opts, trigger, run, run > 0, seed)
+        pid_file = trial_dir / f"run{run:02d}.pid"
+        args = run_args(db, plan, opts, inject_dir, run, pid_file)
+        job = run_job(mpiexec_command(opts.workers + 1, args, plan.ulfm), db,
+                      trial_dir / f"run{run:02d}", opts, trigger, run, run > 0,
+                      inject_seed_of(plan, opts, run), faults=faults, pid_file=pid_file,
+                      ulfm=plan.ulfm)
         runs.append(job)
         if job.finished:
             break
+    for fault in faults:
+        fault.close()
     complete = bool(runs and runs[-1].finished)
     check = check_campaign(db, opts.tasks, complete=complete, inject_dir=inject_dir)
-    first = mpiexec_command(opts.workers + 1, run_args(db, plan, opts, inject_dir, 0))
+    records = {f.kind: f.record for f in faults}
+    run_dicts = [asdict(j) for j in runs]
+    harness = check_harness_faults(db, run_dicts, records, trial_dir)
+    first = mpiexec_command(opts.workers + 1, run_args(db, plan, opts, inject_dir, 0),
+                            plan.ulfm)
     return {
-        "index": plan.index, "trial": plan.index + 1, "plan": plan.rates,
-        "inject": plan.inject_spec(), "inject_seed": plan.inject_seed,
+        "index": plan.index, "trial": plan.index + 1, "plan": plan.rates, "kinds": plan.kinds,
+        "inject": plan.inject_spec(), "label": plan.label(), "inject_seed": plan.inject_seed,
         "kill": asdict(plan.kill) if plan.kill else None, "kill_fired": trigger.fired,
-        "runs": [asdict(j) for j in runs], "restarts": len(runs) - 1, "complete": complete,
+        "ulfm": plan.ulfm, "runs": run_dicts, "restarts": len(runs) - 1, "complete": complete,
         "wall_s": round(time.monotonic() - t0, 3), "dir": str(trial_dir),
         "command": shlex.join(first),
         **{k: check[k] for k in ("tasks_lost", "wrong_commits", "duplicate_commits",
                                  "integrity_ok", "leftover_rows", "stats_mismatches",
                                  "fk_violations", "problems", "tasks", "states", "results",
                                  "dispatches_sum", "recovered_tasks", "recovered_done",
-                                 "faults", "torn_log_lines", "latency", "latency_overall",
-                                 "events", "incarnation")},
+                                 "torn_log_lines", "latency_overall", "events",
+                                 "incarnation")},
+        "faults": {**check["faults"], **harness["faults"]},
+        "latency": {**check["latency"], **harness["latency"]},
+        "harness_faults": {k: {"plan": asdict(p) if p else None, "record": records[k],
+                               **harness["details"].get(k, {})}
+                           for k, p in (("held_lock", plan.lock), ("aliased_file", plan.alias),
+                                        ("startup_crash", plan.startup)) if p},
+        "kind_problems": harness["problems"],
     }
 
 
 #: mpiexec exit statuses this harness expects: done, aborted unacknowledged ranks (4), a worker's
 #: injected SIGKILL brought the job down (137), a hung rank the master ended with SIGUSR2 (140:
-#: mpiexec reports that rank's status, not the master's 4).
-EXPECTED_EXITS = (0, 4, 137, 140)
+#: mpiexec reports that rank's status, not the master's 4, nor the 3 of a master stopped by a
+#: held lock, which ends the workers the same way), and under ULFM a master whose workers all
+#: died (6) or that a held lock stopped (3).
+EXPECTED_EXITS = (0, 3, 4, 6, 137, 140)
 
 
 def unusual_exits(t: dict[str, Any]) -> list[int | None]:
@@ -664,7 +1411,8 @@ def unusual_exits(t: dict[str, Any]) -> list[int | None]:
 
 def trial_failed(t: dict[str, Any]) -> bool:
     return bool(t["tasks_lost"] or t["wrong_commits"] or t["duplicate_commits"]
-                or not t["integrity_ok"] or t["leftover_rows"] or t["stats_mismatches"])
+                or not t["integrity_ok"] or t["leftover_rows"] or t["stats_mismatches"]
+                or t.get("kind_problems"))
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -686,6 +1434,8 @@ def _summarise(trials: list[dict[str, Any]], faults_of: str | None = None) -> di
     walls = [t["wall_s"] for t in trials]
     ended = Counter(f"exit {j['exit_code']}" if j["ended_by"] == "exit" else j["ended_by"]
                     for t in trials for j in t["runs"])
+    master_ends = Counter("killed" if j.get("master_exit") is None else f"exit {j['master_exit']}"
+                          for t in trials for j in t["runs"] if "master_exit" in j)
     return {
         "trials": len(trials),
         "faults_injected": faults,
@@ -695,11 +1445,13 @@ def _summarise(trials: list[dict[str, Any]], faults_of: str | None = None) -> di
         "integrity_failures": sum(not t["integrity_ok"] for t in trials),
         "leftover_rows": sum(t["leftover_rows"] for t in trials),
         "stats_mismatches": sum(t["stats_mismatches"] for t in trials),
+        "kind_failures": sum(bool(t.get("kind_problems")) for t in trials),
         "failed_trials": sum(trial_failed(t) for t in trials),
         "incomplete_trials": sum(not t["complete"] for t in trials),
         "harness_kills": sum(t["kill_fired"] for t in trials),
         "restarts": sum(t["restarts"] for t in trials),
         "job_ends": dict(ended),
+        "master_ends": dict(master_ends),
         "recovered_tasks": rec,
         "recovered_done": rec_done,
         "recovery_rate": round(rec_done / rec, 4) if rec else None,
@@ -714,16 +1466,80 @@ def _summarise(trials: list[dict[str, Any]], faults_of: str | None = None) -> di
     }
 
 
+def _details(trials: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [t["harness_faults"][kind] for t in trials if kind in t.get("harness_faults", {})]
+
+
+def summarise_harness_faults(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the harness's own faults did over the campaign (see `check_harness_faults`)."""
+    def lat(kind: str, pick=lambda d: True) -> list[float]:
+        return [x for t in trials if kind in t.get("harness_faults", {})
+                and pick(t["harness_faults"][kind]) for x in t["latency"].get(kind, [])]
+
+    lock = _details(trials, "held_lock")
+    short = [d for d in lock if d["outlasts"] and d["held"]]
+    longer = [d for d in lock if not d["outlasts"] and d["held"]]
+    alias = _details(trials, "aliased_file")
+    crash = _details(trials, "startup_crash")
+    ulfm = [d for d in crash if d["ulfm"] and d["killed"]]
+    plain = [d for d in crash if not d["ulfm"] and d["killed"]]
+    lock_lat, short_lat = lat("held_lock", lambda d: not d["outlasts"]), \
+        lat("held_lock", lambda d: d["outlasts"])
+    ulfm_lat, plain_lat = lat("startup_crash", lambda d: d["ulfm"]), \
+        lat("startup_crash", lambda d: not d["ulfm"])
+    refusal_s = [d["last_answer_s"] for d in alias if d.get("last_answer_s") is not None]
+    return {
+        "held_lock": {
+            "trials": len(lock), "held": sum(d["held"] for d in lock),
+            "within_lock_wait": len(longer),
+            "within_lock_wait_said": sum(d["said"] for d in longer),
+            "within_lock_wait_stopped": sum(d["stopped"] for d in longer),
+            "past_lock_wait": len(short),
+            "past_lock_wait_judged": sum(d["judged"] for d in short),
+            "past_lock_wait_stopped": sum(d["stopped"] for d in short),
+            "release_to_commit_p50_s": _percentile(lock_lat, 0.5),
+            "release_to_commit_max_s": max(lock_lat) if lock_lat else None,
+            "release_to_resumed_commit_p50_s": _percentile(short_lat, 0.5),
+            "release_to_resumed_commit_max_s": max(short_lat) if short_lat else None,
+        },
+        "aliased_file": {
+            "trials": len(alias), "linked": sum(d["linked"] for d in alias),
+            "while_master_ran": sum(d["during_run"] for d in alias),
+            "commands": 3 * sum(d["linked"] for d in alias),
+            "refused": sum(d["refused"] for d in alias),
+            "last_answer_p50_s": _percentile(refusal_s, 0.5),
+            "last_answer_max_s": max(refusal_s) if refusal_s else None,
+        },
+        "startup_crash": {
+            "trials": len(crash), "killed": sum(d["killed"] for d in crash),
+            "before_first_dispatch": sum(bool(d["before_first_dispatch"]) for d in crash),
+            "without_ulfm": len(plain),
+            "without_ulfm_run_finished_anyway": sum(bool(d["went_on"]) for d in plain),
+            "kill_to_resumed_result_p50_s": _percentile(plain_lat, 0.5),
+            "kill_to_resumed_result_max_s": max(plain_lat) if plain_lat else None,
+            "ulfm": len(ulfm), "ulfm_went_on": sum(bool(d["went_on"]) for d in ulfm),
+            "ulfm_kill_to_worker_failed_p50_s": _percentile(ulfm_lat, 0.5),
+            "ulfm_kill_to_worker_failed_max_s": max(ulfm_lat) if ulfm_lat else None,
+        },
+    }
+
+
 def build_report(trials: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     report = {**meta, **_summarise(trials)}
-    report["per_kind"] = {k: _summarise([t for t in trials if k in t["plan"]], faults_of=k)
+    report["per_kind"] = {k: _summarise([t for t in trials if k in t.get("kinds", t["plan"])],
+                                        faults_of=k)
                           for k in ALL_KINDS}
-    report["failures"] = [{"trial": t["trial"], "dir": t["dir"], "inject": t["inject"],
-                           "problems": t["problems"][:20]} for t in trials if trial_failed(t)]
-    report["incomplete"] = [{"trial": t["trial"], "dir": t["dir"], "inject": t["inject"],
+    report["harness_faults"] = summarise_harness_faults(trials)
+    report["failures"] = [{"trial": t["trial"], "dir": t["dir"], "inject": t.get("label",
+                                                                              t["inject"]),
+                           "problems": (t.get("kind_problems", []) + t["problems"])[:20]}
+                          for t in trials if trial_failed(t)]
+    report["incomplete"] = [{"trial": t["trial"], "dir": t["dir"],
+                             "inject": t.get("label", t["inject"]),
                              "restarts": t["restarts"], "states": t["states"]}
                             for t in trials if not t["complete"]]
-    report["unusual_exits"] = [{"trial": t["trial"], "dir": t["dir"], "inject": t["inject"],
+    report["unusual_exits"] = [{"trial": t["trial"], "dir": t["dir"],
+                                "inject": t.get("label", t["inject"]),
                                 "exit_codes": unusual_exits(t)}
                                for t in trials if unusual_exits(t)]
     report["trials_detail"] = trials
@@ -736,6 +1552,39 @@ def _fmt(v: Any, digits: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return str(v)
+
+
+def _harness_markdown(h: dict[str, Any]) -> list[str]:
+    lk, al, sc = h["held_lock"], h["aliased_file"], h["startup_crash"]
+    lock = (f"- `held_lock` ({lk['trials']} trials, {lk['held']} holds): "
+            f"{lk['within_lock_wait']} held 1–12 s within `--lock-wait {LOCK_WAIT_S:g}`: "
+            f"masters stopped: {lk['within_lock_wait_stopped']}; the master said it waited, "
+            f"naming the holder's pid, for {lk['within_lock_wait_said']}; ROLLBACK → next "
+            f"commit p50 {_fmt(lk['release_to_commit_p50_s'])} s, max "
+            f"{_fmt(lk['release_to_commit_max_s'])} s. {lk['past_lock_wait']} held "
+            f"{SHORT_HOLD_S:g} s past `--lock-wait {SHORT_LOCK_WAIT_S:g}`: masters stopped with "
+            f"exit 3: {lk['past_lock_wait_stopped']} (judged: {lk['past_lock_wait_judged']}, "
+            f"the others were killed meanwhile or had nothing left to write); ROLLBACK → the "
+            f"resumed master's first commit p50 {_fmt(lk['release_to_resumed_commit_p50_s'])} "
+            f"s, max {_fmt(lk['release_to_resumed_commit_max_s'])} s.")
+    alias = (f"- `aliased_file` ({al['trials']} trials, {al['linked']} links): {al['refused']} "
+             f"of {al['commands']} commands on the second name (`run --resume`, `status`, "
+             f"`check`) refused it with exit 2 and \"has 2 names\", nothing made beside it; "
+             f"the master ran from the link to the last answer in {al['while_master_ran']} "
+             f"trials (link → last answer p50 {_fmt(al['last_answer_p50_s'])} s, max "
+             f"{_fmt(al['last_answer_max_s'])} s: the commands were started, their modules "
+             f"loaded, before the trial).")
+    crash = (f"- `startup_crash` ({sc['trials']} trials, {sc['killed']} kills, "
+             f"{sc['before_first_dispatch']} before the master's first dispatch): "
+             f"{sc['without_ulfm']} without ULFM (the job ends; finished before the launcher "
+             f"ended it: {sc['without_ulfm_run_finished_anyway']}), kill → first result of the "
+             f"resumed job p50 {_fmt(sc['kill_to_resumed_result_p50_s'])} s, max "
+             f"{_fmt(sc['kill_to_resumed_result_max_s'])} s; {sc['ulfm']} under ULFM, went on "
+             f"without the rank: {sc['ulfm_went_on']} (the others were ended by this harness "
+             f"first), kill → `worker_failed` p50 "
+             f"{_fmt(sc['ulfm_kill_to_worker_failed_p50_s'])} s, max "
+             f"{_fmt(sc['ulfm_kill_to_worker_failed_max_s'])} s.")
+    return ["## The operator's environment", "", lock, alias, crash, ""]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -766,8 +1615,11 @@ def markdown(report: dict[str, Any]) -> str:
         "A trial's outcomes count for every kind in its plan; *faults injected* and the "
         "latency columns count only faults of that kind (latency: from the fault's time in the "
         "inject log to the task being back in the queue, for kinds that break a dispatch; for "
-        "`kill_*` it includes the harness's relaunch). *dispatches/commit* = "
-        "sum(tasks.dispatches) / count(results).", "",
+        "`kill_*` it includes the harness's relaunch; for `held_lock`, from the ROLLBACK to the "
+        "campaign's next commit; for `startup_crash`, from the kill to the first result of the "
+        "relaunched job, or under ULFM to the master's `worker_failed` event; none for "
+        "`aliased_file`, which must change nothing). The *all* row's latency is the injected "
+        "kinds' only. *dispatches/commit* = sum(tasks.dispatches) / count(results).", "",
         "## Overall", "", head, sep, row("**all**", report), "",
         "## Per fault kind", "", head, sep,
         *[row(f"`{k}`", s) for k, s in report["per_kind"].items()], "",
@@ -779,9 +1631,15 @@ def markdown(report: dict[str, Any]) -> str:
         "Open MPI's launcher did not start (nothing ran; run again).",
         "",
         ", ".join(f"{k}: {v}" for k, v in sorted(report["job_ends"].items())) or "—", "",
+        "The masters' own exit statuses (recorded beside `--master-pid-file`; *killed*: "
+        "none recorded, the launcher or this tool ended it): "
+        + (", ".join(f"{k}: {v}" for k, v in sorted(report["master_ends"].items())) or "—")
+        + ".", "",
         f"Harness kills fired: {report['harness_kills']}; statistics mismatches: "
         f"{report['stats_mismatches']}; leftover dispatch/lease rows: "
-        f"{report['leftover_rows']}.", "",
+        f"{report['leftover_rows']}; trials failing a fault kind's own checks: "
+        f"{report['kind_failures']}.", "",
+        *_harness_markdown(report["harness_faults"]),
     ]
     if report["failures"]:
         lines += ["## Failed trials", ""]
@@ -847,17 +1705,18 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= ns.kill_fraction <= 1.0:
         print("fault_campaign: --kill-fraction must be in 0..1", file=sys.stderr)
         return 2
+    mpi = subprocess.run([mpiexec_command(2, [])[0], "--version"], capture_output=True,
+                         text=True, timeout=60).stdout.splitlines()[:1]
     opts = Options(tasks=ns.tasks, workers=ns.workers, work_ms=ns.work_ms,
                    watchdog_s=ns.watchdog, timeout_per_job=ns.timeout_per_job,
-                   max_restarts=ns.max_restarts, same_inject_seed=ns.same_inject_seed)
+                   max_restarts=ns.max_restarts, same_inject_seed=ns.same_inject_seed,
+                   ulfm=bool(mpi) and "Open MPI" in mpi[0])
     workdir = ns.workdir or Path(tempfile.mkdtemp(prefix="fault-campaign-"))
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else \
         shlex.join([sys.executable, str(Path(__file__).resolve()), *argv])
-    mpi = subprocess.run([mpiexec_command(2, [])[0], "--version"], capture_output=True,
-                         text=True, timeout=60).stdout.splitlines()[:1]
-    plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction)
+    plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction, ns.workers)
     if ns.only:
         try:
             wanted = {int(x) for x in ns.only.split(",") if x.strip()}
@@ -882,7 +1741,7 @@ def main(argv: list[str] | None = None) -> int:
         lat = t["latency_overall"]
         kill = "" if not t["kill"] else f" kill={'fired' if t['kill_fired'] else 'missed'}"
         ends = ",".join(f"{j['ended_by']}:{j['exit_code']}" for j in t["runs"])
-        print(f"trial {plan.index + 1:>4}/{ns.trials} [{t['inject']}]{kill} runs={ends} "
+        print(f"trial {plan.index + 1:>4}/{ns.trials} [{t['label']}]{kill} runs={ends} "
               f"{'complete' if t['complete'] else 'INCOMPLETE'} "
               f"done={t['states'].get('done', 0)}/{ns.tasks} lost={t['tasks_lost']} "
               f"wrong={t['wrong_commits']} dup={t['duplicate_commits']} "
@@ -892,7 +1751,7 @@ def main(argv: list[str] | None = None) -> int:
               f"recovered={t['recovered_done']}/{t['recovered_tasks']} "
               f"lat_p50={_fmt(_percentile(lat, 0.5))}s {t['wall_s']:.1f}s"
               + (" FAILED" if bad else ""), flush=True)
-        for p in t["problems"][:5] if bad else []:
+        for p in (t["kind_problems"] + t["problems"])[:5] if bad else []:
             print(f"    {p}", flush=True)
     meta = {"command": command, "cwd": os.getcwd(), "seed": ns.seed, "tasks_per_trial": ns.tasks,
             "workers": ns.workers, "kill_fraction": ns.kill_fraction,
@@ -911,6 +1770,7 @@ def main(argv: list[str] | None = None) -> int:
           f"integrity_failures={report['integrity_failures']} "
           f"stats_mismatches={report['stats_mismatches']} "
           f"leftover_rows={report['leftover_rows']} "
+          f"kind_failures={report['kind_failures']} "
           f"incomplete={report['incomplete_trials']} restarts={report['restarts']} "
           f"recovery_rate={_fmt(report['recovery_rate'])} "
           f"latency p50={_fmt(report['recovery_latency_p50_s'])}s "
