@@ -8,13 +8,13 @@ Each trial is a fresh campaign: `coordinator run --demo T` under `mpiexec -n W+1
 1–4 fault kinds (`--inject`, rates 0.02–0.3, log-uniform) drawn from a seeded RNG; every kind
 leads a trial once per 19 trials (16 injected kinds, 3 of the harness's own, below), so a long
 campaign covers all of them. In `--kill-fraction` of the trials the harness SIGKILLs the whole
-job once at a random moment (by wall time, or once a random number of results has committed). Whatever ends a job — its own exit, a worker's
-injected SIGKILL (which takes an Open MPI job without ULFM down), the harness's kill, the
-per-job time limit, or a stall (every worker SIGSTOPped by `hang` with nothing in flight) —
-the harness kills what is left of it (every rank found in /proc by the database path, then
-mpiexec's process group: Open MPI gives each rank a process group of its own) and reruns the
-same command with `--resume`, until the master reports the campaign finished or
-`--max-restarts` is exhausted (an *incomplete* trial, reported).
+job once at a random moment (by wall time, or once a random number of results has committed).
+Whatever ends a job — its own exit, a worker's injected SIGKILL (which takes an Open MPI job
+without ULFM down), the harness's kill, the per-job time limit, or a stall (every worker
+SIGSTOPped by `hang` with nothing in flight) — the harness kills what is left of it (every rank
+found in /proc by the database path, then mpiexec's process group: Open MPI gives each rank a
+process group of its own) and reruns the same command with `--resume`, until the master reports
+the campaign finished or `--max-restarts` is exhausted (an *incomplete* trial, reported).
 
 Three more kinds are the harness's own, made beside the job (the coordinator runs its
 ordinary code): `held_lock` (an operator's `BEGIN IMMEDIATE` held 1–12 s while the master runs,
@@ -1156,8 +1156,9 @@ def check_harness_faults(db: Path, runs: list[dict[str, Any]],
       one name again afterwards; no run of the trial was refused.
     - startup_crash: the job must not hang (the per-job limit); under ULFM a job the harness
       did not end must go on: its master ends by itself and records the rank's death
-      (`worker_failed`); one the harness ended counts as gone on if the death was recorded. Recovery: without ULFM, from the kill to the first result committed
-      by the relaunched job; under ULFM, to the `worker_failed` event."""
+      (`worker_failed`); one the harness ended counts as gone on if the death was recorded.
+      Recovery: without ULFM, from the kill to the first result committed by the relaunched
+      job; under ULFM, to the `worker_failed` event."""
     out: dict[str, Any] = {"problems": [], "latency": {}, "faults": {}, "details": {}}
     by_run = {j["run"]: j for j in runs}
 
