@@ -174,8 +174,8 @@ class AflQueueSource:
             still_unsettled[name] = (-1, -1)  # unreadable for now; look again next poll
             return None
         if not stat.S_ISREG(st.st_mode):
-            # A symbolic link (as root, one to /etc/passwd was read, stored in the campaign
-            # and fed to the target), a pipe, a device: not a queue entry AFL wrote.
+            # A symbolic link (as root, one to /etc/passwd would be read, stored in the
+            # campaign and fed to the target), a pipe, a device: not a queue entry AFL wrote.
             self._handled.add(name)
             self.skipped += 1
             print(f"coordinator: AFL queue entry {_as_text(path)} skipped: "

@@ -175,8 +175,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
 
 
 def _name_damage(engine: Engine, db_path: Path) -> None:
-    """A damaged page read by `status`, `check`, `requeue`, `db upgrade` or a start was a
-    driver traceback: it becomes a DatabaseOpenError that says so and what to do. A master's
+    """A damaged page read by `status`, `check`, `requeue`, `db upgrade` or a start raises a
+    driver error: it becomes a DatabaseOpenError that says so and what to do. A master's
     write transaction keeps its own outcome (StoreWriteError: exit 3); a file that is no
     database at all is said so by `cannot_open`."""
     @event.listens_for(engine, "handle_error")
