@@ -317,7 +317,7 @@ def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T]
                     got = read(conn)
                 finally:
                     conn.rollback()  # it read; nothing to commit (a COMMIT of a read
-                    # transaction on a damaged file raised "malformed")
+                    # transaction on a damaged file raises "malformed")
         except (StoreError, exc.DBAPIError, sqlite3.Error):
             if view.unchanged():
                 raise
