@@ -66,7 +66,7 @@ class Once(argparse.Action):
 
 
 def _task_id(text: str) -> int:
-    """A task id: one SQLite can hold (a larger one made `requeue` end in a traceback)."""
+    """A task id: one SQLite can hold (a larger one would end `requeue` in a traceback)."""
     try:
         value = int(text)
     except ValueError:

@@ -244,8 +244,8 @@ def requeue(ns: argparse.Namespace) -> int:
     done: list[int] = []
     try:
         # In chunks, each its own short transaction, in id order: a running master shares the
-        # write lock and waits for each (a single one of 100,000 tasks took 30 s and killed
-        # it). A task the master runs and fails again meanwhile is not taken twice.
+        # write lock and waits for each (a single one of 100,000 tasks would hold it 30 s). A
+        # task the master runs and fails again meanwhile is not taken twice.
         while True:
             after = done[-1] if done else 0
             with store.transaction("manual requeue") as tx:

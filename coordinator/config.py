@@ -47,7 +47,7 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    if value == math.inf:  # a time or an amount: inf made every demo task run for ever
+    if value == math.inf:  # a time or an amount: inf would make every demo task run for ever
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
     return value
 
@@ -243,8 +243,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         raise ConfigError("the python executor needs --callable module:function")
     if not sources and not resume:
         # The embedded default, a built-in demo workload, is the demo executor's alone: a
-        # user's callable or command ran on 300 demo payloads and made a campaign of 300
-        # errors. (--resume continues the stored tasks; a new campaign under --resume is
+        # user's callable or command would run on 300 demo payloads and make a campaign of
+        # 300 errors. (--resume continues the stored tasks; a new campaign under --resume is
         # checked once it is known to be new: `preflight`.)
         if executor == "python":
             raise ConfigError("--callable runs on tasks you give it: add --tasks FILE (one JSON "

@@ -102,7 +102,7 @@ _ABSENT = object()
 
 def _get(parsed: Any, key: str, default: Any = None) -> Any:
     # The attribute first: a validated result is a Struct, and isinstance(x, Mapping) (an ABC
-    # check) cost ~1 µs, several times per task of a batch.
+    # check) costs more than the attribute read, several times per task of a batch.
     got = getattr(parsed, key, _ABSENT)
     if got is not _ABSENT:
         return got

@@ -337,9 +337,9 @@ class Master:
         active: dict[int, dsp.ActiveDispatch] | None = None
         parked: dict[int, str] | None = None
         # The answers to wait for are those of the ranks holding a dispatch: a parked rank, or
-        # one never heard from, has none, and counting it (as every rank not idle) made each
-        # round linger its whole `linger_s` for an answer that was not coming. The first
-        # phase reads the active dispatches anyway; reading them here costs nothing more.
+        # one never heard from, has none, and counting it would make each round linger its
+        # whole `linger_s` for an answer that is not coming. The first phase reads the active
+        # dispatches anyway; reading them here costs nothing more.
         outstanding = 0
         if results or readies:
             active = dsp.active_by_rank(tx)
@@ -404,10 +404,10 @@ class Master:
         """The RESULTs and READYs waiting now, decoded (undecodable ones as such).
 
         RESULT first: a worker sends it just before its READY, so a READY that arrives
-        between the two drains still joins its RESULT in the batch (READY first split them
-        more often, and each extra batch costs the master ~4 % of its throughput). The protocol.s
-        order, READY drained before RESULT, is kept where it matters: `_apply_answers`
-        drains RESULT once more after the last READY, before the sweep."""
+        between the two drains still joins its RESULT in the batch (READY first would split
+        them more often, and each extra batch costs the master ~4 % of its throughput). The
+        protocol's order, READY drained before RESULT, is kept where it matters:
+        `_apply_answers` drains RESULT once more after the last READY, before the sweep."""
         results = self._receive_tag(TAG_RESULT)
         return results, self._receive_tag(TAG_READY)
 

@@ -99,7 +99,7 @@ def sanitize_profile_version(value: object) -> str:
 
 
 #: What a reported pid may be (Linux keeps them below 2**22; the store holds 64-bit integers,
-#: and a READY with pid 2**64 - 1 ended the master when it was written).
+#: and a READY with pid 2**64 - 1 would end the master when it is written).
 MAX_PID = 2**31 - 1
 MAX_HOST_CHARS = 255
 

@@ -69,7 +69,7 @@ class AflQueueSource:
     its mtime is at least ``settle_s`` old and its size did not change since the previous poll.
     Names already handled are remembered, so a poll stats only names it has not finished with.
     The queue is listed again only when the directory changed (its mtime): listing a
-    40,000-entry queue took 21-30 ms, every second, for ever.
+    40,000-entry queue takes 21-30 ms, and a poll comes every second, for ever.
     """
 
     #: A listing is trusted this long at most, whatever the directory's mtime says.
@@ -106,7 +106,7 @@ class AflQueueSource:
     def remember(self, origins: Iterable[str]) -> None:
         """Names handled in an earlier run (the origins of the tasks they made): after a
         restart they are neither read nor hashed again (4.4 s for a 40,000-entry queue,
-        before a new entry was dispatched)."""
+        before a new entry could be dispatched)."""
         n = len(self.origin_prefix)
         self._handled.update(o[n:] for o in origins if o.startswith(self.origin_prefix))
 
@@ -174,8 +174,8 @@ class AflQueueSource:
             still_unsettled[name] = (-1, -1)  # unreadable for now; look again next poll
             return None
         if not stat.S_ISREG(st.st_mode):
-            # A symbolic link (as root, one to /etc/passwd was read, stored in the campaign
-            # and fed to the target), a pipe, a device: not a queue entry AFL wrote.
+            # A symbolic link (as root, one to /etc/passwd would be read, stored in the
+            # campaign and fed to the target), a pipe, a device: not a queue entry AFL wrote.
             self._handled.add(name)
             self.skipped += 1
             print(f"coordinator: AFL queue entry {_as_text(path)} skipped: "
@@ -387,7 +387,7 @@ def load_tasks_jsonl(path: os.PathLike[str] | str) -> TasksFile:
 
 class TasksFile:
     """A checked tasks file, read line by line each time it is iterated: holding every task
-    of it cost ~1.5 KB a line (773 MiB for 500,000 lines) before the first was imported.
+    of it costs ~1.5 KB a line (773 MiB for 500,000 lines) before the first is imported.
     A file changed since its check (a generator still writing it, an edit) is refused when it
     is read again: its lines are not the ones checked and counted. Iterating checks each line
     again all the same: a bad line raises `TaskFileError` inside the import's transaction,
@@ -445,7 +445,7 @@ class TasksFile:
 
 class DemoTasks:
     """`--demo N`: N built-in tasks, each made as it is imported (held as a list, 200,000 of
-    them took an import's peak from 83 to 185 MiB)."""
+    them would more than double an import's peak: 185 MiB against 83)."""
 
     def __init__(self, n: int, start: int = 0):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:

@@ -56,15 +56,15 @@ class Backoff:
 
     `yield_window`: for that long after progress, poll without sleeping, giving the CPU to
     any other runnable process between polls (`sched_yield`), then sleep as above. A sleep of
-    10-50 µs lasted ~90 µs on the 2-core test machine, and an idle worker's next WORK waited
-    that long to be noticed, on every task's critical path (see `worker_spin_default`).
+    10-50 µs lasts longer than it asks for, and an idle worker's next WORK waits that long to
+    be noticed, on every task's critical path (see `worker_spin_default`).
 
     Spinning pays only while the cores are not all wanted: a yield that comes back late
     (LATE_YIELD_S, longer than any of the job's own ranks holds a core between two waits)
     means a process outside the job was given the core, one that runs as long as the kernel
-    lets it. Spinning then takes the CPU the master needs (one CPU-bound process beside a
-    2-core job cut it from 5,803 to 444 tasks/s), so the wait goes to sleeping at once, and
-    the next ones do for CONTENDED_S before spinning is tried again."""
+    lets it. Spinning then takes the CPU the master needs (beside one CPU-bound process, a
+    2-core job's throughput collapses), so the wait goes to sleeping at once, and the next
+    ones do for CONTENDED_S before spinning is tried again."""
 
     LATE_YIELD_S = 1e-3
     CONTENDED_S = 1.0
@@ -102,9 +102,9 @@ class Backoff:
 def tighten_timer_slack(ns: int = 1_000) -> bool:
     """Make this process's short sleeps last about what they ask for (Linux only).
 
-    The kernel's default timer slack (50 µs) turned the backoff's `sleep(10 µs)` into ~85 µs
-    on the test machine (31 µs with 1 µs slack): every WORK waited that long to be noticed by
-    its worker, and every answer by the master's linger, on each task's critical path."""
+    With the kernel's default timer slack (50 µs) the backoff's `sleep(10 µs)` lasts several
+    times what it asks for, and every WORK waits that long to be noticed by its worker, and
+    every answer by the master's linger, on each task's critical path."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -124,11 +124,10 @@ def worker_spin_default() -> float:
     """The default of `--worker-spin-ms`, by the MPI library: WORKER_SPIN_S under Open MPI,
     none under any other.
 
-    Measured on 2 cores, 1 master + 3 workers, 10,000 no-op tasks (tools/bench.py): under Open
-    MPI, workers that poll and yield after each answer instead of sleeping 10-50 µs between
-    polls raised the coordinator from ~3,800 to ~4,100-4,400 tasks/s. Under MPICH the same
-    workers cut it from ~3,050 to ~2,300 (and to ~420 without the yield: the starved
-    master), so there they sleep at once, as before."""
+    Under Open MPI, workers that poll and yield after each answer notice their next WORK
+    sooner than workers that sleep between polls, and the coordinator runs faster. Under
+    MPICH the same polling makes it slower (and, without the yield, starves the master), so
+    there workers sleep at once (docs/performance.md, "What moved the figures")."""
     return WORKER_SPIN_S if MPI.Get_library_version().startswith("Open MPI") else 0.0
 
 #: ULFM's error class for "a process in the operation failed" (MPI_ERR_PROC_FAILED).
@@ -187,7 +186,8 @@ class Transport:
     def poll(self, tag: int, source: int = MPI.ANY_SOURCE) -> Received | None:
         """The next message on `tag` (ANY_TAG: on any), received into a buffer of its own
         size; one over `max_message_bytes` is consumed into a small buffer and never held
-        (a 1.9 GB message raised the master's RSS to 1.9 GiB, one over 2 GiB ended it)."""
+        (held whole, a 1.9 GB message would take the master's RSS to 1.9 GiB, and one over
+        2 GiB would end it)."""
         try:
             # `Improbe`, not `improbe`: the latter allocates the message's size for a pickle
             # before anything can look at it.
@@ -271,9 +271,9 @@ class Transport:
         """Worker: the master's start verdict (or a STOP that came first), polling with
         sleeps, never blocked in MPI: a rank blocked in MPI spins (MPICH) or yields in a loop
         (Open MPI, oversubscribed), and the master may spend minutes importing a tasks file
-        on the same cores (300,000 tasks on 2 cores: 3 waiting workers burnt 17 s of CPU in
-        an 18 s start). No collective: another rank's death during the start costs that rank
-        only (a barrier or broadcast fails for every rank under ULFM)."""
+        on the same cores (300,000 tasks on 2 cores: 3 workers blocked in MPI would burn 17 s
+        of CPU in an 18 s start). No collective: another rank's death during the start costs
+        that rank only (a barrier or broadcast fails for every rank under ULFM)."""
         backoff = Backoff(start=100e-6, fast_cap=1e-3, cap=20e-3)
         while True:
             for tag in (TAG_STOP, TAG_START):

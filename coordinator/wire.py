@@ -42,12 +42,12 @@ DETAIL_MAX_CHARS = 2000
 
 
 #: The most test cases the master takes from one RESULT (the command executor keeps no more
-#: itself): one RESULT of 100,000 held the master inside a round for ~95 s. The rest are
+#: itself): one RESULT of 100,000 would hold the master inside a round for ~95 s. The rest are
 #: dropped, and counted with the result.
 MAX_TESTCASES = 1000
 #: The most bytes of a result's value the master decodes: a value is decoded into Python
 #: objects (up to ~56 bytes each from one byte of msgpack: a 64 MiB "bomb" of empty arrays
-#: took 4.7 GiB), so it is bounded apart from the message. Bulk output belongs in test cases.
+#: takes 4.7 GiB), so it is bounded apart from the message. Bulk output belongs in test cases.
 MAX_VALUE_BYTES = 2 << 20
 
 

@@ -137,8 +137,8 @@ def run_work(executor: Executor, work: Work, scratch: Path) -> ExecOutcome | Bat
 
 def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
              scratch: Path) -> ExecOutcome:
-    # Creating and removing a directory costs more than a no-op task itself (~125 µs):
-    # only executors that leave files get a fresh one.
+    # Creating and removing a directory costs more than a no-op task itself: only executors
+    # that leave files get a fresh one.
     fresh = getattr(executor, "needs_workdir", True)
     workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch)) if fresh else scratch
     try:

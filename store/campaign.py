@@ -172,8 +172,8 @@ class Store:
                    ResumeReport())
 
     def _connection(self) -> Connection:
-        # One connection for the life of the store: a pool checkout and its reset cost about
-        # 100 µs per transaction, a third of a FULL commit.
+        # One connection for the life of the store: a pool checkout and its reset for each
+        # transaction cost about a third of a FULL commit.
         if self._conn is None or self._conn.closed:
             self._conn = self.engine.connect()
         return self._conn

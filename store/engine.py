@@ -153,8 +153,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
-        # Straight to the driver: through exec_driver_sql this statement cost ~60 µs, a
-        # tenth of a master round at synchronous=NORMAL.
+        # Straight to the driver: through exec_driver_sql this one statement costs a sizeable
+        # share of a master round at synchronous=NORMAL.
         conn.connection.driver_connection.execute(
             "BEGIN" if conn.info.get(DEFERRED_BEGIN) else begin_sql)
 
@@ -175,8 +175,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
 
 
 def _name_damage(engine: Engine, db_path: Path) -> None:
-    """A damaged page read by `status`, `check`, `requeue`, `db upgrade` or a start was a
-    driver traceback: it becomes a DatabaseOpenError that says so and what to do. A master's
+    """A damaged page read by `status`, `check`, `requeue`, `db upgrade` or a start raises a
+    driver error: it becomes a DatabaseOpenError that says so and what to do. A master's
     write transaction keeps its own outcome (StoreWriteError: exit 3); a file that is no
     database at all is said so by `cannot_open`."""
     @event.listens_for(engine, "handle_error")
@@ -317,7 +317,7 @@ def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T]
                     got = read(conn)
                 finally:
                     conn.rollback()  # it read; nothing to commit (a COMMIT of a read
-                    # transaction on a damaged file raised "malformed")
+                    # transaction on a damaged file raises "malformed")
         except (StoreError, exc.DBAPIError, sqlite3.Error):
             if view.unchanged():
                 raise

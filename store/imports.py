@@ -2,7 +2,7 @@
 
 A --resume that names the same source unchanged does not read it again: re-reading a
 million-line file (or making a million demo tasks) only to find each one already in the
-campaign cost tens of seconds before the first WORK. Read with the stdlib alone (the start's
+campaign costs tens of seconds before the first WORK. Read with the stdlib alone (the start's
 checks, `store.probe`, read before any engine is made).
 """
 

@@ -144,8 +144,8 @@ class Tx:
         row change written.
 
         The per-round statements run here as prepared SQL text: building and caching a Core
-        statement costs 20-200 µs, ten to fifty times what SQLite needs to run it, and the
-        master runs a dozen of them per task (docs/performance.md, "What one task costs")."""
+        statement costs ten to fifty times what SQLite needs to run it, and the master runs a
+        dozen of them per task (docs/performance.md, "What one task costs")."""
         self.write_pending()
         return self.raw_db
 

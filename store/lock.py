@@ -1,10 +1,10 @@
 """One master per campaign *file*: the lock is the file's own, whatever its name.
 
 A master holds an exclusive `flock` on the database file itself for its whole life (released
-when the process ends, however it ends). A lock kept in a file beside it (`NAME.lock`) followed
-the name: through a hard link a second master took a lock of its own on the same campaign,
-started its own `-wal`, and a later command on that name applied the stale WAL to the shared
-file. `flock` locks the inode, so every name of the file shares one lock; and a file with
+when the process ends, however it ends). A lock kept in a file beside it (`NAME.lock`) would
+follow the name: through a hard link a second master could take a lock of its own on the same
+campaign, start its own `-wal`, and a later command on that name apply the stale WAL to the
+shared file. `flock` locks the inode, so every name of the file shares one lock; and a file with
 more than one name is refused anyway (`refuse_aliases`). SQLite's own locks are POSIX record
 locks, which Linux keeps apart from `flock`s on local filesystems (network ones are refused).
 

@@ -97,8 +97,9 @@ class QuarantineReason(str, enum.Enum):
 class LeaseKind(str, enum.Enum):
     # A batch dispatch's tasks after its first (the dispatch row's own, UNIQUE task_id), by
     # task id: UNIQUE (kind, key) keeps a task in one active dispatch, and the lease goes with
-    # the dispatch. (Files from before revision 0007 had one per dispatch, keyed by semantic
-    # id; 0007 removed them.) The order is the CHECK constraint's: do not reorder.
+    # the dispatch. (A file at a revision before 0007 holds one per dispatch, keyed by
+    # semantic id; the upgrade to 0007 deletes them.) The order is the CHECK constraint's: do
+    # not reorder.
     WORK = "work"        # a task of a batch dispatch (its id)
     TARGET = "target"    # a target branch being solved
     CONTENT = "content"  # the input's content hash
@@ -111,15 +112,16 @@ class EventKind(str, enum.Enum):
     # A dispatch that ended without its result (rolled back, requeued, interrupted, or its
     # result discarded by `requeue --state error`), written as it ends with `at` = when the
     # dispatch was recorded. A committed dispatch's record is its results row (revision 0007:
-    # `results.dispatched_at`); before 0007 this was written for every dispatch.
+    # `results.dispatched_at`); a campaign begun before 0007 keeps one for each dispatch it
+    # made then.
     DISPATCHED = "dispatched"
     SEND_FAILED = "send_failed"      # pre-send compensation: rewound exactly
-    # READY and COMMITTED are not written since revision 0002 (the results row holds both
-    # facts; each event cost the master ~20 µs per task on its critical path); kept so that
-    # older files stay valid. (The order is the CHECK constraint's: do not reorder.)
-    READY = "ready"                  # current READY: ready mark set (now results.ready_at)
+    # READY and COMMITTED are not written (the results row holds both facts, and an event
+    # each would sit on the master's critical path, per task); kept so that older files, from
+    # before revision 0002, stay valid. (The order is the CHECK constraint's: do not reorder.)
+    READY = "ready"                  # current READY: ready mark set (results.ready_at holds it)
     INVALID = "invalid"              # invalid-result mark set (still written)
-    COMMITTED = "committed"          # (now the results row itself)
+    COMMITTED = "committed"          # (the results row itself holds it)
     RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
     REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)
     DEFERRED = "deferred"            # protocol deferral (past the retry budget)
@@ -212,7 +214,7 @@ Index("ix_tasks_queue", tasks.c.queue_pos, tasks.c.id, tasks.c.state,
       sqlite_where=tasks.c.state == "queued")
 #: The held states, as literal SQL: a query must repeat this very term for SQLite to read
 #: `ix_tasks_held`. Only held tasks are in it (revision 0007): an index of every task's state
-#: had each dispatch and each commit move an entry, ~3 written pages per commit. The other
+#: would have each dispatch and each commit move an entry, ~3 written pages per commit. The other
 #: counts come from the rows that define those states: `ix_tasks_queue` (queued), one
 #: `dispatches` row per active task, one `results` row per done task (`count_by_state`).
 HELD_STATES_SQL = "state IN ('deferred', 'failed')"
@@ -278,10 +280,11 @@ results = Table(
     metadata,
     Column("task_id", Integer, ForeignKey("tasks.id"), primary_key=True),
     # The dispatch it was committed from. Not UNIQUE (revision 0005): an index on random
-    # tokens cost ~4 written pages per commit, a fifth of the master's WAL writes. Tokens do
-    # not repeat because of how they are minted (SHA-256 of a random per-incarnation epoch,
-    # the rank and a sequence number); the schema only refuses two active dispatches with
-    # one token, and the audit (`coordinator check`, store/audit.py) checks the rest.
+    # tokens costs ~4 written pages per commit (random tokens land on random leaves of an
+    # index that grows with the campaign). Tokens do not repeat because of how they are
+    # minted (SHA-256 of a random per-incarnation epoch, the rank and a sequence number); the
+    # schema only refuses two active dispatches with one token, and the audit
+    # (`coordinator check`, store/audit.py) checks the rest.
     Column("token", Text, nullable=False),
     Column("rank", Integer, nullable=False),
     Column("incarnation", Integer, nullable=False),
@@ -298,8 +301,8 @@ results = Table(
     # unless the command executor dropped output files over its limits (its note).
     Column("detail", Text, nullable=True),
     # When the committed dispatch was recorded (its row's `created_at`; revision 0007): with
-    # token, rank and incarnation, the record of the dispatch itself, in place of the
-    # `dispatched` event each dispatch had before (two written pages per commit).
+    # token, rank and incarnation, the record of the dispatch itself, in place of a
+    # `dispatched` event for each dispatch (two more written pages per commit).
     Column("dispatched_at", Float, nullable=True),
     # Test cases the worker could not send with this result: over the command executor's
     # limits, or the whole set when the result would not fit in a message.

@@ -105,8 +105,8 @@ def _normalized(payload: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: What a message can carry (msgpack): a larger integer was stored, then failed every send
-#: of its task, and took the master down with it.
+#: What a message can carry (msgpack): a larger integer would be stored, then fail every
+#: send of its task, and take the master down with it.
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 
 

@@ -59,7 +59,7 @@ class Stats:
 
 
 #: The event kinds `read_stats` counts: all but the ones written once or more per task, whose
-#: counts nobody reads here, and which were most of its time on a large campaign (the live
+#: counts nobody reads here, and which would be most of its time on a large campaign (the live
 #: progress reads it every half second: 127 of 250 ms at a million tasks). The condition is the
 #: partial index's own text, so SQLite reads `ix_events_counted_kind` and never the per-task rows.
 _COUNT_EVENTS = text(f"SELECT kind, count(*) FROM events WHERE {COUNTED_KIND_SQL} GROUP BY kind")

@@ -136,18 +136,18 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
     return created
 
 
-# INDEXED BY: without ANALYZE statistics SQLite preferred an index on state (ix_tasks_state,
-# before revision 0007) and then sorted every queued row on each call; the partial index
-# yields them already in queue order, whatever index on state a later revision adds. Paged by key
-# ((queue_pos, id) past the last row seen), not OFFSET, which walked every earlier row again
-# for each window: quadratic when many queued tasks wait on a held lease.
+# INDEXED BY: without ANALYZE statistics SQLite can prefer an index on state (whatever one a
+# revision adds) and then sort every queued row on each call; the partial index yields them
+# already in queue order. Paged by key ((queue_pos, id) past the last row seen), not OFFSET,
+# which walks every earlier row again for each window: quadratic when many queued tasks wait
+# on a held lease.
 _QUEUED = ("SELECT id, semantic_id, payload, input_hash, state, attempts, dispatches, depth, "
            "reason, queue_pos FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued' "
            "AND (queue_pos, id) > (?, ?) {} ORDER BY queue_pos, id LIMIT ?")
 _QUEUED_ALL = _QUEUED.format("")
 # While leases are held, rows whose content or target branch is held are skipped in SQL (a
 # cheap pre-filter: the lease check below still decides). 20,000 tasks on one input, which
-# run one at a time, cost 526 ms per call with every row decoded in Python.
+# run one at a time, cost 526 ms per call if every row is decoded in Python.
 _QUEUED_FREE = _QUEUED.format(
     "AND (input_hash IS NULL OR input_hash NOT IN "
     "(SELECT key FROM leases WHERE kind = 'content')) "
@@ -371,8 +371,9 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
     return [r.task_id for r in rows]
 
 
-#: A batch dispatch's `work` lease (keyed by task id). Before revision 0007 every dispatch
-#: had one, keyed by the task's 64-character semantic id: a file of then is audited as it is.
+#: A batch dispatch's `work` lease (keyed by task id). In a file from before revision 0007
+#: every dispatch has one, keyed by the task's 64-character semantic id: such a file is
+#: audited as it is.
 BATCH_LEASE_SQL = "kind = 'work' AND length(key) < 20"
 _COUNT_QUEUED = "SELECT count(*) FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued'"
 _COUNT_HELD = f"SELECT state, count(*) FROM tasks WHERE {HELD_STATES_SQL} GROUP BY state"

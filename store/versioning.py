@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # Alembic is imported where a revision is run or walked, not here: `status` and `plot` only
 # compare the file's stamp with the head (`revisions`, a test holds the two views equal),
-# and importing Alembic was a third of their start-up.
+# and importing Alembic would be a third of their start-up.
 
 
 def alembic_config() -> Config:

@@ -29,7 +29,7 @@ _UPDATE_STATE = "UPDATE workers SET state = ?, incarnation = ?, parked_token = ?
 def set_workers(tx: Tx, rows: Iterable[tuple[int, WorkerState]], *,
                 parked_token: str | None = None) -> None:
     """Set each rank's state (one statement for the whole batch). A plain UPDATE first: the
-    master writes every rank's row twice a task, and the upsert cost about twice as much; a
+    master writes every rank's row twice a task, and the upsert costs about twice as much; a
     rank with no row yet (never heard from) gets the upsert, which is idempotent."""
     rows = list(rows)
     if not rows:
