@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 #: while no WORK arrives.
 HEARTBEAT_S = 5.0
 
+#: The longest sleep between two polls of a waiting worker (after its `spin_s` of yielding):
+#: a WORK waits at most this long to be noticed, a few FULL commits' time. Shorter sleeps of
+#: many waiting ranks take the cores the master needs, more so the more ranks share a core
+#: (docs/performance.md, "Many ranks").
+WAIT_CAP_S = 1e-3
+
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
 
@@ -193,7 +199,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
     _scratch.append(scratch_dir)
-    backoff = Backoff(yield_window=spin_s)
+    backoff = Backoff(fast_cap=WAIT_CAP_S, cap=WAIT_CAP_S, yield_window=spin_s)
     completed = ""  # R1: empty in the first READY
     last_completed = ""
     try:
