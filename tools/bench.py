@@ -128,10 +128,17 @@ def run_coordinator(mpiexec: str, a: argparse.Namespace, sync: str) -> Side:
     return Side(s["tasks_per_s"], s["loop_s"], s["loop_cpu_s"], s["master_peak_rss_mib"], s)
 
 
+#: A CPU-bound loop that ends once its parent is gone: a benchmark killed by a signal (no
+#: `finally`) must not leave it burning a core under the next measurement.
+HOG = ("import os, sys\nwhile os.getppid() == int(sys.argv[1]):\n"
+       "    for _ in range(1_000_000): pass\n")
+
+
 @contextlib.contextmanager
 def hogs(n: int) -> Iterator[None]:
     """N CPU-bound processes for the duration: a node shared with someone else's work."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid())])
+             for _ in range(n)]
     try:
         yield
     finally:
