@@ -3,6 +3,7 @@ fails on planted violations (a checker that cannot fail proves nothing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -69,6 +70,25 @@ def test_short_campaign_passes_and_writes_both_reports(tmp_path):
     assert f"fault_campaign.py --trials 4 --tasks 20 --seed {SHORT_SEED}" in md
     assert "| **all** |" in md
     assert "| `held_lock` |" in md and "## The operator's environment" in md
+    # The default share of batched trials gives this seed's fourth trial --batch 2.
+    assert set(report["per_batch"]) == {"batch 1", "batch 2"}
+    assert report["per_batch"]["batch 2"]["trials"] == 1
+    assert report["per_batch"]["batch 2"]["failed_trials"] == 0
+    assert "## Per batch size" in md and "| batch 2 |" in md
+
+
+def test_a_share_of_trials_runs_batched_and_the_rest_of_each_plan_is_unchanged(tmp_path):
+    plain = fc.draw_plans(400, seed=3, tasks=40, kill_fraction=0.3)
+    mixed = fc.draw_plans(400, seed=3, tasks=40, kill_fraction=0.3, batch_fraction=0.25)
+    assert {p.batch for p in plain} == {1}
+    batched = [p for p in mixed if p.batch > 1]
+    assert 60 <= len(batched) <= 140  # a quarter of 400, give or take
+    assert {p.batch for p in batched} == set(fc.BATCH_SIZES)
+    assert [dataclasses.replace(p, batch=1) for p in mixed] == plain
+    args = fc.run_args(tmp_path / "c.db", batched[0], fc.Options(), tmp_path, 0)
+    assert args[args.index("--batch") + 1] == str(batched[0].batch)
+    assert "--batch" not in fc.run_args(tmp_path / "c.db", plain[0], fc.Options(), tmp_path, 0)
+    assert f"batch={batched[0].batch}" in batched[0].label()
 
 
 def test_the_short_campaign_holds_every_harness_kind():

@@ -197,6 +197,7 @@ class TrialPlan:
     lock: LockPlan | None = None
     alias: AliasPlan | None = None
     startup: StartupPlan | None = None
+    batch: int = 1       # --batch: tasks per dispatch
 
     def inject_spec(self) -> str:
         return ",".join(f"{k}={r:g}" for k, r in self.rates.items())
@@ -226,17 +227,27 @@ class TrialPlan:
         if self.startup:
             parts.append(f"startup_crash=rank{self.startup.rank}"
                          + ("/ulfm" if self.startup.ulfm else ""))
+        if self.batch > 1:
+            parts.append(f"batch={self.batch}")
         return ",".join(parts)
 
 
+#: The batch sizes a batched trial draws from (`--batch-fraction`): a broken dispatch of
+#: several tasks is split in halves and requeued uncharged, so every kind also meets that path.
+BATCH_SIZES = (2, 4, 8, 16)
+
+
 def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
-               workers: int = 3) -> list[TrialPlan]:
+               workers: int = 3, batch_fraction: float = 0.0) -> list[TrialPlan]:
     """`n` trial plans from one seeded RNG. Each plan's first kind comes from a shuffled deck
     of all kinds (refilled when empty), so every kind leads one trial in each run of
     len(ALL_KINDS) trials; 0–3 more distinct kinds join it. Rates of injected kinds are
     log-uniform in 0.02–0.3; the harness's kinds draw their moment (a number of committed
-    results, 0 to tasks-1, plus up to 50 ms), hold, victim rank and MPI mode."""
+    results, 0 to tasks-1, plus up to 50 ms), hold, victim rank and MPI mode. A share
+    `batch_fraction` of the trials run with `--batch` (one of BATCH_SIZES), drawn from an RNG
+    of its own so that the rest of each plan is the same whatever the share."""
     rng = random.Random(seed)
+    batches = random.Random(f"batch:{seed}")
     deck: list[str] = []
     plans = []
     locks = startups = 0
@@ -271,7 +282,9 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
             else:
                 kill = KillPlan("progress", after_results=rng.randint(1, max(1, tasks - 1)),
                                 delay_s=round(rng.uniform(0.0, 0.05), 3))
-        plans.append(TrialPlan(i, rates, rng.randrange(1, 2**31), kill, lock, alias, startup))
+        batch = (batches.choice(BATCH_SIZES) if batches.random() < batch_fraction else 1)
+        plans.append(TrialPlan(i, rates, rng.randrange(1, 2**31), kill, lock, alias, startup,
+                               batch))
     return plans
 
 
@@ -337,6 +350,8 @@ def run_args(db: Path, plan: TrialPlan, opts: Options, inject_dir: Path, run: in
     args += ["--watchdog", f"{opts.watchdog_s:g}", "--lock-wait", f"{plan.lock_wait_s:g}",
              "--retries", "16", "--max-attempts", "50", "--grace", "1", "--stop-wait", "3",
              "--no-progress"]
+    if plan.batch > 1:
+        args += ["--batch", str(plan.batch)]
     if pid_file is not None:
         args += ["--master-pid-file", str(pid_file)]
     if run > 0:
@@ -1376,7 +1391,8 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
         "index": plan.index, "trial": plan.index + 1, "plan": plan.rates, "kinds": plan.kinds,
         "inject": plan.inject_spec(), "label": plan.label(), "inject_seed": plan.inject_seed,
         "kill": asdict(plan.kill) if plan.kill else None, "kill_fired": trigger.fired,
-        "ulfm": plan.ulfm, "runs": run_dicts, "restarts": len(runs) - 1, "complete": complete,
+        "ulfm": plan.ulfm, "batch": plan.batch, "runs": run_dicts,
+        "restarts": len(runs) - 1, "complete": complete,
         "wall_s": round(time.monotonic() - t0, 3), "dir": str(trial_dir),
         "command": shlex.join(first),
         **{k: check[k] for k in ("tasks_lost", "wrong_commits", "duplicate_commits",
@@ -1530,6 +1546,8 @@ def build_report(trials: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str
     report["per_kind"] = {k: _summarise([t for t in trials if k in t.get("kinds", t["plan"])],
                                         faults_of=k)
                           for k in ALL_KINDS}
+    report["per_batch"] = {f"batch {b}": _summarise(group) for b, group in sorted(
+        _by_batch(trials).items())}
     report["harness_faults"] = summarise_harness_faults(trials)
     report["failures"] = [{"trial": t["trial"], "dir": t["dir"], "inject": t.get("label",
                                                                               t["inject"]),
@@ -1545,6 +1563,13 @@ def build_report(trials: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str
                                for t in trials if unusual_exits(t)]
     report["trials_detail"] = trials
     return report
+
+
+def _by_batch(trials: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for t in trials:
+        groups.setdefault(t.get("batch", 1), []).append(t)
+    return groups
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -1608,7 +1633,8 @@ def markdown(report: dict[str, Any]) -> str:
         "```", "",
         f"{report['trials']} trials of {report['tasks_per_trial']} demo tasks on "
         f"{report['workers']} workers (Open MPI: {report['mpi']}), seed {report['seed']}, "
-        f"kill fraction {report['kill_fraction']}, per-job limit "
+        f"kill fraction {report['kill_fraction']}, batch fraction "
+        f"{report.get('batch_fraction', 0)}, per-job limit "
         f"{report['timeout_per_job']} s, up to {report['max_restarts']} restarts per trial; "
         f"total wall time {report['wall_time_s']} s (trial p50 "
         f"{_fmt(report['trial_wall_p50_s'], 1)} s, max {_fmt(report['trial_wall_max_s'], 1)} s)."
@@ -1624,6 +1650,10 @@ def markdown(report: dict[str, Any]) -> str:
         "## Overall", "", head, sep, row("**all**", report), "",
         "## Per fault kind", "", head, sep,
         *[row(f"`{k}`", s) for k, s in report["per_kind"].items()], "",
+        "## Per batch size (`--batch`)", "",
+        "A batched dispatch that breaks is split in halves and requeued without charging its "
+        "tasks; only a single task's dispatch is charged an attempt.", "", head, sep,
+        *[row(k, s) for k, s in report.get("per_batch", {}).items()], "",
         "## How jobs ended", "",
         "`exit N`: mpiexec's own exit status (137: a worker's injected SIGKILL took the job "
         "down; 4 or 140: the master ended ranks that never acknowledged STOP, 140 being the "
@@ -1679,6 +1709,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog", type=float, default=2.0, help="--watchdog S (default 2)")
     p.add_argument("--kill-fraction", type=float, default=0.3,
                    help="fraction of trials whose job the harness SIGKILLs once (default 0.3)")
+    p.add_argument("--batch-fraction", type=float, default=0.25,
+                   help="fraction of trials run with --batch 2, 4, 8 or 16 (default 0.25)")
     p.add_argument("--timeout-per-job", type=float, default=30.0,
                    help="wall-clock bound of one mpiexec job, then killed and resumed "
                         "(default 30)")
@@ -1703,9 +1735,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.trials < 1 or ns.tasks < 1 or ns.workers < 1:
         print("fault_campaign: --trials, --tasks and --workers must be >= 1", file=sys.stderr)
         return 2
-    if not 0.0 <= ns.kill_fraction <= 1.0:
-        print("fault_campaign: --kill-fraction must be in 0..1", file=sys.stderr)
-        return 2
+    for name in ("kill_fraction", "batch_fraction"):
+        if not 0.0 <= getattr(ns, name) <= 1.0:
+            print(f"fault_campaign: --{name.replace('_', '-')} must be in 0..1", file=sys.stderr)
+            return 2
     mpi = subprocess.run([mpiexec_command(2, [])[0], "--version"], capture_output=True,
                          text=True, timeout=60).stdout.splitlines()[:1]
     opts = Options(tasks=ns.tasks, workers=ns.workers, work_ms=ns.work_ms,
@@ -1717,7 +1750,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else \
         shlex.join([sys.executable, str(Path(__file__).resolve()), *argv])
-    plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction, ns.workers)
+    plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction, ns.workers,
+                       ns.batch_fraction)
     if ns.only:
         try:
             wanted = {int(x) for x in ns.only.split(",") if x.strip()}
@@ -1756,6 +1790,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {p}", flush=True)
     meta = {"command": command, "cwd": os.getcwd(), "seed": ns.seed, "tasks_per_trial": ns.tasks,
             "workers": ns.workers, "kill_fraction": ns.kill_fraction,
+            "batch_fraction": ns.batch_fraction,
             "timeout_per_job": ns.timeout_per_job, "max_restarts": ns.max_restarts,
             "watchdog_s": ns.watchdog, "work_ms": ns.work_ms,
             "same_inject_seed": ns.same_inject_seed, "mpi": mpi[0] if mpi else "?",
