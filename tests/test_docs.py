@@ -51,3 +51,20 @@ def test_the_readme_exit_table_is_the_enum():
     text = (ROOT / "README.md").read_text()
     rows = dict(re.findall(r"^\| (\d+) \| `(\w+)` \|", text, re.M))
     assert rows == {str(int(s)): s.name for s in ExitStatus}
+
+
+def test_every_run_option_is_in_the_readme_settings_table():
+    """`coordinator run --help` and the README's table of settings name the same options."""
+    import argparse
+
+    from coordinator.cli import _parser
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = {o for a in sub.choices["run"]._actions for o in a.option_strings
+               if o.startswith("--") and o != "--help" and a.help != argparse.SUPPRESS}
+    table = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines()
+                      if line.startswith("| `-"))
+    # A row's first cell names the option; its description may name mpiexec's own flags.
+    documented = {o for row in table.splitlines()
+                  for o in re.findall(r"(--[a-z][a-z0-9-]*)", row.split(" | ")[0])}
+    assert options - documented == set(), "run options missing from the README's table"
+    assert documented - options == set(), "README table rows for options that do not exist"
