@@ -142,3 +142,27 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     killed, _ = launch(starts)
     assert killed.returncode == ExitStatus.FAILED, killed.stderr
     assert "ended before the master recorded its status" in killed.stderr
+
+
+def _fake_mpiexec(tmp_path: Path, version: str) -> str:
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\necho '{version}'\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_open_mpi_gets_the_shorter_keepalive_and_mpich_none_of_its_flags(tmp_path):
+    """A host cut off the network went unnoticed by Open MPI's launcher for 487 s (its TCP
+    keepalive defaults); the self-launch passes settings that give up in about a minute, and
+    only to Open MPI, whose launcher knows them."""
+    from coordinator.launcher import OOB_KEEPALIVE, mpiexec_flags
+    ompi = mpiexec_flags(_fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.11"), 4)
+    for name, value in OOB_KEEPALIVE:
+        at = ompi.index(name)
+        assert ompi[at - 1] == "--prtemca" and ompi[at + 1] == str(value)
+    keep = dict(OOB_KEEPALIVE)  # silence, then probes a while apart: gone within 90 s
+    assert (keep["oob_tcp_keepalive_time"]
+            + keep["oob_tcp_keepalive_intvl"] * keep["oob_tcp_keepalive_probes"]) <= 90
+    (tmp_path / "m").mkdir()
+    mpich = mpiexec_flags(_fake_mpiexec(tmp_path / "m", "HYDRA build details:"), 4)
+    assert mpich == ["-n", "4"]
