@@ -115,6 +115,13 @@ class Store:
             with engine.connect() as conn, read_tx(conn):
                 fresh = _no_campaign_yet(conn)
             if fresh:
+                # The schema is made through Alembic's own connection, which would wait for a
+                # write lock held elsewhere silently (its busy timeout): it is waited for here,
+                # said and bounded like any other write, first.
+                with engine.connect() as conn, write_tx(conn, "creation of the schema",
+                                                        lock_wait_s=lock_wait_s,
+                                                        on_wait=on_lock_wait):
+                    pass
                 upgrade(path)
             with engine.connect() as conn, read_tx(conn):
                 check_revision(conn, path)

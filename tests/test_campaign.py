@@ -189,6 +189,37 @@ def test_a_master_starting_under_another_process_s_write_lock_says_why(db_path, 
     Store.open(db_path, resume=True).close()
 
 
+def test_a_write_lock_held_on_a_new_campaign_file_is_waited_for_and_said(db_path,
+                                                                           monkeypatch):
+    """A lock taken between the new file's creation and its schema (the fault campaign's
+    held_lock, once in 200 trials) was waited for inside Alembic's connection, for up to its
+    busy timeout and without a word. The start now waits for it like any write: said, and
+    bounded by the lock wait."""
+    import threading
+
+    from store import campaign as campaign_module
+    holder = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    release = threading.Timer(2.5, lambda: holder.execute("ROLLBACK"))
+    waits: list[float] = []
+    no_campaign_yet = campaign_module._no_campaign_yet
+
+    def then_the_shell_takes_the_lock(conn):
+        fresh = no_campaign_yet(conn)
+        if fresh and not release.is_alive():
+            holder.execute("BEGIN IMMEDIATE")  # between the file's creation and its schema
+            release.start()
+        return fresh
+
+    monkeypatch.setattr(campaign_module, "_no_campaign_yet", then_the_shell_takes_the_lock)
+    try:
+        store = Store.open(db_path, lock_wait_s=30, on_lock_wait=waits.append)
+    finally:
+        release.join()
+        holder.close()
+    assert waits and waits == sorted(waits) and waits[-1] < 30, waits
+    store.close()
+
+
 def test_settings_are_kept_and_a_refused_resume_writes_nothing(db_path):
     """campaign.settings is written once, with the new campaign; on resume the stored ones go
     to the check, and a check that refuses leaves the file as it was (same incarnation)."""
