@@ -50,11 +50,13 @@ def test_bench_batches_beside_a_hog_and_reports_what_it_ran():
     assert any(line.startswith("futures (MPIPoolExecutor.map, chunksize=50): ")
                for line in lines)
     coordinator = next(line for line in lines if line.startswith("coordinator synchronous="))
-    # 600 tasks in dispatches of 50: 12 commits at most (fewer when a round commits several)
+    # 600 tasks in dispatches of 50: 12 dispatches, each committed in one round, or in two
+    # when its READY is applied in a round of its own (one task per dispatch: >= 0.33)
     commits = float(re.search(r"([\d.]+) commits per task", coordinator)[1])
-    assert 0 < commits <= 12 / 600 + 1e-9, coordinator
+    assert 0 < commits <= 2 * 12 / 600 + 1e-9, coordinator
     assert LAST.fullmatch(lines[-1]), lines[-1]
-    hogs = subprocess.run(["pgrep", "-f", "while 1: pass"], capture_output=True, text=True)
+    hogs = subprocess.run(["pgrep", "-f", "range.1_000_000.: pass"], capture_output=True,
+                          text=True)
     assert hogs.stdout == "", "a hog outlived the tool"
 
 
