@@ -363,13 +363,17 @@ def _write_commits(tx: Tx, pending: _Pending) -> None:
                            [(it.rank, it.token) for it, _, _ in items]).rowcount
     if n != len(items):
         raise FenceError(f"{len(items) - n} dispatches vanished before their commit")
-    n = db.execute(_UPDATE_LISTED.format("state = 'done', updated_at = ?, reason = NULL",
-                                         "active"),
-                   (tx.now, _ids([task_id for _, task_id, _ in items]))).rowcount
-    if n != len(items):
-        raise FenceError("a committed task was not active")
+    _tasks_done(tx, [task_id for _, task_id, _ in items], "a committed task")
     set_workers(tx, [(it.rank, WorkerState.IDLE if ready else WorkerState.BUSY)
                      for it, _, ready in items])
+
+
+def _tasks_done(tx: Tx, task_ids: list[int], what: str) -> None:
+    """The committed tasks, active until now, done: one statement for all of them."""
+    n = tx.db.execute(_UPDATE_LISTED.format("state = 'done', updated_at = ?, reason = NULL",
+                                            "active"), (tx.now, _ids(task_ids))).rowcount
+    if n != len(task_ids):
+        raise FenceError(f"{what} was not active")
 
 
 def _write_batch_commits(tx: Tx, pending: _Pending,
@@ -402,11 +406,7 @@ def _write_batch_commits(tx: Tx, pending: _Pending,
                        list(by_token)).rowcount
     if n != len(by_token):
         raise FenceError(f"{len(by_token) - n} batch dispatches vanished before their commit")
-    n = db.execute(_UPDATE_LISTED.format("state = 'done', updated_at = ?, reason = NULL",
-                                         "active"),
-                   (tx.now, _ids([task_id for _, task_id, _ in items]))).rowcount
-    if n != len(items):
-        raise FenceError("a committed task of a batch was not active")
+    _tasks_done(tx, [task_id for _, task_id, _ in items], "a committed task of a batch")
     set_workers(tx, [(rank, WorkerState.IDLE if ready else WorkerState.BUSY)
                      for (rank, _), ready in by_token.items()])
 
