@@ -15,14 +15,18 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
 LAST = re.compile(r"coordinator=(\d+) futures=(\d+) ratio=(\d+\.\d\d)")
 
 
+def bench(*args: str, timeout: float) -> list[str]:
+    """The tool's output lines, once it has exited 0."""
+    done = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout.strip().splitlines()
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_bench_runs_both_farms_and_prints_the_ratio():
-    done = subprocess.run(
-        [sys.executable, str(TOOL), "--tasks", "200", "--sync", "FULL", "--timeout", "100"],
-        capture_output=True, text=True, timeout=220)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = bench("--tasks", "200", "--sync", "FULL", "--timeout", "100", timeout=220)
     assert lines[0].startswith("# 200 tasks (noop), 3 workers, ")
     assert any(line.startswith("coordinator synchronous=FULL: ") for line in lines)
     m = LAST.fullmatch(lines[-1])
@@ -40,12 +44,8 @@ UTIL = re.compile(r"utilisation coordinator=(\d\.\d{3}) futures=(\d\.\d{3}) rati
 def test_bench_batches_beside_a_hog_and_reports_what_it_ran():
     """--batch packs tasks on both sides (the coordinator's dispatches, futures' chunks) and
     --hog runs CPU-bound processes beside them, which are gone when the tool is."""
-    done = subprocess.run(
-        [sys.executable, str(TOOL), "--tasks", "600", "--batch", "50", "--hog", "1",
-         "--sync", "FULL", "--timeout", "120"],
-        capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = bench("--tasks", "600", "--batch", "50", "--hog", "1", "--sync", "FULL",
+                  "--timeout", "120", timeout=280)
     assert lines[0].startswith("# 600 tasks (noop), 3 workers, batch 50, 1 hog(s), ")
     assert any(line.startswith("futures (MPIPoolExecutor.map, chunksize=50): ")
                for line in lines)
@@ -63,12 +63,8 @@ def test_bench_batches_beside_a_hog_and_reports_what_it_ran():
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_bench_with_sleeping_tasks_reports_utilisation():
-    done = subprocess.run(
-        [sys.executable, str(TOOL), "--tasks", "120", "--workers", "5", "--work-ms", "20",
-         "--sync", "FULL", "--timeout", "120"],
-        capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = bench("--tasks", "120", "--workers", "5", "--work-ms", "20", "--sync", "FULL",
+                  "--timeout", "120", timeout=280)
     assert lines[0].startswith("# 120 tasks (sleep 20 ms), 5 workers, batch 1, ")
     m = UTIL.fullmatch(lines[-1])
     assert m, lines[-1]
