@@ -17,6 +17,18 @@ def test_requeue_ids_sqlite_cannot_hold_are_usage_errors(value, capsys):
     assert ended.value.code == ExitStatus.USAGE and "--id" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "1001", "many", "1.5"])
+def test_a_batch_size_outside_1_to_1000_or_auto_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as ended:
+        _parser().parse_args(["run", "--db", "c.db", "--batch", value])
+    assert ended.value.code == ExitStatus.USAGE and "--batch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, size", [("1", 1), ("1000", 1000), ("auto", None)])
+def test_a_batch_size_in_range_or_auto_is_taken(value, size):
+    assert _parser().parse_args(["run", "--db", "c.db", "--batch", value]).batch == size
+
+
 @pytest.mark.parametrize("flag, value", [("--tasks", "t.jsonl"), ("--demo", "5"),
                                          ("--callable", "m:f"), ("--out", "o")])
 def test_a_single_valued_flag_given_twice_is_an_error(tmp_path, capsys, flag, value):
