@@ -144,10 +144,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds between rewrites of the stats file (default 60)")
     r.add_argument("--grace", action=Once, type=non_negative_float, default=10.0, metavar="S",
                    help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
-    r.add_argument("--batch", action=Once, type=batch_size, default=1, metavar="N|auto",
+    r.add_argument("--batch", action=Once, type=batch_size, default=None, metavar="N|auto",
                    help="tasks per dispatch (1..1000): one token, one WORK and one RESULT for "
                         "N tasks, for tasks too small to pay a commit each; auto sizes each "
-                        "dispatch to about 30 ms of the tasks' measured run time (default 1)")
+                        "dispatch to about 30 ms of the tasks' measured run time (default: 1 "
+                        "for a command, auto for python and demo tasks)")
     r.add_argument("--stall-grace", action=Once, type=non_negative_float, default=120.0,
                    metavar="S",
                    help="when no live rank can take work (each parked past --watchdog), end "

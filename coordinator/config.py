@@ -61,11 +61,26 @@ MAX_TIMEOUT_S = 1_000_000.0
 MAX_BATCH = 1000
 
 
-def batch_size(text: str) -> int | None:
-    """`--batch N` (1..MAX_BATCH) or `auto` (None)."""
-    if text == "auto":
-        return None
+#: `--batch auto`: each dispatch sized from the tasks' measured run time.
+AUTO_BATCH = "auto"
+
+
+def batch_size(text: str) -> int | str:
+    """`--batch N` (1..MAX_BATCH) or `auto` (AUTO_BATCH)."""
+    if text == AUTO_BATCH:
+        return AUTO_BATCH
     return int_range(1, MAX_BATCH)(text)
+
+
+def dispatch_batch(batch: int | str | None, executor: str) -> int | None:
+    """The tasks per dispatch the master uses (None: sized automatically). Unless `--batch`
+    says otherwise, a command runs alone (a SymCC run takes seconds, and a batch would only
+    hold its results back), and python and demo tasks are batched automatically: a task of
+    microseconds would otherwise pay a whole durable round each, and a task of 30 ms or more
+    is dispatched alone anyway."""
+    if batch is None:
+        return 1 if executor == "command" else None
+    return None if batch == AUTO_BATCH else int(batch)
 
 
 def timeout_seconds(text: str) -> float:
@@ -138,7 +153,9 @@ class RunConfig:
     stats_interval_s: float
     grace_s: float
     stall_grace_s: float
-    batch: int | None  # tasks per dispatch; None: auto (sized from the task time)
+    #: --batch: tasks per dispatch, AUTO_BATCH, or None (the executor's default:
+    #: `dispatch_batch`)
+    batch: int | str | None
     start_wait_s: float
     lock_wait_s: float
     stop_wait_s: float

@@ -201,15 +201,19 @@ class Gate:
                         deadline_s: float | None = None,
                         active: dict[int, dsp.ActiveDispatch] | None = None,
                         batch: int = 1, halves: Mapping[int, tuple[int, int]] | None = None,
-                        ) -> list[dsp.Planned]:
+                        spread: bool = False) -> list[dsp.Planned]:
         """Pick queued tasks for idle ranks and record the dispatches (the caller commits the
         transaction, then sends WORK, then reports failed sends: `dispatches.cancel_dispatch`).
         `active`, if given, is kept up to date for the phases that follow.
 
         `batch`: up to that many tasks per dispatch, in queue order. `halves`: task id ->
         (half id, size) for the tasks of a failed batch split back (`Recovery.halves`): such a
-        task goes out only with tasks of its own half, at most its size at once."""
+        task goes out only with tasks of its own half, at most its size at once. `spread`:
+        fewer queued tasks than the idle ranks could take are shared out evenly (automatic
+        batches: the last tasks of a queue are not all handed to the first idle rank)."""
         picked = task_ops.take_queued(tx, len(idle_ranks) * batch)
+        if spread and idle_ranks and len(picked) < len(idle_ranks) * batch:
+            batch = max(1, -(-len(picked) // len(idle_ranks)))
         deadline = tx.now + deadline_s if deadline_s else None
         plan = []
         at = 0

@@ -110,6 +110,7 @@ class Summary:
     rounds: int = 0
     transactions: int = 0
     committed: int = 0
+    dispatches: int = 0  # WORK messages sent (a batch's tasks go in one)
     elapsed_s: float = 0.0
     cpu_s: float = 0.0  # the master's CPU time in the loop
     first_work_at: float | None = None  # time.time() when this run's first WORK left
@@ -466,7 +467,8 @@ class Master:
             return []
         planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
                                             or None, active=active, batch=self._batch_size(),
-                                            halves=self._halves)
+                                            halves=self._halves,
+                                            spread=self.config.batch is None)
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
         self._idle = self._idle[len(planned):]
@@ -496,6 +498,7 @@ class Master:
         try:
             self.transport.send_work(data, p.rank)
             self._sent.append(p.token)
+            self.summary.dispatches += 1
             if self.summary.first_work_at is None:
                 self.summary.first_work_at = time.time()
         except SendFailed as e:

@@ -29,6 +29,7 @@ from .config import (
     campaign_settings,
     check_resume,
     describe,
+    dispatch_batch,
 )
 from .errors import UsageError
 from .exits import ExitStatus
@@ -216,7 +217,7 @@ class MasterRank:
             feedback=cfg.feedback, exit_when_drained=cfg.afl_out is None,
             progress=cfg.progress, progress_interval_s=cfg.progress_interval_s,
             metrics_file=cfg.metrics_file, stall_grace_s=cfg.stall_grace_s,
-            start_wait_s=cfg.start_wait_s, batch=cfg.batch,
+            start_wait_s=cfg.start_wait_s, batch=dispatch_batch(cfg.batch, cfg.executor),
         ), sources=[s.poll for s in sources], writer=writer)
 
     def _refuse(self, e: BaseException) -> int:
@@ -350,6 +351,7 @@ class MasterRank:
                 "tasks": t, "results": s.results, "committed_this_run": summary.committed,
                 "loop_s": summary.elapsed_s, "total_s": elapsed, "tasks_per_s": rate,
                 "rounds": summary.rounds, "transactions": summary.transactions,
+                "dispatches": summary.dispatches,
                 "commits_per_task": summary.transactions / max(summary.committed, 1),
                 "master_peak_rss_mib": peak_rss_mib(), "workers": self.transport.size - 1,
                 "master_cpu_s": cpu_s(), "loop_cpu_s": summary.cpu_s, "started_at": self.started_at,

@@ -47,6 +47,28 @@ def test_a_batch_commits_a_result_per_task_under_one_token(db_path):
     assert audit_path(db_path).ok, audit_path(db_path).text()
 
 
+def test_automatic_batches_share_a_short_queue_among_the_idle_ranks(db_path):
+    """With --batch auto, the last tasks of a queue go to every idle rank, not all to the
+    first one (which would then run them while the others wait)."""
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(10)))
+    for rank in (1, 2, 3):
+        farm.ready(rank)
+    plan = farm.plan(1, 2, 3, batch=1000, spread=True)
+    assert [len(p.tasks) for p in plan] == [4, 4, 2]
+    assert [t.id for p in plan for t in p.tasks] == ids  # in queue order, each task once
+    farm.close()
+
+
+def test_a_fixed_batch_size_is_not_spread(db_path):
+    farm = Farm(db_path)
+    farm.enqueue(*({"data": i} for i in range(10)))
+    for rank in (1, 2, 3):
+        farm.ready(rank)
+    assert [len(p.tasks) for p in farm.plan(1, 2, 3, batch=8)] == [8, 2]
+    farm.close()
+
+
 def test_a_result_that_answers_fewer_tasks_than_the_batch_holds_is_invalid(db_path):
     farm = Farm(db_path)
     ids = farm.enqueue(*({"data": i} for i in range(3)))

@@ -28,7 +28,10 @@ def bench(*args: str, timeout: float) -> list[str]:
 def test_bench_runs_both_farms_and_prints_the_ratio():
     lines = bench("--tasks", "200", "--sync", "FULL", "--timeout", "100", timeout=220)
     assert lines[0].startswith("# 200 tasks (noop), 3 workers, ")
-    assert any(line.startswith("coordinator synchronous=FULL: ") for line in lines)
+    coordinator = next(line for line in lines if line.startswith("coordinator synchronous="))
+    # The default batches no-op python tasks (futures keeps its default chunksize 1)
+    assert "futures (MPIPoolExecutor.map, chunksize=1): " in lines[1]
+    assert float(re.search(r"([\d.]+) tasks per dispatch", coordinator)[1]) > 1, coordinator
     m = LAST.fullmatch(lines[-1])
     assert m, lines[-1]
     coordinator, futures, ratio = int(m[1]), int(m[2]), float(m[3])
@@ -65,7 +68,8 @@ def test_bench_batches_beside_a_hog_and_reports_what_it_ran():
 def test_bench_with_sleeping_tasks_reports_utilisation():
     lines = bench("--tasks", "120", "--workers", "5", "--work-ms", "20", "--sync", "FULL",
                   "--timeout", "120", timeout=280)
-    assert lines[0].startswith("# 120 tasks (sleep 20 ms), 5 workers, batch 1, ")
+    assert lines[0].startswith("# 120 tasks (sleep 20 ms), 5 workers, batch the coordinator's "
+                               "default, ")
     m = UTIL.fullmatch(lines[-1])
     assert m, lines[-1]
     ours, theirs, ratio = float(m[1]), float(m[2]), float(m[3])

@@ -24,7 +24,7 @@ def test_a_batch_size_outside_1_to_1000_or_auto_is_a_usage_error(value, capsys):
     assert ended.value.code == ExitStatus.USAGE and "--batch" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value, size", [("1", 1), ("1000", 1000), ("auto", None)])
+@pytest.mark.parametrize("value, size", [("1", 1), ("1000", 1000), ("auto", "auto")])
 def test_a_batch_size_in_range_or_auto_is_taken(value, size):
     assert _parser().parse_args(["run", "--db", "c.db", "--batch", value]).batch == size
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.cli import _parser
-from coordinator.config import ConfigError, resolve_run
+from coordinator.config import ConfigError, dispatch_batch, resolve_run
 
 
 def resolve(tmp_path, *args: str):
@@ -269,3 +269,20 @@ def test_plain_progress_lines_unless_the_live_display_or_none_is_asked_for(tmp_p
             resolve(tmp_path, "--progress-interval", bad)
     assert resolve(tmp_path, "--metrics-file", str(tmp_path / "c.prom")).metrics_file == \
         tmp_path / "c.prom"
+
+
+@pytest.mark.parametrize("args, batch", [
+    (["--", "./target", "@@"], 1),                    # a command runs alone by default
+    (["--executor", "command", "--", "t", "@@"], 1),
+    (["--demo", "10"], None),                         # demo and python tasks: auto
+    (["--callable", "m:f", "--demo", "10"], None),
+    (["--batch", "8", "--", "./target", "@@"], 8),    # --batch wins either way
+    (["--batch", "auto", "--", "./target", "@@"], None),
+    (["--batch", "1", "--demo", "10"], 1),
+])
+def test_the_batch_defaults_to_1_for_commands_and_auto_for_python_tasks(tmp_path, args, batch):
+    if "--" in args:
+        (tmp_path / "t.jsonl").write_text('{"path": "in"}\n')
+        args = ["--tasks", str(tmp_path / "t.jsonl"), *args]
+    cfg = resolve(tmp_path, *args)
+    assert dispatch_batch(cfg.batch, cfg.executor) == batch

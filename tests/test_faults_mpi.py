@@ -127,10 +127,16 @@ def assert_each_task_committed_once(db: Path, n: int) -> None:
     assert query(db, "SELECT count(*) FROM tasks WHERE state = 'done'") == [(n,)]
 
 
+#: One task per dispatch: each injected fault then hits one task, whose fate the tests follow
+#: (demo tasks are batched by default; faults in batches: test_batches.py and the campaign).
+SINGLE = ["--batch", "1"]
+
+
 def campaign(tmp_path: Path, inject: str, seed: int, *extra: str, n: int = N,
              timeout: float = FAULT_JOB_S) -> tuple[Path, list[dict], Done]:
     db, log_dir = tmp_path / "c.db", tmp_path / "faults"
-    done = run(["run", "--db", str(db), "--demo", str(n), "--no-progress", "--inject", inject,
+    done = run(["run", "--db", str(db), "--demo", str(n), "--no-progress", *SINGLE,
+                "--inject", inject,
                 "--inject-seed", str(seed), "--inject-log", str(log_dir), *extra],
                timeout=timeout)
     return db, fault_log(log_dir), done
@@ -473,7 +479,7 @@ def test_a_worker_that_kills_itself_loses_nothing(tmp_path, kind):
     # and stops once no worker is left; MPICH loses the whole job. Either way: --resume until
     # the campaign is complete, and every task is committed exactly once.
     db, log_dir = tmp_path / "c.db", tmp_path / "faults"
-    args = ["run", "--db", str(db), "--demo", str(N), "--no-progress", "--inject",
+    args = ["run", "--db", str(db), "--demo", str(N), "--no-progress", *SINGLE, "--inject",
             f"{kind}=0.15", "--inject-seed", "16", "--inject-log", str(log_dir), *RETRY_ALL]
     runs: list[Done] = []
     for attempt in range(10):
@@ -676,7 +682,7 @@ LIMITED_MASTER = textwrap.dedent("""\
     sys.argv = sys.argv[1:]  # drop this file; argv[0] becomes "coordinator"
     runpy.run_module("coordinator", run_name="__main__", alter_sys=True)
     """)
-FSIZE_LIMIT = 1_000_000  # the WAL reaches it after ~25 rounds of the 300-task demo
+FSIZE_LIMIT = 1_000_000  # the WAL reaches it after ~25 rounds of the 300-task demo (--batch 1)
 STORE_N = 300
 
 
@@ -696,7 +702,7 @@ def start_with_limited_master(tmp_path: Path, args: list[str], limit: int,
 @pytest.mark.timeout(150)
 def test_a_database_that_cannot_grow_stops_the_master_and_resume_completes(tmp_path):
     db = tmp_path / "c.db"
-    args = ["run", "--db", str(db), "--demo", str(STORE_N), "--no-progress"]
+    args = ["run", "--db", str(db), "--demo", str(STORE_N), "--no-progress", *SINGLE]
     proc = start_with_limited_master(tmp_path, args, FSIZE_LIMIT)
     done, _ = finish_after_master(proc, db, timeout=FAULT_JOB_S, grace=2)
     assert "database write failed during master round" in done.stderr, done.stderr[-3000:]
@@ -733,7 +739,7 @@ def test_the_job_ends_when_the_master_aborts_it(tmp_path, cause):
         expect = "did not acknowledge STOP"
     else:
         proc = start_with_limited_master(tmp_path, ["run", "--db", str(db), "--demo",
-                                                    str(STORE_N), "--no-progress"],
+                                                    str(STORE_N), "--no-progress", *SINGLE],
                                          FSIZE_LIMIT)
         expect = "database write failed"
     done, ended = finish_after_master(proc, db, timeout=FAULT_JOB_S, grace=15)

@@ -102,7 +102,7 @@ def run_futures(mpiexec: str, a: argparse.Namespace) -> Side:
         script = Path(d) / "futures_bench.py"
         script.write_text(FUTURES_CHILD)
         cmd = [mpiexec, *mpiexec_flags(mpiexec, a.workers + 1, a.ulfm), sys.executable, "-m",
-               "mpi4py.futures", str(script), str(a.tasks), str(a.batch)]
+               "mpi4py.futures", str(script), str(a.tasks), str(chunksize(a))]
         out = launch(cmd, timeout=a.timeout, env=task_env(Path(d), a.work_ms / 1000))
     for line in out.stdout.splitlines():
         if line.startswith("FUTURES "):
@@ -116,7 +116,9 @@ def run_coordinator(mpiexec: str, a: argparse.Namespace, sync: str) -> Side:
         db, summary = Path(d) / "bench.db", Path(d) / "summary.json"
         cmd = [mpiexec, *mpiexec_flags(mpiexec, a.workers + 1, a.ulfm), sys.executable, "-m",
                "coordinator", "run", "--db", str(db), "--demo", str(a.tasks), "--synchronous",
-               sync, "--no-progress", "--summary-json", str(summary), "--batch", str(a.batch)]
+               sync, "--no-progress", "--summary-json", str(summary)]
+        if a.batch is not None:
+            cmd += ["--batch", str(a.batch)]
         if a.work_ms:
             cmd += ["--worker-spin-ms", "0"]  # sleeping tasks: workers that do not spin
         if a.workload == "noop":
@@ -157,6 +159,15 @@ def _runtime_name(version: str) -> str:
     return lines[0]
 
 
+def batch_arg(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def chunksize(a: argparse.Namespace) -> int:
+    """futures' chunksize: --batch N, else its default (1) against the coordinator's own."""
+    return a.batch if isinstance(a.batch, int) else 1
+
+
 def median(sides: list[Side]) -> Side:
     return sorted(sides, key=lambda s: s.rate)[len(sides) // 2]
 
@@ -168,9 +179,10 @@ def main() -> int:
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
-    p.add_argument("--batch", type=int, default=1,
-                   help="tasks per dispatch: the coordinator's --batch, futures' chunksize "
-                        "(default 1)")
+    p.add_argument("--batch", type=batch_arg, default=None, metavar="N|auto",
+                   help="tasks per dispatch: the coordinator's --batch N against futures' "
+                        "chunksize N; `auto`, or by default the coordinator's default (auto "
+                        "batches for python tasks), against futures' default chunksize 1")
     p.add_argument("--hog", type=int, default=0,
                    help="CPU-bound processes run beside both sides (default 0)")
     p.add_argument("--work-ms", type=float, default=0.0,
@@ -184,7 +196,8 @@ def main() -> int:
                    help="launch both with Open MPI's --with-ft ulfm, as `coordinator run` "
                         "does when it launches itself (default on; ignored for other MPIs)")
     a = p.parse_args()
-    if a.batch < 1 or a.hog < 0 or a.work_ms < 0 or a.tasks < 1 or a.workers < 1:
+    if (chunksize(a) < 1 or a.hog < 0 or a.work_ms < 0 or a.tasks < 1
+            or a.workers < 1):
         p.error("--batch, --tasks and --workers must be positive; --hog and --work-ms not "
                 "negative")
     modes = a.sync or ["FULL", "NORMAL"]
@@ -194,7 +207,8 @@ def main() -> int:
     version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
     task = f"sleep {a.work_ms:g} ms" if a.work_ms else a.workload
-    print(f"# {a.tasks} tasks ({task}), {a.workers} workers, batch {a.batch}, "
+    batch = {None: "the coordinator's default", "auto": "auto"}.get(a.batch, a.batch)
+    print(f"# {a.tasks} tasks ({task}), {a.workers} workers, batch {batch}, "
           f"{a.hog} hog(s), {os.cpu_count()} cores, "
           f"{_runtime_name(version) if version else mpiexec}"
           f"{' with --with-ft ulfm' if a.ulfm and 'Open MPI' in version else ''}, "
@@ -205,7 +219,7 @@ def main() -> int:
 
     with hogs(a.hog):
         fut = median([run_futures(mpiexec, a) for _ in range(a.repeat)])
-        print(f"futures (MPIPoolExecutor.map, chunksize={a.batch}): {fut.rate:,.0f} tasks/s, "
+        print(f"futures (MPIPoolExecutor.map, chunksize={chunksize(a)}): {fut.rate:,.0f} tasks/s, "
               f"client CPU {fut.master_cpu / a.tasks * 1e6:.0f} µs per task, "
               f"peak RSS {fut.rss:.0f} MiB"
               + (f", utilisation {util(fut):.3f}" if a.work_ms else ""), flush=True)
@@ -217,7 +231,8 @@ def main() -> int:
             print(f"coordinator synchronous={sync}: {run.rate:,.0f} tasks/s "
                   f"(ratio {run.rate / fut.rate:.2f}), {s['commits_per_task']:.3f} commits "
                   f"per task, {s['rounds'] / max(s['committed_this_run'], 1):.3f} rounds per "
-                  f"task, master CPU {run.master_cpu / a.tasks * 1e6:.0f} µs per task, "
+                  f"task, {s['committed_this_run'] / max(s['dispatches'], 1):.1f} tasks per "
+                  f"dispatch, master CPU {run.master_cpu / a.tasks * 1e6:.0f} µs per task, "
                   f"peak RSS {run.rss:.0f} MiB"
                   + (f", utilisation {util(run):.3f}" if a.work_ms else ""), flush=True)
     assert first is not None

@@ -350,8 +350,9 @@ def run_args(db: Path, plan: TrialPlan, opts: Options, inject_dir: Path, run: in
     args += ["--watchdog", f"{opts.watchdog_s:g}", "--lock-wait", f"{plan.lock_wait_s:g}",
              "--retries", "16", "--max-attempts", "50", "--grace", "1", "--stop-wait", "3",
              "--no-progress"]
-    if plan.batch > 1:
-        args += ["--batch", str(plan.batch)]
+    # Always said: demo tasks are batched automatically unless --batch says otherwise, and a
+    # plain trial's faults are meant to hit one task each.
+    args += ["--batch", str(plan.batch)]
     if pid_file is not None:
         args += ["--master-pid-file", str(pid_file)]
     if run > 0:
