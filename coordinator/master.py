@@ -114,6 +114,7 @@ class Summary:
     elapsed_s: float = 0.0
     cpu_s: float = 0.0  # the master's CPU time in the loop
     first_work_at: float | None = None  # time.time() when this run's first WORK left
+    last_commit_at: float | None = None  # time.time() when this run last committed a result
     stopped_by_signal: str | None = None
     unacked_ranks: list[int] = field(default_factory=list)
 
@@ -273,6 +274,8 @@ class Master:
                 plan += self._plan(tx, None)                         # next round's dispatch
             elif not planned_early:  # (that one just refreshed it, and nothing freed a rank)
                 self._refresh_idle(tx)
+        if committed:
+            self.summary.last_commit_at = time.time()
         for p, data in plan:  # committed: now the WORK may leave
             self._send_work(p, data)
         for rec in timed_out:  # a hung rank is otherwise silent: all of them, a silent run

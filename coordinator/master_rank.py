@@ -355,7 +355,7 @@ class MasterRank:
                 "commits_per_task": summary.transactions / max(summary.committed, 1),
                 "master_peak_rss_mib": peak_rss_mib(), "workers": self.transport.size - 1,
                 "master_cpu_s": cpu_s(), "loop_cpu_s": summary.cpu_s, "started_at": self.started_at,
-                "first_work_at": summary.first_work_at,
+                "first_work_at": summary.first_work_at, "last_commit_at": summary.last_commit_at,
                 "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
             })
         if summary.unacked_ranks:
