@@ -109,21 +109,25 @@ def kill_leftover_jobs() -> None:
 
 
 def finish(proc: Job | subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_job(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"job did not finish in {timeout} s (killed)\n--- stdout\n{out}"
-                             f"\n--- stderr\n{err[-4000:]}") from None
+    """The job's end; a `Job` whose launcher failed before any rank ran (LAUNCHER_FAILED)
+    is launched once more and that launch's end returned."""
+    for launch in (1, 2):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"job did not finish in {timeout} s (killed)\n--- stdout\n"
+                                 f"{out}\n--- stderr\n{err[-4000:]}") from None
+        if launch == 1 and isinstance(proc, Job) and LAUNCHER_FAILED in err:
+            proc.relaunch()  # nothing ran
+            continue
+        break
     return Done(proc.returncode, out, err)
 
 
 def run(args: list[str], np: int = 4, timeout: float = JOB_TIMEOUT_S, **kw) -> Done:
-    done = finish(start(args, np, **kw), timeout)
-    if LAUNCHER_FAILED in done.stderr:  # nothing ran: one more launch
-        done = finish(start(args, np, **kw), timeout)
-    return done
+    return finish(start(args, np, **kw), timeout)
 
 
 def kill_job(proc: Job | subprocess.Popen, sig: int = signal.SIGKILL) -> None:
