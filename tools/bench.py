@@ -4,11 +4,15 @@ mpi4py.futures.MPIPoolExecutor (`map`), with the same number of workers, in one 
 Both sides run the same task: a no-op (`noop(x): return x`) by default, or `--work-ms W`, a
 task that sleeps W ms. The coordinator runs it through its python executor (`--callable`) on
 `--demo N` task payloads; `--workload demo` runs the demo executor instead (~35 µs of hashing
-per task). `--batch K` packs K tasks in each dispatch (the coordinator's `--batch K` against
-futures' `chunksize=K`; 1 by default: one task per message on both sides). `--hog N` runs N
+per task). Without `--batch` each side runs its default: the coordinator batches python
+tasks automatically, futures sends one task per message (`chunksize=1`); `--batch K` packs K
+tasks in each dispatch on both sides (the coordinator's `--batch K` against futures'
+`chunksize=K`; `--batch 1`: one task per message on both). Both are timed from the first task
+sent to the last result in. `--hog N` runs N
 CPU-bound processes beside both sides for the whole run, as on a node shared with other jobs.
 
     python tools/bench.py                                   # 10,000 no-ops, FULL and NORMAL
+    python tools/bench.py --batch 1 --sync FULL             # one task per dispatch
     python tools/bench.py --hog 1 --sync FULL               # on a busy node
     python tools/bench.py --batch 100 --tasks 100000 --sync FULL
     python tools/bench.py --workers 63 --work-ms 50 --tasks 5000 --sync FULL
