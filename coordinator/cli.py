@@ -21,6 +21,7 @@ from .config import (
     ENV_RETRIES,
     ENV_TIMEOUT,
     ENV_WATCHDOG,
+    EXECUTOR_KINDS,
     batch_size,
     int_range,
     non_negative_float,
@@ -28,7 +29,6 @@ from .config import (
     timeout_seconds,
 )
 from .errors import UsageError
-from .executors import EXECUTOR_KINDS
 from .exits import ExitStatus
 from .fault_spec import KINDS, InjectSpecError, parse_inject
 from .launcher import START_TIMEOUT_S, self_launch, under_mpi_launcher

@@ -57,6 +57,11 @@ def non_negative_float(text: str) -> float:
 MAX_TIMEOUT_S = 1_000_000.0
 
 
+#: The executors a run can use (`executors.build_executor`). Here, not there: the CLI's parser
+#: needs the names, and `coordinator status` should not load the executors to print a table.
+EXECUTOR_KINDS = ("command", "python", "demo")
+
+
 #: The most tasks one dispatch carries (the wire format's bound too).
 MAX_BATCH = 1000
 

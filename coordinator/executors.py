@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
-from .config import RunConfig
+from .config import EXECUTOR_KINDS, RunConfig
 from .errors import UsageError
 from .processes import kill_command, running_commands, wait_exit_unreaped
 from .wire import clip_detail
@@ -49,9 +49,6 @@ STATUS_ERROR = "error"
 
 # Enough of a crashing target's stderr to see the reason, small enough for one RESULT message.
 DETAIL_MAX_BYTES = 2048
-
-EXECUTOR_KINDS = ("command", "python", "demo")
-
 
 @dataclass
 class ExecOutcome:

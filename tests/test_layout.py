@@ -157,3 +157,20 @@ def test_a_worker_rank_loads_neither_the_store_nor_sqlalchemy():
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_command_line_parser_loads_no_executor():
+    """`coordinator status` and the other operator commands parse their command line with
+    the same parser as `run`: it needs the executors' names, not the executors (with the
+    wire format, ~60 ms of every command's start)."""
+    probe = (
+        "import sys\n"
+        "from coordinator import cli\n"
+        "cli._parser().parse_args(['status', '--db', 'x.db'])\n"
+        "loaded = sorted(m for m in sys.modules if m in ('coordinator.executors',"
+        " 'coordinator.wire'))\n"
+        "print(loaded)\n"
+        "sys.exit(1 if loaded else 0)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
