@@ -110,7 +110,8 @@ def kill_leftover_jobs() -> None:
 
 def finish(proc: Job | subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done:
     """The job's end; a `Job` whose launcher failed before any rank ran (LAUNCHER_FAILED)
-    is launched once more and that launch's end returned."""
+    is launched once more and that launch's end returned. (A job whose stderr goes to a file
+    has none here: its test reads the file, and retries itself.)"""
     for launch in (1, 2):
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -119,7 +120,7 @@ def finish(proc: Job | subprocess.Popen, timeout: float = JOB_TIMEOUT_S) -> Done
             out, err = proc.communicate()
             raise AssertionError(f"job did not finish in {timeout} s (killed)\n--- stdout\n"
                                  f"{out}\n--- stderr\n{err[-4000:]}") from None
-        if launch == 1 and isinstance(proc, Job) and LAUNCHER_FAILED in err:
+        if launch == 1 and isinstance(proc, Job) and LAUNCHER_FAILED in (err or ""):
             proc.relaunch()  # nothing ran
             continue
         break
