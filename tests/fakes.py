@@ -11,6 +11,7 @@ Imported as `fakes` by the tests (pytest puts `tests/` on `sys.path`) and by
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import msgspec
@@ -199,6 +200,31 @@ class LateStarter(StaggeredRanks):
     def send_stop(self, data: bytes, dest: int) -> None:
         self.stops.append((dest, self.clock))
         super().send_stop(data, dest)
+
+
+class TimedRanks(StaggeredRanks):
+    """Each rank answers (RESULT and READY together) `seconds[rank]` of real time after its
+    WORK left, as ranks running tasks of different lengths do; `clock` counts the drains."""
+
+    def __init__(self, seconds: dict[int, float]):
+        super().__init__({rank: (0, 0) for rank in seconds})
+        self.seconds = seconds
+        self.timed: list[tuple[float, Received]] = []  # (visible at, message)
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        now = time.monotonic()
+        for at, msg in [t for t in self.timed if t[0] <= now and t[1].tag == tag]:
+            self.timed.remove((at, msg))
+            self.queues[tag].append(msg)
+        yield from super().drain(tag, limit)
+        if tag in (TAG_RESULT, TAG_READY):
+            yield from InstantWorkers.drain(self, tag, limit)
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        token = decode_work(data).token
+        at = time.monotonic() + self.seconds[dest]
+        self.timed.append((at, Received(dest, TAG_RESULT, bytearray(valid_result(token)))))
+        self.timed.append((at, ready_message(dest, token)))
 
 
 class DyingRanks(InstantWorkers):

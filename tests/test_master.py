@@ -17,6 +17,7 @@ from fakes import (
     RepeatingRank,
     ScriptedAnswers,
     StaggeredRanks,
+    TimedRanks,
     answered_after,
     ready_message,
     valid_result,
@@ -361,3 +362,33 @@ def test_a_dead_ranks_line_says_what_became_of_its_task(tmp_path, capsys, retrie
     finally:
         store.close()
     assert f"coordinator: rank 1 died; its task 1 {outcome}\n" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_round_lingers_only_for_the_answers_due_within_it(tmp_path):
+    """A round waits (up to linger_s) for the answers of ranks holding work only if they are
+    due within it, by each rank's own mean answer time: rank 2's 0.5 s tasks do not hold
+    every round of rank 1's instant ones open (63 ranks of 50 ms tasks lost a linger per
+    round that way). A rank whose answer time is not known yet is waited for, as before."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 40)
+    try:
+        ranks = TimedRanks({1: 0.0, 2: 0.5})
+        master = Master(store, ranks, MasterConfig(linger_s=0.1, exit_when_drained=False,
+                                                   stats_file=None))
+        assert master._round()  # the first READYs: both ranks get work
+        before = ranks.clock
+        assert master._round()  # rank 1's answer; rank 2's time is unknown: waited for
+        assert ranks.clock - before > 10, "the round did not linger for rank 2"
+        deadline = time.monotonic() + 20
+        while 2 not in master._answer_s:  # rank 2 answers once: its time is known
+            assert time.monotonic() < deadline, "rank 2 never answered"
+            master._round()
+        while not master._round():  # the round that gives rank 2 its next task
+            pass
+        for _ in range(3):
+            before = ranks.clock
+            assert master._round()  # rank 1's answer; rank 2's is 0.4 s away: no linger
+            # (the drains of RESULT, READY, every other tag, and RESULT after the READY)
+            assert ranks.clock - before == 4
+    finally:
+        store.close()
