@@ -140,37 +140,32 @@ def test_a_worker_never_imports_the_store():
     assert not {m for m in reached if m.startswith("store")}, sorted(reached)
 
 
+def loaded_after(steps: str, wanted: str) -> list[str]:
+    """The modules a fresh interpreter has loaded after running `steps` (Python source), of
+    those for which `wanted` (an expression over the module's name `m`) is true."""
+    probe = f"import sys\n{steps}\nprint(sorted(m for m in sys.modules if {wanted}))\n"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
 def test_a_worker_rank_loads_neither_the_store_nor_sqlalchemy():
     """The path a worker rank takes, run for real up to the MPI start: the command line,
     its checks, the runtime and the worker (with fault injection, which only workers load)."""
-    probe = (
-        "import sys\n"
+    assert loaded_after(
         "from coordinator import cli, runtime, worker, faults\n"
         "from coordinator.config import resolve_run\n"
         "ns = cli._parser().parse_args(['run', '--db', 'x.db', '--demo', '3',"
         " '--inject', 'slow=0.1'])\n"
-        "resolve_run(ns)\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('store', 'sqlalchemy',"
-        " 'alembic'))\n"
-        "print(loaded)\n"
-        "sys.exit(1 if loaded else 0)\n")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+        "resolve_run(ns)",
+        "m.split('.')[0] in ('store', 'sqlalchemy', 'alembic')") == []
 
 
 def test_the_command_line_parser_loads_no_executor():
     """`coordinator status` and the other operator commands parse their command line with
     the same parser as `run`: it needs the executors' names, not the executors (with the
     wire format, ~60 ms of every command's start)."""
-    probe = (
-        "import sys\n"
-        "from coordinator import cli\n"
-        "cli._parser().parse_args(['status', '--db', 'x.db'])\n"
-        "loaded = sorted(m for m in sys.modules if m in ('coordinator.executors',"
-        " 'coordinator.wire'))\n"
-        "print(loaded)\n"
-        "sys.exit(1 if loaded else 0)\n")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert loaded_after("from coordinator import cli\n"
+                        "cli._parser().parse_args(['status', '--db', 'x.db'])",
+                        "m in ('coordinator.executors', 'coordinator.wire')") == []
