@@ -92,6 +92,22 @@ def test_a_share_of_trials_runs_batched_and_the_rest_of_each_plan_is_unchanged(t
     assert f"batch={batched[0].batch}" in batched[0].label()
 
 
+def test_batched_trials_can_draw_automatic_batches(tmp_path):
+    """--batch-sizes auto: the trials run with --batch auto (the default of demo tasks), and
+    the report keeps them apart; a size out of range is refused."""
+    ns = fc._parser().parse_args(["--batch-sizes", "auto,8"])
+    assert ns.batch_sizes == (fc.AUTO, 8)
+    plans = fc.draw_plans(200, seed=3, tasks=40, kill_fraction=0.3, batch_fraction=1.0,
+                          sizes=ns.batch_sizes)
+    assert {p.batch for p in plans} == {fc.AUTO, 8}
+    auto = next(p for p in plans if p.batch == fc.AUTO)
+    args = fc.run_args(tmp_path / "c.db", auto, fc.Options(), tmp_path, 0)
+    assert args[args.index("--batch") + 1] == "auto" and "batch=auto" in auto.label()
+    for bad in ("1", "0", "1001", "many"):
+        with pytest.raises(SystemExit):
+            fc._parser().parse_args(["--batch-sizes", bad])
+
+
 def test_the_short_campaign_holds_every_harness_kind():
     plans = fc.draw_plans(4, seed=SHORT_SEED, tasks=20, kill_fraction=0.3)
     assert {k for p in plans for k in p.kinds} >= set(fc.HARNESS_KINDS)

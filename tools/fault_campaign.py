@@ -197,7 +197,7 @@ class TrialPlan:
     lock: LockPlan | None = None
     alias: AliasPlan | None = None
     startup: StartupPlan | None = None
-    batch: int = 1       # --batch: tasks per dispatch
+    batch: int = 1       # --batch: tasks per dispatch; AUTO: --batch auto
 
     def inject_spec(self) -> str:
         return ",".join(f"{k}={r:g}" for k, r in self.rates.items())
@@ -227,24 +227,47 @@ class TrialPlan:
         if self.startup:
             parts.append(f"startup_crash=rank{self.startup.rank}"
                          + ("/ulfm" if self.startup.ulfm else ""))
-        if self.batch > 1:
-            parts.append(f"batch={self.batch}")
+        if self.batch != 1:
+            parts.append(f"batch={batch_arg(self.batch)}")
         return ",".join(parts)
 
 
 #: The batch sizes a batched trial draws from (`--batch-fraction`): a broken dispatch of
 #: several tasks is split in halves and requeued uncharged, so every kind also meets that path.
 BATCH_SIZES = (2, 4, 8, 16)
+#: A trial's `batch` for `--batch auto` (sized by the master from the tasks' run time, the
+#: default for demo tasks): `--batch-sizes auto`.
+AUTO = 0
+
+
+def batch_arg(batch: int) -> str:
+    """`--batch`'s value for a plan's batch."""
+    return "auto" if batch == AUTO else str(batch)
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """`--batch-sizes 2,4,auto`: sizes of 2..1000, or auto."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "auto":
+            sizes.append(AUTO)
+        elif part.isdigit() and 2 <= int(part) <= 1000:
+            sizes.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a batch size of 2..1000 or auto")
+    return tuple(sizes)
 
 
 def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
-               workers: int = 3, batch_fraction: float = 0.0) -> list[TrialPlan]:
+               workers: int = 3, batch_fraction: float = 0.0,
+               sizes: tuple[int, ...] = BATCH_SIZES) -> list[TrialPlan]:
     """`n` trial plans from one seeded RNG. Each plan's first kind comes from a shuffled deck
     of all kinds (refilled when empty), so every kind leads one trial in each run of
     len(ALL_KINDS) trials; 0–3 more distinct kinds join it. Rates of injected kinds are
     log-uniform in 0.02–0.3; the harness's kinds draw their moment (a number of committed
     results, 0 to tasks-1, plus up to 50 ms), hold, victim rank and MPI mode. A share
-    `batch_fraction` of the trials run with `--batch` (one of BATCH_SIZES), drawn from an RNG
+    `batch_fraction` of the trials run with `--batch` (one of `sizes`), drawn from an RNG
     of its own so that the rest of each plan is the same whatever the share."""
     rng = random.Random(seed)
     batches = random.Random(f"batch:{seed}")
@@ -282,7 +305,7 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
             else:
                 kill = KillPlan("progress", after_results=rng.randint(1, max(1, tasks - 1)),
                                 delay_s=round(rng.uniform(0.0, 0.05), 3))
-        batch = (batches.choice(BATCH_SIZES) if batches.random() < batch_fraction else 1)
+        batch = (batches.choice(sizes) if batches.random() < batch_fraction else 1)
         plans.append(TrialPlan(i, rates, rng.randrange(1, 2**31), kill, lock, alias, startup,
                                batch))
     return plans
@@ -352,7 +375,7 @@ def run_args(db: Path, plan: TrialPlan, opts: Options, inject_dir: Path, run: in
              "--no-progress"]
     # Always said: demo tasks are batched automatically unless --batch says otherwise, and a
     # plain trial's faults are meant to hit one task each.
-    args += ["--batch", str(plan.batch)]
+    args += ["--batch", batch_arg(plan.batch)]
     if pid_file is not None:
         args += ["--master-pid-file", str(pid_file)]
     if run > 0:
@@ -1547,7 +1570,7 @@ def build_report(trials: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str
     report["per_kind"] = {k: _summarise([t for t in trials if k in t.get("kinds", t["plan"])],
                                         faults_of=k)
                           for k in ALL_KINDS}
-    report["per_batch"] = {f"batch {b}": _summarise(group) for b, group in sorted(
+    report["per_batch"] = {f"batch {batch_arg(b)}": _summarise(group) for b, group in sorted(
         _by_batch(trials).items())}
     report["harness_faults"] = summarise_harness_faults(trials)
     report["failures"] = [{"trial": t["trial"], "dir": t["dir"], "inject": t.get("label",
@@ -1635,7 +1658,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['trials']} trials of {report['tasks_per_trial']} demo tasks on "
         f"{report['workers']} workers (Open MPI: {report['mpi']}), seed {report['seed']}, "
         f"kill fraction {report['kill_fraction']}, batch fraction "
-        f"{report.get('batch_fraction', 0)}, per-job limit "
+        f"{report.get('batch_fraction', 0)} (--batch "
+        f"{', '.join(report.get('batch_sizes', map(str, BATCH_SIZES)))}), per-job limit "
         f"{report['timeout_per_job']} s, up to {report['max_restarts']} restarts per trial; "
         f"total wall time {report['wall_time_s']} s (trial p50 "
         f"{_fmt(report['trial_wall_p50_s'], 1)} s, max {_fmt(report['trial_wall_max_s'], 1)} s)."
@@ -1711,7 +1735,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-fraction", type=float, default=0.3,
                    help="fraction of trials whose job the harness SIGKILLs once (default 0.3)")
     p.add_argument("--batch-fraction", type=float, default=0.25,
-                   help="fraction of trials run with --batch 2, 4, 8 or 16 (default 0.25)")
+                   help="fraction of trials run with one of --batch-sizes (default 0.25)")
+    p.add_argument("--batch-sizes", type=batch_sizes, default=BATCH_SIZES, metavar="N,...",
+                   help="the --batch values a batched trial draws from: sizes of 2..1000 or "
+                        "auto (default 2,4,8,16)")
     p.add_argument("--timeout-per-job", type=float, default=30.0,
                    help="wall-clock bound of one mpiexec job, then killed and resumed "
                         "(default 30)")
@@ -1752,7 +1779,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else \
         shlex.join([sys.executable, str(Path(__file__).resolve()), *argv])
     plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction, ns.workers,
-                       ns.batch_fraction)
+                       ns.batch_fraction, ns.batch_sizes)
     if ns.only:
         try:
             wanted = {int(x) for x in ns.only.split(",") if x.strip()}
@@ -1792,6 +1819,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": command, "cwd": os.getcwd(), "seed": ns.seed, "tasks_per_trial": ns.tasks,
             "workers": ns.workers, "kill_fraction": ns.kill_fraction,
             "batch_fraction": ns.batch_fraction,
+            "batch_sizes": [batch_arg(b) for b in ns.batch_sizes],
             "timeout_per_job": ns.timeout_per_job, "max_restarts": ns.max_restarts,
             "watchdog_s": ns.watchdog, "work_ms": ns.work_ms,
             "same_inject_seed": ns.same_inject_seed, "mpi": mpi[0] if mpi else "?",
