@@ -399,9 +399,12 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
 
 
 def describe(cfg: RunConfig) -> str:
-    """The run's task source and executor, for the master's first line."""
+    """The run's task source, executor and batches, for the master's first line."""
     src = (f"{cfg.demo} demo tasks" if cfg.demo is not None else
            f"tasks from {cfg.tasks_file}" if cfg.tasks_file else
            f"AFL queue {cfg.afl_out}/{cfg.fuzzer}/queue" if cfg.afl_out is not None else
            "the campaign's stored tasks")
-    return f"{src}, {cfg.executor} executor"
+    batch = dispatch_batch(cfg.batch, cfg.executor)
+    per = ("" if batch == 1 else ", batches of ~30 ms of tasks (--batch auto)" if batch is None
+           else f", up to {batch} tasks per dispatch")
+    return f"{src}, {cfg.executor} executor{per}"

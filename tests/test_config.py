@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.cli import _parser
-from coordinator.config import ConfigError, dispatch_batch, resolve_run
+from coordinator.config import ConfigError, describe, dispatch_batch, resolve_run
 
 
 def resolve(tmp_path, *args: str):
@@ -286,3 +286,12 @@ def test_the_batch_defaults_to_1_for_commands_and_auto_for_python_tasks(tmp_path
         args = ["--tasks", str(tmp_path / "t.jsonl"), *args]
     cfg = resolve(tmp_path, *args)
     assert dispatch_batch(cfg.batch, cfg.executor) == batch
+
+
+def test_the_first_line_says_how_tasks_are_batched(tmp_path):
+    assert describe(resolve(tmp_path, "--demo", "10")).endswith(
+        "10 demo tasks, demo executor, batches of ~30 ms of tasks (--batch auto)")
+    assert describe(resolve(tmp_path, "--demo", "10", "--batch", "8")).endswith(
+        ", up to 8 tasks per dispatch")
+    assert describe(resolve(tmp_path, "--demo", "10", "--batch", "1")).endswith(
+        "demo executor")
