@@ -926,10 +926,16 @@ class Master:
             results, readies = self._receive()
             if readies or results or self._strays:
                 progressed = True
+                began = time.monotonic()
                 with self._tx("drain during stop") as tx:  # late messages: quarantined
                     self.gate.apply_ready(tx, readies)
                     self.gate.apply_results(tx, results)
                     self._note_strays(tx)
+                # The master's own time, a wait for another process's write lock (a shell, a
+                # backup) included, is not the workers': they still get all of --stop-wait to
+                # acknowledge (a lock held through the stop once used it up, and ranks that
+                # had finished were reported unacknowledged and killed).
+                deadline += time.monotonic() - began
                 shown_ready.update(m.rank for m in readies)
             for rank in sorted(pending & shown_ready - set(stop_tokens)):
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)

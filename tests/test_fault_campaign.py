@@ -588,3 +588,21 @@ def test_a_trial_failing_only_its_kinds_checks_fails():
          "leftover_rows": 0, "stats_mismatches": 0, "kind_problems": []}
     assert not fc.trial_failed(t)
     assert fc.trial_failed({**t, "kind_problems": ["aliased_file: ..."]})
+
+
+def test_a_master_past_its_last_result_may_wait_out_the_end_of_a_long_hold(campaign, tmp_path):
+    """Seed 29, trial 3 of the short campaign: the lock was taken after the last result; the
+    master wrote only during its stop, began to wait late in the 5 s hold, said so, and got
+    the lock within its --lock-wait 2 s. Ending as it would have (0) is right; the exit 4
+    it gave then (the wait had used up --stop-wait, finished ranks were killed) is not."""
+    db, _, _ = campaign
+    (tmp_path / "run00.err").write_text(
+        "coordinator: waiting 1 s for the campaign's write lock, held by pid 4242 (python) ...\n")
+    late = _lock_record(work_left_at_acquire=0)
+    assert fc.check_harness_faults(db, _runs(0), {"held_lock": late}, tmp_path)[
+        "problems"] == []
+    r = fc.check_harness_faults(db, _runs(4), {"held_lock": late}, tmp_path)
+    assert any("exit 4, expected 3" in p for p in r["problems"])
+    # With work left when the lock was taken the master had to write at once: 0 is wrong.
+    r = fc.check_harness_faults(db, _runs(0), {"held_lock": _lock_record()}, tmp_path)
+    assert any("expected 3" in p for p in r["problems"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
 import time
 
 import msgspec
@@ -26,7 +27,8 @@ from sqlalchemy import func, select
 
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
-from coordinator.wire import TAG_READY, TAG_RESULT
+from coordinator.transport import Received
+from coordinator.wire import TAG_READY, TAG_RESULT, TAG_STOP_ACK
 from store.campaign import Store
 from store.schema import results, tasks
 from store.tasks import NewTask, enqueue_tasks
@@ -392,3 +394,61 @@ def test_a_round_lingers_only_for_the_answers_due_within_it(tmp_path):
             assert ranks.clock - before == 4
     finally:
         store.close()
+
+
+class SlowAcks(InstantWorkers):
+    """Instant workers whose STOP_ACK is visible only from the second STOP_ACK drain after
+    its STOP, as over MPI (an acknowledgement is never there the moment the STOP leaves)."""
+
+    def __init__(self, workers: int = 2):
+        super().__init__(workers)
+        self.held: list[Received] = []
+
+    def send_stop(self, data: bytes, dest: int) -> None:
+        super().send_stop(data, dest)
+        self.held.append(self.queues[TAG_STOP_ACK].pop())
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        if tag == TAG_STOP_ACK:
+            ready, self.held = self.held, []
+            yield from super().drain(tag, limit)
+            self.queues[tag].extend(ready)
+            return
+        yield from super().drain(tag, limit)
+
+
+@pytest.mark.timeout(60)
+def test_a_write_lock_held_through_the_stop_does_not_cost_the_workers_their_stop_wait(
+        tmp_path):
+    """A READY that arrives during the stop is applied in a transaction; another process
+    holding the write lock then (a shell, a backup) made the master wait, and the wait used
+    up --stop-wait: ranks that had finished were reported unacknowledged and killed (exit 4
+    instead of 0). The lock wait is not counted against the workers."""
+    _campaign_of_demo_tasks(tmp_path / "c.db", 1).close()
+    store = Store.open(tmp_path / "c.db", resume=True, lock_wait_s=30)
+    try:
+        ranks = SlowAcks(2)
+        master = Master(store, ranks, MasterConfig(linger_s=0.0, stop_wait_s=0.5,
+                                                   exit_when_drained=False, stats_file=None))
+        while master.summary.committed < 1:
+            master._round()
+        ranks.queues[TAG_READY].append(ready_message(2, ""))  # a late, repeated idle READY
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with contextlib.closing(sqlite3.connect(tmp_path / "c.db", timeout=5)) as shell:
+                shell.execute("BEGIN IMMEDIATE")
+                held.set()
+                release.wait(1.5)
+                shell.rollback()
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        assert held.wait(10)
+        try:
+            unacked = master._stop_workers()
+        finally:
+            release.set()
+            holder.join()
+    finally:
+        store.close()
+    assert unacked == []
