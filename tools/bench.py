@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from coordinator.config import batch_size  # noqa: E402
 from coordinator.launcher import LAUNCHER_FAILED, find_mpiexec, mpiexec_flags  # noqa: E402
 
 #: The task both sides run; BENCH_WORK_S > 0 makes it sleep that long.
@@ -166,10 +167,6 @@ def _runtime_name(version: str) -> str:
     return lines[0]
 
 
-def batch_arg(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def chunksize(a: argparse.Namespace) -> int:
     """futures' chunksize: --batch N, else its default (1) against the coordinator's own."""
     return a.batch if isinstance(a.batch, int) else 1
@@ -186,7 +183,7 @@ def main() -> int:
     p.add_argument("--sync", action="append", choices=("FULL", "NORMAL"),
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the median is kept")
-    p.add_argument("--batch", type=batch_arg, default=None, metavar="N|auto",
+    p.add_argument("--batch", type=batch_size, default=None, metavar="N|auto",
                    help="tasks per dispatch: the coordinator's --batch N against futures' "
                         "chunksize N; `auto`, or by default the coordinator's default (auto "
                         "batches for python tasks), against futures' default chunksize 1")

@@ -81,6 +81,7 @@ sys.path.insert(0, str(ROOT))
 from sqlalchemy import Connection  # noqa: E402
 from sqlalchemy.exc import DBAPIError  # noqa: E402
 
+from coordinator.config import MAX_BATCH, int_range  # noqa: E402
 from coordinator.exits import ExitStatus  # noqa: E402
 from coordinator.faults import KINDS  # noqa: E402
 from coordinator.launcher import (  # noqa: E402
@@ -247,16 +248,9 @@ def batch_arg(batch: int) -> str:
 
 def batch_sizes(text: str) -> tuple[int, ...]:
     """`--batch-sizes 2,4,auto`: sizes of 2..1000, or auto."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == "auto":
-            sizes.append(AUTO)
-        elif part.isdigit() and 2 <= int(part) <= 1000:
-            sizes.append(int(part))
-        else:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a batch size of 2..1000 or auto")
-    return tuple(sizes)
+    size = int_range(2, MAX_BATCH)
+    return tuple(AUTO if part.strip() == "auto" else size(part.strip())
+                 for part in text.split(","))
 
 
 def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
