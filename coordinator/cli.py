@@ -304,16 +304,17 @@ def main(argv: list[str] | None = None) -> int:
                 return self_launch(ns, args, cfg)
             from .runtime import run
             return run(cfg)
-        from . import commands
         if ns.cmd == "status":
+            from .status import status
             try:
-                return commands.status(ns.db, ns.json)
+                return status(ns.db, ns.json)
             except BrokenPipeError:  # `status | head`: the reader had enough
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
                 return ExitStatus.OK
         if ns.cmd == "plot":
             from .plot import plot
             return plot(ns.db, ns.outdir)
+        from . import commands
         if ns.cmd == "check":
             return commands.check(ns.db, ns.json)
         if ns.cmd == "requeue":

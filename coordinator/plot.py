@@ -18,8 +18,8 @@ from store.engine import read_file
 from store.errors import StoreError
 from store.lock import lock_holder
 from store.observe import PlotSeries, plot_series
+from store.revisions import check_revision
 from store.stats import Stats, read_stats
-from store.versioning import check_revision
 
 from .exits import ExitStatus
 from .progress import duration

@@ -133,7 +133,7 @@ def progress_line(s: Snapshot) -> str:
             f"quarantined={s.quarantined} parked={s.parked}")
 
 
-def _clock_utc(at: float) -> str:
+def clock_utc(at: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
 
 
@@ -141,7 +141,7 @@ def stats_fields(s: Snapshot) -> str:
     """The stats file's lines after its six counters: the progress line's fields."""
     t = s.tasks
     r = s.rates
-    started = f", started {_clock_utc(s.started_at)}" if s.started_at is not None else ""
+    started = f", started {clock_utc(s.started_at)}" if s.started_at is not None else ""
     return "\n".join([
         f"Elapsed: {duration(s.elapsed_s)} (incarnation {s.stats.incarnation}{started})",
         f"Tasks: {t['done']} done, {t['queued']} queued, {t['active']} active, "

@@ -15,7 +15,7 @@ injected).
 - `dispatch_records`: each dispatch has one record (`schema.DISPATCH_RECORDS_SQL`); from
   revision 0007 on.
 - `wrong_commit`: a result from a token whose dispatch ended without a result (its
-  `dispatched` event; from revision 0007 on) or was retired (`schema.ROLLBACK_EVENTS`), or one
+  `dispatched` event; from revision 0007 on) or was retired (`vocabulary.ROLLBACK_EVENTS`), or one
   token committed for several tasks (no index refuses it since revision 0005).
 - `orphan_lease`: a lease row without its dispatch.
 - `statistics`: `read_stats` (what `status` shows) and a direct count of the quarantine, event
@@ -40,21 +40,16 @@ from sqlalchemy import Connection, exc
 
 from .engine import RAW_ERRORS, read_file
 from .errors import NoCampaignYet, SchemaVersionError
-from .schema import (
+from .revisions import current_revision, refuse_foreign
+from .schema import DISPATCH_RECORDS_SQL
+from .stats import Stats, count_by_state, read_stats
+from .versioning import head_revision, revisions_in_order
+from .vocabulary import (
     COUNTED_KIND_SQL,
-    DISPATCH_RECORDS_SQL,
     PER_TASK_EVENT_KINDS,
     ROLLBACK_EVENTS,
     Channel,
     EventKind,
-)
-from .stats import Stats, read_stats
-from .tasks import count_by_state
-from .versioning import (
-    current_revision,
-    head_revision,
-    refuse_foreign,
-    revisions_in_order,
 )
 
 #: The revision from which every dispatch has exactly one record.

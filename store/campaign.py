@@ -40,13 +40,9 @@ from .journal import QuarantineSampler, RetryPolicy, Tx
 from .lock import lock_campaign
 from .observe import CommitTimes
 from .probe import probe
+from .revisions import check_revision, current_revision
 from .schema import EventKind, campaign, tasks
-from .versioning import (
-    check_revision,
-    current_revision,
-    head_revision,
-    upgrade,
-)
+from .versioning import head_revision, upgrade
 from .workers import forget_incarnation
 
 

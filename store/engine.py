@@ -20,9 +20,7 @@ from typing import TypeVar
 from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
 
 from .errors import (
-    DatabaseOpenError,
     NoCampaignYet,
-    StoreError,
     StoreWriteError,
     UnsafeDatabaseError,
 )
@@ -30,6 +28,9 @@ from .readonly import (
     ReadOnlyView,
     cannot_open,
     check_sqlite_version,
+    damaged,
+    is_corrupt,
+    read_consistently,
     readonly_connector,
 )
 
@@ -182,18 +183,9 @@ def _name_damage(engine: Engine, db_path: Path) -> None:
     @event.listens_for(engine, "handle_error")
     def _damaged(ctx: exc.ExceptionContext) -> None:
         info = ctx.connection.info if ctx.connection is not None else {}
-        if _is_corrupt(ctx.original_exception) and not (info.get(WRITING)
-                                                         or info.get(RAW_ERRORS)):
-            raise DatabaseOpenError(
-                f"{db_path} is damaged ({ctx.original_exception}): restore a copy; "
-                f"`sqlite3 {db_path} .recover` may save what is left") from None
-
-
-def _is_corrupt(e: BaseException) -> bool:
-    if not isinstance(e, sqlite3.DatabaseError):
-        return False
-    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
-    return code & 0xFF == 11 if code is not None else "malformed" in str(e)  # SQLITE_CORRUPT
+        if is_corrupt(ctx.original_exception) and not (info.get(WRITING)
+                                                        or info.get(RAW_ERRORS)):
+            raise damaged(db_path, ctx.original_exception) from None
 
 
 def read_pragmas(conn: Connection) -> dict[str, object]:
@@ -288,7 +280,10 @@ def open_readonly(path: str | os.PathLike[str], *, at_rest: bool = True) -> Engi
     """An engine that only reads the SQLite file at `path`, for audits and inspection
     (`readonly.readonly_connector` says how it is opened, and what is refused);
     `readonly_view(engine)` tells how it was."""
-    connect, view = readonly_connector(path, at_rest=at_rest)
+    return _readonly_engine(*readonly_connector(path, at_rest=at_rest))
+
+
+def _readonly_engine(connect: Callable[[], sqlite3.Connection], view: ReadOnlyView) -> Engine:
     # The URL only names the file (for messages); `connect` opens it.
     engine = create_engine(URL.create("sqlite", database=str(view.named)), creator=connect)
 
@@ -304,26 +299,18 @@ def open_readonly(path: str | os.PathLike[str], *, at_rest: bool = True) -> Engi
 def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T]
               ) -> tuple[T, ReadOnlyView]:
     """`read(conn)` in one read transaction on the file at `path`, opened with
-    `open_readonly`, and how it was opened. A WAL file that no connection had open is read
-    without creating `-wal`/`-shm` beside it; if something wrote it meanwhile (a master that
-    started), it is read again as an ordinary reader, whose view SQLite keeps consistent."""
-    for at_rest in (True, False):
-        engine = open_readonly(path, at_rest=at_rest)
-        view = readonly_view(engine)
+    `open_readonly`, and how it was opened (`readonly.read_consistently`: a WAL file at rest
+    is read without creating anything beside it, and again if it changed meanwhile)."""
+    def once(connect: Callable[[], sqlite3.Connection], view: ReadOnlyView) -> T:
+        engine = _readonly_engine(connect, view)
         try:
             with engine.connect() as conn:
                 conn.begin()
                 try:
-                    got = read(conn)
+                    return read(conn)
                 finally:
                     conn.rollback()  # it read; nothing to commit (a COMMIT of a read
                     # transaction on a damaged file raises "malformed")
-        except (StoreError, exc.DBAPIError, sqlite3.Error):
-            if view.unchanged():
-                raise
-            continue
         finally:
             engine.dispose()
-        if view.unchanged():
-            return got, view
-    raise AssertionError("not reached: the second reading is not at rest")
+    return read_consistently(path, once, errors=(exc.DBAPIError,))

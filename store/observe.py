@@ -13,12 +13,14 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, text
-
-from .journal import Tx
-from .schema import COUNTED_KIND_SQL, FOUND_SQL, EventKind
 from .stats import Stats, read_stats
+from .vocabulary import COUNTED_KIND_SQL, FOUND_SQL, EventKind
+
+if TYPE_CHECKING:
+    from .journal import Tx
+    from .readonly import Reader as Connection
 
 # -- commits ---------------------------------------------------------------------------------
 
@@ -86,7 +88,7 @@ class RankView:
     parked_since: float | None = None
 
 
-_RANKS = text(
+_RANKS = (
     "SELECT w.rank, w.state, w.incarnation, w.host, w.pid, d.task_id, d.created_at, "
     "l.busy, l.window_s, l.at FROM workers w "
     "LEFT JOIN dispatches d ON d.rank = w.rank "
@@ -96,7 +98,7 @@ _RANKS = text(
 
 def read_ranks(conn: Connection) -> list[RankView]:
     """Every rank the master has dealt with: its row, the dispatch it holds, its load."""
-    return [RankView(*row) for row in conn.execute(_RANKS)]
+    return [RankView(*row) for row in conn.exec_driver_sql(_RANKS)]
 
 
 # -- the master's observations ----------------------------------------------------------------
@@ -131,10 +133,10 @@ def record_observation(tx: Tx, tasks: dict[str, int], testcases: int,
 def read_samples(conn: Connection, incarnation: int, since: float) -> list[Sample]:
     """The observations of `incarnation` from `since` on, and its first one (its start),
     oldest first, through `ix_observations_incarnation_at`."""
-    rows = conn.execute(text(
+    rows = conn.exec_driver_sql(
         "SELECT at, done, testcases FROM observations WHERE incarnation = :inc AND at >= :since "
         "UNION SELECT * FROM (SELECT at, done, testcases FROM observations "
-        "WHERE incarnation = :inc ORDER BY at LIMIT 1) ORDER BY 1"),
+        "WHERE incarnation = :inc ORDER BY at LIMIT 1) ORDER BY 1",
         {"inc": incarnation, "since": since}).all()
     return [Sample(at, done, tc) for at, done, tc in rows]
 
@@ -249,14 +251,15 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
     of `tasks` by creation bucket; the counted events and quarantined messages by kind and
     bucket. Python then only spreads the groups of dispatches longer than a bucket over the
     buckets they covered (a few per group)."""
-    created_at = conn.execute(text("SELECT created_at FROM campaign")).scalar()
-    first_r, last_r = conn.execute(text(
-        f"SELECT min({_START}), max(committed_at) FROM results")).one()
-    first_t = conn.execute(text("SELECT min(created_at) FROM tasks WHERE id = "
-                                "(SELECT min(id) FROM tasks)")).scalar()
-    last_e = conn.execute(text("SELECT at FROM events ORDER BY id DESC LIMIT 1")).scalar()
-    last_d = conn.execute(text("SELECT max(created_at) FROM dispatches")).scalar()
-    last_o = conn.execute(text("SELECT at FROM observations ORDER BY id DESC LIMIT 1")).scalar()
+    created_at = conn.exec_driver_sql("SELECT created_at FROM campaign").scalar()
+    first_r, last_r = conn.exec_driver_sql(
+        f"SELECT min({_START}), max(committed_at) FROM results").one()
+    first_t = conn.exec_driver_sql(
+        "SELECT min(created_at) FROM tasks WHERE id = (SELECT min(id) FROM tasks)").scalar()
+    last_e = conn.exec_driver_sql("SELECT at FROM events ORDER BY id DESC LIMIT 1").scalar()
+    last_d = conn.exec_driver_sql("SELECT max(created_at) FROM dispatches").scalar()
+    last_o = conn.exec_driver_sql(
+        "SELECT at FROM observations ORDER BY id DESC LIMIT 1").scalar()
     starts = [t for t in (created_at, first_r, first_t) if t is not None]
     ends = [t for t in (last_r, last_e, last_d, last_o, now if last_d is not None else None)
             if t is not None]
@@ -284,41 +287,41 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
         for b in range(bs + 1, be):
             row[b] += count * width
 
-    for rank, bs, be, count, s_sum, e_sum, tc, bad in conn.execute(text(
+    for rank, bs, be, count, s_sum, e_sum, tc, bad in conn.exec_driver_sql(
             f"SELECT rank, CAST((s - :t0) / :w AS INTEGER) AS bs, "
             f"CAST((committed_at - :t0) / :w AS INTEGER) AS be, count(*), total(s - :t0), "
             f"total(committed_at - :t0), total(testcases), sum(status <> 'ok') "
             f"FROM (SELECT rank, committed_at, testcases, status, {_START} AS s FROM results) "
-            f"GROUP BY rank, bs, be"), params):
+            f"GROUP BY rank, bs, be", params):
         b = max(0, min(be, n - 1))
         done[b] += count
         not_ok[b] += bad or 0
         testcases[b] += int(tc)
         spread(rank, bs, be, count, s_sum, e_sum)
     if now is not None:  # what is in flight counts as busy up to now
-        for rank, bs, s in conn.execute(text(
+        for rank, bs, s in conn.exec_driver_sql(
                 "SELECT rank, CAST((created_at - :t0) / :w AS INTEGER), created_at - :t0 "
-                "FROM dispatches"), params):
+                "FROM dispatches", params):
             spread(rank, bs, int((now - t0) // width), 1, s, now - t0)
 
     created = [0] * n
-    for b, count in conn.execute(text(
+    for b, count in conn.exec_driver_sql(
             "SELECT CAST((created_at - :t0) / :w AS INTEGER) AS b, count(*) FROM tasks "
-            "GROUP BY b"), params):
+            "GROUP BY b", params):
         created[max(0, min(b, n - 1))] += count
 
     events: dict[str, list[int]] = {}
     kinds = ", ".join(f"'{k.value}'" for k in PLOTTED_EVENTS)
-    for kind, b, count in conn.execute(text(
+    for kind, b, count in conn.exec_driver_sql(
             f"SELECT kind, CAST((at - :t0) / :w AS INTEGER) AS b, count(*) FROM events "
-            f"WHERE {COUNTED_KIND_SQL} AND kind IN ({kinds}) GROUP BY kind, b"), params):
+            f"WHERE {COUNTED_KIND_SQL} AND kind IN ({kinds}) GROUP BY kind, b", params):
         events.setdefault(kind, [0] * n)[max(0, min(b, n - 1))] += count
-    for channel, b, count in conn.execute(text(
+    for channel, b, count in conn.exec_driver_sql(
             "SELECT channel, CAST((at - :t0) / :w AS INTEGER) AS b, count(*) FROM quarantine "
-            "GROUP BY channel, b"), params):
+            "GROUP BY channel, b", params):
         events.setdefault(f"quarantine/{channel}", [0] * n)[max(0, min(b, n - 1))] += count
-    incarnations = [tuple(r) for r in conn.execute(text(
+    incarnations = [tuple(r) for r in conn.exec_driver_sql(
         f"SELECT incarnation, min(at) FROM events WHERE kind = 'campaign' AND "
-        f"{COUNTED_KIND_SQL} GROUP BY incarnation ORDER BY incarnation"))]
+        f"{COUNTED_KIND_SQL} GROUP BY incarnation ORDER BY incarnation")]
     return PlotSeries(t0, width, n, done, not_ok, created, testcases, busy, events,
                       incarnations, now)  # type: ignore[arg-type]

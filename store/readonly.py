@@ -1,20 +1,24 @@
 """Reading a campaign file without writing anything, with the stdlib's sqlite3 alone.
 
-Light enough for the checks `coordinator run` makes before it launches MPI (SQLAlchemy and
-Alembic take most of a second to import); `engine.open_readonly` builds on it.
+Light enough for the checks `coordinator run` makes before it launches MPI and for
+`coordinator status` (SQLAlchemy and Alembic take most of a second to import);
+`engine.open_readonly` and `engine.read_file` build on it.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote
 
-from .errors import DatabaseOpenError, NoCampaignYet, UnsafeDatabaseError
+from .errors import DatabaseOpenError, NoCampaignYet, StoreError, UnsafeDatabaseError
 from .lock import refuse_aliases
+
+T = TypeVar("T")
 
 #: Waited for a lock a reader needs now and then (the WAL index while a writer recovers it).
 READ_BUSY_TIMEOUT_MS = 10_000
@@ -165,6 +169,20 @@ def _connector(db_path: Path, *, immutable: bool) -> Callable[[], sqlite3.Connec
     return connect
 
 
+def is_corrupt(e: BaseException) -> bool:
+    if not isinstance(e, sqlite3.DatabaseError):
+        return False
+    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
+    return code & 0xFF == 11 if code is not None else "malformed" in str(e)  # SQLITE_CORRUPT
+
+
+def damaged(path: Path, e: BaseException) -> DatabaseOpenError:
+    """What a damaged page read by a command or a start becomes: it says so, and what to do
+    (`engine` and `read_file` raise it; a master's write keeps its own outcome)."""
+    return DatabaseOpenError(f"{path} is damaged ({e}): restore a copy; "
+                             f"`sqlite3 {path} .recover` may save what is left")
+
+
 def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
     cause = getattr(e, "orig", None) or e
     if path.is_dir():
@@ -176,3 +194,91 @@ def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
     else:
         why = f"cannot be opened: {cause}"
     return DatabaseOpenError(f"{path} {why}")
+
+
+# -- one consistent reading ------------------------------------------------------------------
+
+def read_consistently(path: str | os.PathLike[str],
+                      read: Callable[[Callable[[], sqlite3.Connection], ReadOnlyView], T],
+                      errors: tuple[type[BaseException], ...] = ()) -> tuple[T, ReadOnlyView]:
+    """`read(connect, view)` on the file at `path`, opened by `readonly_connector`, and how
+    it was opened. A WAL file that no connection had open is read without creating
+    `-wal`/`-shm` beside it; if something wrote it meanwhile (a master that started), it is
+    read again as an ordinary reader, whose view SQLite keeps consistent. `errors` are the
+    caller's own exceptions for a failed read (which a torn reading may also raise)."""
+    for at_rest in (True, False):
+        connect, view = readonly_connector(path, at_rest=at_rest)
+        try:
+            got = read(connect, view)
+        except (StoreError, sqlite3.Error, *errors):
+            if view.unchanged():
+                raise
+            continue
+        if view.unchanged():
+            return got, view
+    raise AssertionError("not reached: the second reading is not at rest")
+
+
+def read_file(path: str | os.PathLike[str], read: Callable[[Reader], T]
+              ) -> tuple[T, ReadOnlyView]:
+    """`read(reader)` in one read transaction, as `engine.read_file` does, without SQLAlchemy:
+    for the readers written in plain SQL (`stats`, `observe`), which a `Reader` answers."""
+    def once(connect: Callable[[], sqlite3.Connection], view: ReadOnlyView) -> T:
+        conn = connect()
+        try:
+            conn.execute("BEGIN")
+            try:
+                return read(Reader(conn, view.named or view.path))
+            except sqlite3.DatabaseError as e:
+                if is_corrupt(e):
+                    raise damaged(view.named or view.path, e) from None
+                raise
+            finally:
+                conn.rollback()  # it read; nothing to commit
+        finally:
+            conn.close()
+    return read_consistently(path, once)
+
+
+class Rows:
+    """A statement's rows, taken the ways the store's readers take a SQLAlchemy result."""
+
+    __slots__ = ("_cursor",)
+
+    def __init__(self, cursor: sqlite3.Cursor) -> None:
+        self._cursor = cursor
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._cursor)
+
+    def all(self) -> list[Any]:
+        return self._cursor.fetchall()
+
+    def first(self) -> Any:
+        return self._cursor.fetchone()
+
+    def one(self) -> Any:
+        rows = self._cursor.fetchmany(2)
+        if len(rows) != 1:
+            raise LookupError(f"{len(rows) or 'no'} rows where exactly one was expected")
+        return rows[0]
+
+    def scalar(self) -> Any:
+        row = self._cursor.fetchone()
+        return None if row is None else row[0]
+
+    def scalar_one(self) -> Any:
+        return self.one()[0]
+
+
+class Reader:
+    """A read-only sqlite3 connection offering the one method of a SQLAlchemy connection
+    that the plain-SQL readers call, `exec_driver_sql` (parameters as a sequence for `?`, a
+    mapping for `:name`), and the file's path for messages."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn
+        self.path = path
+
+    def exec_driver_sql(self, sql: str, params: Any = ()) -> Rows:
+        return Rows(self._conn.execute(sql, params))

@@ -5,13 +5,24 @@ scripts; a test holds the two equal."""
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import migrations
 
-from .errors import DatabaseOpenError, ForeignDatabaseError, UnstampedCampaignError
+from .errors import (
+    DatabaseOpenError,
+    ForeignDatabaseError,
+    NoCampaignYet,
+    SchemaVersionError,
+    UnstampedCampaignError,
+)
+
+if TYPE_CHECKING:
+    from .readonly import Reader
 
 _FIELD = re.compile(r"^(revision|down_revision)\s*=\s*(?:'([^']*)'|\"([^\"]*)\"|None)\s*$", re.M)
 
@@ -61,3 +72,46 @@ def revision_of(path: object, tables: set[str], stamps: list[str]) -> str | None
     if ours >= CAMPAIGN_TABLES:
         raise UnstampedCampaignError(path)
     raise ForeignDatabaseError(path, sorted(ours))
+
+
+# -- a file's own revision (plain SQL: a SQLAlchemy connection or a `readonly.Reader`) ------
+
+_TABLES = ("SELECT name FROM sqlite_master WHERE type = 'table' "
+           "AND name NOT LIKE 'sqlite~_%' ESCAPE '~'")
+
+
+def _tables(conn: Reader) -> set[str]:
+    return {name for (name,) in conn.exec_driver_sql(_TABLES)}
+
+
+def _named(conn: Any) -> object:
+    """The file `conn` reads, for messages."""
+    return getattr(conn, "path", None) or conn.engine.url.database
+
+
+def current_revision(conn: Reader) -> str | None:
+    """The file's revision stamp (None: no schema yet). What no coordinator file looks like
+    is refused with what it is (`revision_of`), never Alembic's traceback."""
+    tables = _tables(conn)
+    stamps = ([v for (v,) in conn.exec_driver_sql("SELECT version_num FROM alembic_version")]
+              if "alembic_version" in tables else [])
+    return revision_of(_named(conn), tables, stamps)
+
+
+def refuse_foreign(conn: Reader, path: str | os.PathLike[str]) -> None:
+    """Raises for another program's database (or a campaign without its stamp): upgrading
+    it would write our tables into someone else's database."""
+    current_revision(conn)
+
+
+def check_revision(conn: Reader, path: str | os.PathLike[str]) -> None:
+    """Refuse a file whose revision is not the code's head, naming the way forward."""
+    found, code_head = current_revision(conn), head()
+    if found == code_head:
+        return
+    refuse_foreign(conn, path)
+    if found is None and not _tables(conn):
+        # Empty: a master that has just created the file is about to write its schema.
+        raise NoCampaignYet(path)
+    raise SchemaVersionError(str(path), found, code_head,
+                             newer=found is not None and found not in known_revisions())

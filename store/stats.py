@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, func, select, text
-
-from .schema import (
+from .revisions import current_revision
+from .vocabulary import (
     COUNTED_KIND_SQL,
     DROPPED_SQL,
+    HELD_STATES_SQL,
     Channel,
     EventKind,
     TaskState,
-    campaign,
-    results,
-    tasks,
 )
-from .tasks import HELD_TERM, count_by_state
-from .versioning import current_revision
+
+if TYPE_CHECKING:
+    from .readonly import Reader
+
+# Every read here is plain SQL through `exec_driver_sql`, which a SQLAlchemy connection (the
+# master's, the audit's) and `readonly.Reader` (`coordinator status`, without SQLAlchemy)
+# both answer.
 
 
 @dataclass(frozen=True)
@@ -62,36 +65,65 @@ class Stats:
 #: counts nobody reads here, and which would be most of its time on a large campaign (the live
 #: progress reads it every half second: 127 of 250 ms at a million tasks). The condition is the
 #: partial index's own text, so SQLite reads `ix_events_counted_kind` and never the per-task rows.
-_COUNT_EVENTS = text(f"SELECT kind, count(*) FROM events WHERE {COUNTED_KIND_SQL} GROUP BY kind")
+_COUNT_EVENTS = f"SELECT kind, count(*) FROM events WHERE {COUNTED_KIND_SQL} GROUP BY kind"
 #: A row stands for `repeats` messages (revision 0009; one each before).
-_COUNT_QUARANTINE = text("SELECT channel, reason, sum(repeats) FROM quarantine "
-                         "GROUP BY channel, reason")
-_COUNT_QUARANTINE_ROWS = text("SELECT channel, reason, count(*) FROM quarantine "
-                              "GROUP BY channel, reason")
+_COUNT_QUARANTINE = ("SELECT channel, reason, sum(repeats) FROM quarantine "
+                     "GROUP BY channel, reason")
+_COUNT_QUARANTINE_ROWS = ("SELECT channel, reason, count(*) FROM quarantine "
+                          "GROUP BY channel, reason")
 #: Through `ix_results_dropped`: only the results that dropped test cases are read.
-_COUNT_DROPPED = text(f"SELECT count(*), total(dropped) FROM results WHERE {DROPPED_SQL}")
+_COUNT_DROPPED = f"SELECT count(*), total(dropped) FROM results WHERE {DROPPED_SQL}"
 
 
-def read_stats(conn: Connection) -> Stats:
+#: A batch dispatch's `work` lease (keyed by task id). In a file from before revision 0007
+#: every dispatch has one, keyed by the task's 64-character semantic id: such a file is
+#: audited as it is.
+BATCH_LEASE_SQL = "kind = 'work' AND length(key) < 20"
+_COUNT_QUEUED = "SELECT count(*) FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued'"
+_COUNT_HELD = f"SELECT state, count(*) FROM tasks WHERE {HELD_STATES_SQL} GROUP BY state"
+
+
+def count_by_state(tx_or_conn: Any) -> dict[str, int]:
+    """Tasks by state, each counted from the rows that define it, through narrow indexes (the
+    live progress reads this twice a second, on campaigns of millions of tasks): queued ones
+    in `ix_tasks_queue`, active ones as their `dispatches` rows (one each, UNIQUE task_id) and
+    the `work` leases of a batch dispatch's other tasks (UNIQUE key),
+    done ones as their `results` rows (one each, the primary key), held ones in
+    `ix_tasks_held`. The audit (`coordinator check`, store/audit.py) checks that the rows
+    agree."""
+    conn = getattr(tx_or_conn, "conn", tx_or_conn)
+    counts = {s.value: 0 for s in TaskState}
+    counts[TaskState.QUEUED.value] = conn.exec_driver_sql(_COUNT_QUEUED).scalar_one()
+    counts[TaskState.ACTIVE.value] = conn.exec_driver_sql(
+        "SELECT (SELECT count(*) FROM dispatches) + "
+        f"(SELECT count(*) FROM leases WHERE {BATCH_LEASE_SQL})").scalar_one()
+    counts[TaskState.DONE.value] = conn.exec_driver_sql(
+        "SELECT count(*) FROM results").scalar_one()
+    for state, n in conn.exec_driver_sql(_COUNT_HELD):
+        counts[state] = n
+    return counts
+
+
+def read_stats(conn: Reader) -> Stats:
     revision = current_revision(conn)
     # (A file of an older revision, which the audit reads, lacks the newer columns.)
     since = lambda rev: revision is None or revision >= rev  # noqa: E731
     q: dict[str, dict[str, int]] = {c.value: {} for c in Channel}
-    for channel, reason, n in conn.execute(_COUNT_QUARANTINE if since("0009") else
-                                           _COUNT_QUARANTINE_ROWS):
+    for channel, reason, n in conn.exec_driver_sql(_COUNT_QUARANTINE if since("0009") else
+                                                   _COUNT_QUARANTINE_ROWS):
         q.setdefault(channel, {})[reason] = n
-    ev = dict(conn.execute(_COUNT_EVENTS).all())
-    dropped_results, dropped = (conn.execute(_COUNT_DROPPED).one() if since("0008")
+    ev = dict(conn.exec_driver_sql(_COUNT_EVENTS).all())
+    dropped_results, dropped = (conn.exec_driver_sql(_COUNT_DROPPED).one() if since("0008")
                                 else (0, 0))
     return Stats(
         tasks=count_by_state(conn),
-        results=conn.execute(select(func.count()).select_from(results)).scalar_one(),
+        results=conn.exec_driver_sql("SELECT count(*) FROM results").scalar_one(),
         quarantine=q,
         requeued=ev.get(EventKind.REQUEUED.value, 0),
         deferred=ev.get(EventKind.DEFERRED.value, 0),
         watchdog_timeouts=ev.get(EventKind.WATCHDOG.value, 0),
         watchdog_recoveries=ev.get(EventKind.WORKER_RECOVERED.value, 0),
-        incarnation=conn.execute(select(campaign.c.incarnation)).scalar() or 0,
+        incarnation=conn.exec_driver_sql("SELECT incarnation FROM campaign").scalar() or 0,
         schema_revision=revision,
         events=ev,
         dropped_testcases=int(dropped),
@@ -99,32 +131,33 @@ def read_stats(conn: Connection) -> Stats:
     )
 
 
-def result_statuses(conn: Connection) -> dict[str, int]:
+def result_statuses(conn: Reader) -> dict[str, int]:
     """Committed results by the executor's status (ok / error ...). Not part of `read_stats`:
     it reads every result row, too much for the live progress display of a large campaign."""
-    return dict(conn.execute(select(results.c.status, func.count())
-                             .group_by(results.c.status)).all())
+    return dict(conn.exec_driver_sql(
+        "SELECT status, count(*) FROM results GROUP BY status").all())
 
 
-def recent_failures(conn: Connection, limit: int = 5) -> list[tuple[int, int, str, str | None]]:
+def recent_failures(conn: Reader, limit: int = 5) -> list[tuple[int, int, str, str | None]]:
     """The latest committed results whose status is not ok: (task id, rank, status, detail)."""
-    return [tuple(r) for r in conn.execute(  # type: ignore[misc]
-        select(results.c.task_id, results.c.rank, results.c.status, results.c.detail)
+    return [tuple(r) for r in conn.exec_driver_sql(  # type: ignore[misc]
+        "SELECT task_id, rank, status, detail FROM results "
         # Two ranges rather than `!=`, which SQLite cannot look up in ix_results_status: a
         # million ok results are then never read.
-        .where((results.c.status < "ok") | (results.c.status > "ok"))
-        .order_by(results.c.committed_at.desc(), results.c.task_id.desc()).limit(limit))]
+        "WHERE status < 'ok' OR status > 'ok' "
+        "ORDER BY committed_at DESC, task_id DESC LIMIT ?", (limit,))]
 
 
-def held_reasons(conn: Connection, limit: int = 3) -> dict[str, list[tuple[str, int]]]:
+_HELD_REASONS = (f"SELECT reason, count(*) AS n FROM tasks WHERE {HELD_STATES_SQL} "
+                 f"AND state = :state GROUP BY reason ORDER BY n DESC, reason LIMIT :limit")
+
+
+def held_reasons(conn: Reader, limit: int = 3) -> dict[str, list[tuple[str, int]]]:
     """For deferred and failed tasks: their most common reasons, with counts (state ->
     [(reason, n)], most common first). Read through ix_tasks_held: held tasks only."""
     held: dict[str, list[tuple[str, int]]] = {}
     for state in (TaskState.DEFERRED.value, TaskState.FAILED.value):
-        rows = conn.execute(
-            select(tasks.c.reason, func.count()).where(HELD_TERM, tasks.c.state == state)
-            .group_by(tasks.c.reason).order_by(func.count().desc(), tasks.c.reason)
-            .limit(limit)).all()
+        rows = conn.exec_driver_sql(_HELD_REASONS, {"state": state, "limit": limit}).all()
         if rows:
             held[state] = [(reason or "(no reason)", n) for reason, n in rows]
     return held
@@ -166,11 +199,11 @@ def _other_messages(s: Stats) -> dict[str, int]:
 _MASTER_NOTE = re.compile(r"\bmaster pid=(\d+) host=(\S+)")
 
 
-def last_master(conn: Connection) -> tuple[int, str] | None:
+def last_master(conn: Reader) -> tuple[int, str] | None:
     """(pid, host) of the master of the latest incarnation, from its `campaign` event; None
     if no start recorded one (an older start, or a store opened without a note)."""
-    row = conn.execute(text(
+    row = conn.exec_driver_sql(
         f"SELECT detail FROM events WHERE kind = 'campaign' AND {COUNTED_KIND_SQL} "
-        f"ORDER BY id DESC LIMIT 1")).first()
+        f"ORDER BY id DESC LIMIT 1").first()
     m = _MASTER_NOTE.search(row[0] or "") if row is not None else None
     return (int(m[1]), m[2]) if m else None

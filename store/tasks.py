@@ -12,17 +12,9 @@ import msgspec
 from sqlalchemy import Connection, and_, exists, select, text, update
 
 from .journal import RetryPolicy, Tx
-from .schema import (
-    HELD_STATES_SQL,
-    TASK_TRANSITIONS,
-    EventKind,
-    LeaseKind,
-    TaskState,
-    events,
-    results,
-    tasks,
-)
+from .schema import events, results, tasks
 from .semantic import canonical_form, canonical_json, content_hash, is_self_contained
+from .vocabulary import HELD_STATES_SQL, TASK_TRANSITIONS, EventKind, LeaseKind, TaskState
 
 
 @dataclass(frozen=True)
@@ -369,32 +361,3 @@ def requeue_error_results(tx: Tx, *, ids: Sequence[int] | None = None, after_id:
                  detail=f"from done: its {r.status} result from rank {r.rank} discarded"
                         + (f" ({why[-1][:200]})" if why else ""))
     return [r.task_id for r in rows]
-
-
-#: A batch dispatch's `work` lease (keyed by task id). In a file from before revision 0007
-#: every dispatch has one, keyed by the task's 64-character semantic id: such a file is
-#: audited as it is.
-BATCH_LEASE_SQL = "kind = 'work' AND length(key) < 20"
-_COUNT_QUEUED = "SELECT count(*) FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued'"
-_COUNT_HELD = f"SELECT state, count(*) FROM tasks WHERE {HELD_STATES_SQL} GROUP BY state"
-
-
-def count_by_state(tx_or_conn: Any) -> dict[str, int]:
-    """Tasks by state, each counted from the rows that define it, through narrow indexes (the
-    live progress reads this twice a second, on campaigns of millions of tasks): queued ones
-    in `ix_tasks_queue`, active ones as their `dispatches` rows (one each, UNIQUE task_id) and
-    the `work` leases of a batch dispatch's other tasks (UNIQUE key),
-    done ones as their `results` rows (one each, the primary key), held ones in
-    `ix_tasks_held`. The audit (`coordinator check`, store/audit.py) checks that the rows
-    agree."""
-    conn = getattr(tx_or_conn, "conn", tx_or_conn)
-    counts = {s.value: 0 for s in TaskState}
-    counts[TaskState.QUEUED.value] = conn.exec_driver_sql(_COUNT_QUEUED).scalar_one()
-    counts[TaskState.ACTIVE.value] = conn.exec_driver_sql(
-        "SELECT (SELECT count(*) FROM dispatches) + "
-        f"(SELECT count(*) FROM leases WHERE {BATCH_LEASE_SQL})").scalar_one()
-    counts[TaskState.DONE.value] = conn.exec_driver_sql(
-        "SELECT count(*) FROM results").scalar_one()
-    for state, n in conn.exec_driver_sql(_COUNT_HELD):
-        counts[state] = n
-    return counts

@@ -13,18 +13,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, exc, inspect
+from sqlalchemy import exc
 
 import migrations
 
 from .engine import open_engine
-from .errors import (
-    NoCampaignYet,
-    SchemaVersionError,
-    StoreWriteError,
-)
+from .errors import SchemaVersionError, StoreWriteError
 from .probe import probe
-from .revisions import head, known_revisions, revision_of
+from .revisions import current_revision, known_revisions, refuse_foreign
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -58,34 +54,6 @@ def head_revision() -> str:
 def revisions_in_order() -> list[str]:
     """Every revision this code knows, oldest first."""
     return [rev.revision for rev in reversed(list(_script().walk_revisions()))]
-
-
-def current_revision(conn: Connection) -> str | None:
-    """The file's revision stamp (None: no schema yet). What no coordinator file looks like
-    is refused with what it is (`revisions.revision_of`), never Alembic's traceback."""
-    tables = set(inspect(conn).get_table_names())
-    stamps = (list(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars())
-              if "alembic_version" in tables else [])
-    return revision_of(conn.engine.url.database, tables, stamps)
-
-
-def refuse_foreign(conn: Connection, path: str | os.PathLike[str]) -> None:
-    """Raises for another program's database (or a campaign without its stamp): upgrading
-    it would write our tables into someone else's database."""
-    current_revision(conn)
-
-
-def check_revision(conn: Connection, path: str | os.PathLike[str]) -> None:
-    """Refuse a file whose revision is not the code's head, naming the way forward."""
-    found, code_head = current_revision(conn), head()
-    if found == code_head:
-        return
-    refuse_foreign(conn, path)
-    if found is None and not inspect(conn).get_table_names():
-        # Empty: a master that has just created the file is about to write its schema.
-        raise NoCampaignYet(path)
-    raise SchemaVersionError(str(path), found, code_head,
-                             newer=found is not None and found not in known_revisions())
 
 
 def upgrade(path: str | os.PathLike[str], revision: str = "head", *,

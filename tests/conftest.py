@@ -19,8 +19,9 @@ from coordinator.gate import Gate, Inbound
 from store.campaign import Store
 from store.dispatches import mark_sent
 from store.journal import RetryPolicy
-from store.schema import TASK_TRANSITIONS, TaskState, tasks, workers
+from store.schema import tasks, workers
 from store.tasks import NewTask, enqueue_tasks, take_queued
+from store.vocabulary import TASK_TRANSITIONS, TaskState
 
 # Open MPI refuses to run as root without these; harmless elsewhere.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

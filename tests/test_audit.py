@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from alembic import command
-from sqlalchemy import text
 
 import store.audit
 import store.stats
@@ -281,7 +280,7 @@ def test_each_conservation_check_names_the_task(campaign):
 def test_the_statistics_rule_catches_a_reader_that_leaves_out_a_kind(campaign, monkeypatch):
     """`read_stats` counts events through the partial index of the counted kinds; a reader
     whose condition left out a kind it shows (here `requeued`) disagrees with the rows."""
-    monkeypatch.setattr(store.stats, "_COUNT_EVENTS", text(
+    monkeypatch.setattr(store.stats, "_COUNT_EVENTS", (
         "SELECT kind, count(*) FROM events WHERE kind NOT IN ('enqueued', 'dispatched', "
         "'requeued') GROUP BY kind"))
     report = audit_path(campaign)

@@ -25,9 +25,9 @@ from store.errors import (
     StoreWriteError,
     UnsafeDatabaseError,
 )
+from store.revisions import check_revision
 from store.schema import EventKind
 from store.stats import read_stats
-from store.versioning import check_revision
 
 
 @pytest.mark.parametrize("mode, level", [("FULL", 2), ("NORMAL", 1)])

@@ -162,6 +162,20 @@ def test_a_worker_rank_loads_neither_the_store_nor_sqlalchemy():
         "m.split('.')[0] in ('store', 'sqlalchemy', 'alembic')") == []
 
 
+def test_the_status_command_loads_neither_sqlalchemy_nor_alembic(tmp_path: Path):
+    """`coordinator status`, run for real on a finished campaign (every reader it has, the
+    rates, the ranks and the failures included): SQLAlchemy's import alone is 0.3-0.5 s of
+    a start on a 2-core node, more than the whole command takes without it."""
+    from campaigns import finding_campaign
+    db = tmp_path / "c.db"
+    finding_campaign(db, tasks=30)
+    assert loaded_after(
+        "from coordinator.cli import main\n"
+        f"assert main(['status', '--db', {str(db)!r}]) == 0\n"
+        f"assert main(['status', '--json', '--db', {str(db)!r}]) == 0",
+        "m.split('.')[0] in ('sqlalchemy', 'alembic')") == []
+
+
 def test_the_command_line_parser_loads_no_executor():
     """`coordinator status` and the other operator commands parse their command line with
     the same parser as `run`: it needs the executors' names, not the executors (with the
