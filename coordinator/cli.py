@@ -147,8 +147,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", action=Once, type=batch_size, default=None, metavar="N|auto",
                    help="tasks per dispatch (1..1000): one token, one WORK and one RESULT for "
                         "N tasks, for tasks too small to pay a commit each; auto sizes each "
-                        "dispatch to about 30 ms of the tasks' measured run time (default: 1 "
-                        "for a command, auto for python and demo tasks)")
+                        "dispatch from the tasks' measured run time (at least ~30 ms of them) "
+                        "and what a dispatch costs its rank (at most ~4%% of its time; at most "
+                        "0.2 s of tasks) (default: 1 for a command, auto for python and demo "
+                        "tasks)")
     r.add_argument("--stall-grace", action=Once, type=non_negative_float, default=120.0,
                    metavar="S",
                    help="when no live rank can take work (each parked past --watchdog), end "

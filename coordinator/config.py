@@ -80,9 +80,9 @@ def batch_size(text: str) -> int | str:
 def dispatch_batch(batch: int | str | None, executor: str) -> int | None:
     """The tasks per dispatch the master uses (None: sized automatically). Unless `--batch`
     says otherwise, a command runs alone (a SymCC run takes seconds, and a batch would only
-    hold its results back), and python and demo tasks are batched automatically: a task of
-    microseconds would otherwise pay a whole durable round each, and a task of 30 ms or more
-    is dispatched alone anyway."""
+    hold its results back), and python and demo tasks are batched automatically
+    (`batching.AutoBatch`): a task of microseconds would otherwise pay a whole durable round
+    each, and a longer one goes alone unless dispatching costs its rank a noticeable share."""
     if batch is None:
         return 1 if executor == "command" else None
     return None if batch == AUTO_BATCH else int(batch)
@@ -405,6 +405,7 @@ def describe(cfg: RunConfig) -> str:
            f"AFL queue {cfg.afl_out}/{cfg.fuzzer}/queue" if cfg.afl_out is not None else
            "the campaign's stored tasks")
     batch = dispatch_batch(cfg.batch, cfg.executor)
-    per = ("" if batch == 1 else ", batches of ~30 ms of tasks (--batch auto)" if batch is None
+    per = ("" if batch == 1 else ", batches sized from the measured run times (--batch auto)"
+           if batch is None
            else f", up to {batch} tasks per dispatch")
     return f"{src}, {cfg.executor} executor{per}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import signal
 import socket
 import sys
@@ -42,6 +43,7 @@ from store.workers import (
     worker_states,
 )
 
+from .batching import AutoBatch
 from .gate import Gate, Inbound, Stray
 from .observer import Observer
 from .output import TestcaseWriter, input_id, replace_text
@@ -53,7 +55,6 @@ from .transport import ANY_TAG, Backoff, Received, SendFailed, Transport
 from .wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENCODE_ERRORS,
-    MAX_BATCH,
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
@@ -145,7 +146,9 @@ class Master:
         #: Task id -> (half id, size): the tasks of failed batches split back (`_note_halves`).
         self._halves: dict[int, tuple[int, int]] = {}
         self._half_ids = itertools.count(1)
-        self._task_s: float | None = None        # mean run time of a task (EWMA), for auto
+        self._auto = AutoBatch.for_watchdog(config.watchdog_s)  # --batch auto's measures
+        self._answered: dict[int, tuple[float, float]] = {}  # rank -> (RESULT in, WORK-to-it)
+        self._ran_s: dict[int, float] = {}       # rank -> its answered dispatch's run time
         self._sent_at: dict[int, float] = {}     # rank -> when its last WORK left (monotonic)
         self._answer_s: dict[int, float] = {}    # rank -> its mean WORK-to-RESULT time (EWMA)
         self._strays: list[Stray] = []           # quarantined with the next round
@@ -411,6 +414,7 @@ class Master:
             if sent is not None:
                 took, before = now - sent, self._answer_s.get(m.rank)
                 self._answer_s[m.rank] = took if before is None else 0.7 * before + 0.3 * took
+                self._answered[m.rank] = (now, took)
 
     def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
         results, readies = self._receive_answers()
@@ -498,6 +502,9 @@ class Master:
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
         self._idle = self._idle[len(planned):]
+        for rank in self._idle:  # its wait for the next WORK is the queue's, not overhead
+            self._answered.pop(rank, None)
+            self._ran_s.pop(rank, None)
         # Each WORK is built inside the transaction that records its dispatch, so a task that
         # cannot be carried is held as failed in it, instead of raising after the COMMIT (at
         # every --resume again).
@@ -523,7 +530,10 @@ class Master:
     def _send_work(self, p: dsp.Planned, data: bytes) -> None:
         try:
             self.transport.send_work(data, p.rank)
-            self._sent_at[p.rank] = time.monotonic()
+            self._sent_at[p.rank] = now = time.monotonic()
+            answered, ran = self._answered.pop(p.rank, None), self._ran_s.pop(p.rank, None)
+            if answered is not None and ran is not None:
+                self._auto.cycled(answered[1], ran, now - answered[0])
             self._sent.append(p.token)
             self.summary.dispatches += 1
             if self.summary.first_work_at is None:
@@ -569,13 +579,15 @@ class Master:
     def _commit(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
                 value_json: str | None, task_id: int | None = None) -> dsp.CommitItem:
         """A current result (or one task's of a batch, `task_id`): its test cases written and
-        fed back, its run time taken into the mean that sizes automatic batches."""
+        fed back, its run time taken into the means that size automatic batches."""
         written, created = self._keep_testcases(
             tx, task_id if task_id is not None else active.task_id,
             res.testcases) if res.testcases else (0, 0)
-        if self.config.batch is None and res.duration_s >= 0:
-            self._task_s = (res.duration_s if self._task_s is None
-                            else 0.9 * self._task_s + 0.1 * res.duration_s)
+        if self.config.batch is None:
+            self._auto.ran(res.duration_s)
+            # (A run time not known: no overhead can be told from this dispatch.)
+            self._ran_s[active.rank] = (self._ran_s.get(active.rank, 0.0) + res.duration_s
+                                        if res.duration_s >= 0 else math.inf)
         return dsp.CommitItem(active.rank, active.token, task_id, status=res.status,
                               value_json=value_json, testcases=written,
                               new_tasks=created, detail=failure_detail(res),
@@ -613,16 +625,8 @@ class Master:
         return written, len(created)
 
     # -- batches ----------------------------------------------------------------------------
-    #: `--batch auto` sizes a dispatch to take about this long (tens of milliseconds: the
-    #: round's commit is then shared by far more work than it costs).
-    BATCH_TARGET_S = 0.03
-
     def _batch_size(self) -> int:
-        if self.config.batch is not None:
-            return self.config.batch
-        if self._task_s is None:
-            return 1  # nothing measured yet
-        return max(1, min(MAX_BATCH, round(self.BATCH_TARGET_S / max(self._task_s, 1e-6))))
+        return self.config.batch if self.config.batch is not None else self._auto.size()
 
     def _note_halves(self, recovered: Sequence[dsp.Recovery]) -> None:
         for rec in recovered:

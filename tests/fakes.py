@@ -44,6 +44,16 @@ def valid_result(token: str) -> bytes:
     return encode(Result(token=token, status="ok", value={"n": 1}))
 
 
+def ok_answer(work, duration_s: float = 0.0) -> bytes:
+    """An ok RESULT for a decoded WORK: one task's, or every task's of a batch, each having
+    run `duration_s` (as its worker measured it)."""
+    if work.batch is None:
+        return encode(Result(token=work.token, status="ok", value={"n": 1},
+                             duration_s=duration_s))
+    return encode(Result(token=work.token, status="ok", batch=[
+        TaskResult(status="ok", value={"n": 1}, duration_s=duration_s) for _ in work.batch]))
+
+
 # -- the master's side -----------------------------------------------------------------------
 
 class InstantWorkers:
@@ -73,10 +83,7 @@ class InstantWorkers:
 
     def send_work(self, data: bytes, dest: int) -> None:
         work = decode_work(data)
-        answer = valid_result(work.token) if work.batch is None else encode(Result(
-            token=work.token, status="ok",
-            batch=[TaskResult(status="ok", value={"n": 1}) for _ in work.batch]))
-        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(answer)))
+        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(ok_answer(work))))
         self.queues[TAG_READY].append(ready_message(dest, work.token))
 
     def send_stop(self, data: bytes, dest: int) -> None:
@@ -204,12 +211,15 @@ class LateStarter(StaggeredRanks):
 
 class TimedRanks(StaggeredRanks):
     """Each rank answers (RESULT and READY together) `seconds[rank]` of real time after its
-    WORK left, as ranks running tasks of different lengths do; `clock` counts the drains."""
+    WORK left, as ranks running tasks of different lengths do, plus `task_s` for each task
+    the WORK holds (which its RESULT says each ran); `clock` counts the drains, `sizes` the
+    tasks of each WORK."""
 
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], task_s: float = 0.0):
         super().__init__({rank: (0, 0) for rank in seconds})
-        self.seconds = seconds
+        self.seconds, self.task_s = seconds, task_s
         self.timed: list[tuple[float, Received]] = []  # (visible at, message)
+        self.sizes: list[int] = []
 
     def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
         now = time.monotonic()
@@ -221,10 +231,12 @@ class TimedRanks(StaggeredRanks):
             yield from InstantWorkers.drain(self, tag, limit)
 
     def send_work(self, data: bytes, dest: int) -> None:
-        token = decode_work(data).token
-        at = time.monotonic() + self.seconds[dest]
-        self.timed.append((at, Received(dest, TAG_RESULT, bytearray(valid_result(token)))))
-        self.timed.append((at, ready_message(dest, token)))
+        work = decode_work(data)
+        self.sizes.append(len(work.tasks()))
+        at = time.monotonic() + self.seconds[dest] + self.task_s * len(work.tasks())
+        self.timed.append((at, Received(dest, TAG_RESULT, bytearray(ok_answer(work,
+                                                                              self.task_s)))))
+        self.timed.append((at, ready_message(dest, work.token)))
 
 
 class DyingRanks(InstantWorkers):

@@ -290,7 +290,7 @@ def test_the_batch_defaults_to_1_for_commands_and_auto_for_python_tasks(tmp_path
 
 def test_the_first_line_says_how_tasks_are_batched(tmp_path):
     assert describe(resolve(tmp_path, "--demo", "10")).endswith(
-        "10 demo tasks, demo executor, batches of ~30 ms of tasks (--batch auto)")
+        "10 demo tasks, demo executor, batches sized from the measured run times (--batch auto)")
     assert describe(resolve(tmp_path, "--demo", "10", "--batch", "8")).endswith(
         ", up to 8 tasks per dispatch")
     assert describe(resolve(tmp_path, "--demo", "10", "--batch", "1")).endswith(

@@ -35,6 +35,28 @@ from store.tasks import NewTask, enqueue_tasks
 
 
 @pytest.mark.timeout(60)
+def test_automatic_batches_grow_until_what_a_dispatch_costs_its_rank_is_small(tmp_path):
+    """Tasks of 10 ms whose ranks each lose 4 ms per dispatch besides (63 ranks on 2 cores
+    lost 4-5 ms): past the first measures, each dispatch holds enough tasks that the time
+    lost is at most ~4 % of its rank's (10 or more), and at most 0.2 s of tasks (20). The
+    first WORKs go alone: nothing is measured yet."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 400)
+    try:
+        ranks = TimedRanks({1: 0.004, 2: 0.004}, task_s=0.01)
+        master = Master(store, ranks, MasterConfig(batch=None, linger_s=0, grace_s=1,
+                                                   stop_wait_s=1, stats_file=None))
+        summary = master.run()
+    finally:
+        store.close()
+    assert summary.committed == 400
+    assert ranks.sizes[:2] == [1, 1]
+    assert master._auto.task_s == pytest.approx(0.01)
+    assert master._auto.overhead_s >= 0.004  # the fake's, and the master's own time
+    steady = ranks.sizes[len(ranks.sizes) // 3: -4]  # past the first measures, before the end
+    assert steady and all(10 <= n <= 20 for n in steady), ranks.sizes
+
+
+@pytest.mark.timeout(60)
 def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 5)
     try:

@@ -1,0 +1,77 @@
+"""`--batch auto`: how many tasks a dispatch takes, from what the master measures.
+
+Every dispatch costs a rank some time that runs nothing: its WORK's trip and decoding, the
+RESULT's, and the wait for the master's next round. With a few ranks on an idle node that is
+a fraction of a millisecond, and only tasks of microseconds need batches. With 63 ranks on 2
+cores it was 4-5 ms per dispatch: a 50 ms task then kept its rank busy only ~0.9 of the time,
+and a batch of a few tasks shares that cost out.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from .config import MAX_BATCH
+
+
+@dataclass
+class AutoBatch:
+    """The running means behind an automatic batch size, and the size they give."""
+
+    #: A dispatch runs at least about this long (tens of milliseconds: the round's commit is
+    #: then shared by far more work than it costs).
+    TARGET_S = 0.03
+    #: ... and long enough that the time its rank loses around it is at most about this share
+    #: of the rank's time.
+    OVERHEAD_SHARE = 0.04
+    #: ... but no longer than this, so results keep coming back, the queue's last dispatches
+    #: end close together, and a failed batch (split and run again) costs little; lower under
+    #: a --watchdog (`for_watchdog`).
+    MAX_S = 0.2
+    #: The overhead is the median of this many latest dispatches: a burst of answers (the
+    #: first round of WORK, all ranks finishing at once) delays a few ranks by tens of
+    #: milliseconds, which says nothing of what a dispatch costs.
+    SAMPLES = 64
+
+    task_s: float | None = None      # a task's mean run time, as its worker measured it
+    max_s: float = MAX_S
+    _lost: deque[float] = field(default_factory=lambda: deque(maxlen=AutoBatch.SAMPLES))
+    _overhead_s: float | None = None
+
+    @classmethod
+    def for_watchdog(cls, watchdog_s: float) -> AutoBatch:
+        """A dispatch's deadline covers all its tasks: a batch stays well inside it."""
+        return cls(max_s=min(cls.MAX_S, watchdog_s / 4) if watchdog_s > 0 else cls.MAX_S)
+
+    def ran(self, seconds: float) -> None:
+        """One task's run time (a worker's measure, <0 if it had none)."""
+        if seconds >= 0:
+            self.task_s = seconds if self.task_s is None else 0.9 * self.task_s + 0.1 * seconds
+
+    def cycled(self, answer_s: float, ran_s: float, waited_s: float) -> None:
+        """One dispatch's rank cycle: WORK sent to RESULT received (`answer_s`), of which its
+        tasks ran `ran_s`, and the time from its RESULT to its next WORK (`waited_s`)."""
+        if not math.isfinite(ran_s):
+            return  # a run time was not known
+        self._lost.append(max(0.0, answer_s - ran_s) + max(0.0, waited_s))
+        self._overhead_s = None
+
+    @property
+    def overhead_s(self) -> float | None:
+        """A dispatch's time on its rank that ran nothing (the median of the latest)."""
+        if self._overhead_s is None and self._lost:
+            self._overhead_s = statistics.median(self._lost)
+        return self._overhead_s
+
+    def size(self) -> int:
+        if self.task_s is None:
+            return 1  # nothing measured yet
+        task_s = max(self.task_s, 1e-6)
+        n = round(self.TARGET_S / task_s)
+        if (overhead_s := self.overhead_s) is not None:
+            share = self.OVERHEAD_SHARE
+            n = max(n, math.ceil(overhead_s * (1 - share) / (share * task_s)))
+        return max(1, min(n, MAX_BATCH, math.floor(self.max_s / task_s)))

@@ -1,0 +1,84 @@
+"""`--batch auto`'s size rule (`coordinator/batching.py`): pure arithmetic over the master's
+measures, so plain numbers, no farm."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.batching import AutoBatch
+from coordinator.config import MAX_BATCH
+
+
+def measured(task_s: float, overhead_s: float | None = None, **kw) -> AutoBatch:
+    auto = AutoBatch(**kw)
+    auto.ran(task_s)
+    if overhead_s is not None:
+        auto.cycled(answer_s=task_s + overhead_s / 2, ran_s=task_s, waited_s=overhead_s / 2)
+    return auto
+
+
+def test_nothing_measured_yet_sends_one_task():
+    assert AutoBatch().size() == 1
+    auto = AutoBatch()
+    auto.ran(-1.0)  # a result without a run time
+    assert auto.size() == 1
+
+
+def test_tiny_tasks_fill_a_dispatch_of_tens_of_milliseconds_up_to_the_cap():
+    assert measured(0.001).size() == 30
+    assert measured(0.0001).size() == 300
+    assert measured(1e-7).size() == MAX_BATCH
+
+
+def test_a_task_of_the_target_or_longer_goes_alone_when_dispatching_costs_little():
+    # 3 ranks on an idle node: a fraction of a millisecond between dispatches.
+    assert measured(0.03, overhead_s=0.0003).size() == 1
+    assert measured(0.05, overhead_s=0.0005).size() == 1
+    assert measured(2.0, overhead_s=0.01).size() == 1
+
+
+def test_a_costly_dispatch_is_shared_by_enough_tasks_to_keep_its_share_small():
+    """63 ranks on 2 cores: ~5 ms of each 50 ms task's cycle ran nothing (util ~0.9)."""
+    auto = measured(0.05, overhead_s=0.005)
+    n = auto.size()
+    assert n == 3
+    lost = lambda k: 0.005 / (k * 0.05 + 0.005)  # noqa: E731
+    assert lost(n) <= AutoBatch.OVERHEAD_SHARE < lost(n - 1)
+
+
+def test_a_dispatch_never_runs_longer_than_its_bound_nor_a_quarter_of_the_watchdog():
+    assert measured(0.05, overhead_s=0.5).size() == math.floor(AutoBatch.MAX_S / 0.05)
+    watched = AutoBatch.for_watchdog(0.4)
+    watched.ran(0.05)
+    watched.cycled(answer_s=0.55, ran_s=0.05, waited_s=0.0)
+    assert watched.size() == 2  # 0.1 s of tasks, a quarter of the 0.4 s deadline
+    assert AutoBatch.for_watchdog(0).max_s == AutoBatch.MAX_S
+    # A task longer than the bound still goes, alone.
+    assert measured(3.0, overhead_s=1.0).size() == 1
+
+
+def test_a_burst_of_late_answers_does_not_size_the_batches():
+    """The first round of WORK, or every rank finishing at once, delays a few ranks' next
+    WORK by tens of milliseconds: a few such dispatches among many cheap ones change nothing."""
+    auto = measured(0.05)
+    for i in range(AutoBatch.SAMPLES):
+        waited = 0.08 if i % 4 == 0 else 0.0002  # a quarter of them caught in a burst
+        auto.cycled(answer_s=0.0502, ran_s=0.05, waited_s=waited)
+    assert auto.overhead_s == pytest.approx(0.0004)
+    assert auto.size() == 1
+
+
+def test_the_means_follow_the_latest_measures():
+    auto = measured(0.05, overhead_s=0.005)
+    for _ in range(60):  # the node got quiet
+        auto.cycled(answer_s=0.0502, ran_s=0.05, waited_s=0.0001)
+    assert auto.overhead_s == pytest.approx(0.0003, abs=2e-5)
+    assert auto.size() == 1
+
+
+def test_a_dispatch_whose_run_time_is_unknown_gives_no_overhead_sample():
+    auto = measured(0.05)
+    auto.cycled(answer_s=0.3, ran_s=math.inf, waited_s=0.1)
+    assert auto.overhead_s is None
