@@ -440,7 +440,8 @@ def test_a_slow_worker_is_waited_for(tmp_path):
 # Seed 112 hangs rank 1 at its first task; 20 ms per task so that a rank slow to start (a
 # loaded CI machine) still gets one before the others have done all of them.
 HANG_ARGS = ["--demo", str(N), "--demo-work-ms", "20", "--inject", "hang=0.02",
-             "--inject-seed", "112", "--watchdog", "1", "--stop-wait", "1", "--no-progress"]
+             "--inject-seed", "112", "--watchdog", "1", "--stop-wait", "1", "--no-progress",
+             *SINGLE]
 
 
 @pytest.mark.timeout(120)
