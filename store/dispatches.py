@@ -68,13 +68,32 @@ class Planned:
 _VALUE_ENCODER = json.JSONEncoder(sort_keys=True, allow_nan=False)
 
 
+def _not_json(o: Any) -> Any:
+    raise TypeError(f"Object of type {o.__class__.__name__} is not JSON serializable")
+
+
+#: And even `JSONEncoder.encode` makes a new C encoder at each call (about half of what it
+#: then takes for a small value). This one is made once, with `_VALUE_ENCODER`'s options and
+#: no circular-reference bookkeeping (its memo would be state shared between calls): a value
+#: decoded from msgpack cannot refer to itself, and one nested too deep still raises
+#: RecursionError.
+_C_ENCODER = (None if json.encoder.c_make_encoder is None else json.encoder.c_make_encoder(
+    None, _not_json, json.encoder.encode_basestring_ascii, None,
+    _VALUE_ENCODER.key_separator, _VALUE_ENCODER.item_separator, True, False, False))
+
+
 def encode_value(value: Any) -> str | None:
     """A result value as stored (`results.value`): canonical JSON, or None for no value.
     Raises TypeError/ValueError for what JSON cannot hold (bytes, NaN, keys of mixed types)."""
-    return None if value is None else _VALUE_ENCODER.encode(value)
+    if value is None:
+        return None
+    if _C_ENCODER is None:
+        return _VALUE_ENCODER.encode(value)
+    return "".join(_C_ENCODER(value, 0))
 
 
-@dataclass(frozen=True)
+# Not frozen, for the reason TaskRecord is not: one is made per task a batch commits.
+@dataclass(slots=True)
 class CommitItem:
     rank: int
     token: str

@@ -17,7 +17,10 @@ from .semantic import canonical_form, canonical_json, content_hash, is_self_cont
 from .vocabulary import HELD_STATES_SQL, TASK_TRANSITIONS, EventKind, LeaseKind, TaskState
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, five times what
+# a plain slot costs, and a batched dispatch makes one record per task it takes. Nothing
+# changes a record once made.
+@dataclass(slots=True)
 class TaskRecord:
     id: int
     semantic_id: str
@@ -32,7 +35,10 @@ class TaskRecord:
     def lease_keys(self) -> list[tuple[LeaseKind, str]]:
         """Every side-table reservation a dispatch of this task holds (one lease row each).
         The task itself is reserved by the dispatch row (UNIQUE task_id), not by a lease."""
-        keys = []
+        keys: list[tuple[LeaseKind, str]] = []
+        if not (self.input_hash or "target_branch" in self.payload
+                or "schedule_prefix" in self.payload):
+            return keys  # a plain task (every task of a --tasks or --demo campaign)
         if self.payload.get("target_branch"):
             keys.append((LeaseKind.TARGET, str(self.payload["target_branch"])))
         if self.input_hash:
@@ -162,9 +168,14 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
     if n <= 0:
         return []
     db = tx.db
-    held = {(LeaseKind(k), key) for k, key in db.execute("SELECT kind, key FROM leases")}
+    # Not the `work` leases: they name tasks that are active, never a queued task's resource
+    # (`lease_keys`), and a batched run holds hundreds of them, each of which would otherwise
+    # be read here and switch the query to its slower, filtering form.
+    held = {(LeaseKind(k), key) for k, key in db.execute(
+        "SELECT kind, key FROM leases WHERE kind <> 'work'")}
     sql = _QUEUED_FREE if held else _QUEUED_ALL
     picked: list[TaskRecord] = []
+    queued = TaskState.QUEUED  # (what the query selects)
     window = max(4 * n, 16)
     after: tuple[int, int] = (-(1 << 63), -(1 << 63))
     while len(picked) < n:
@@ -175,12 +186,13 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
             for row in cur:
                 seen += 1
                 after = (row[9], row[0])
-                rec = TaskRecord(row[0], row[1], _load_payload(row[2]), row[3],
-                                 TaskState(row[4]), row[5], row[6], row[7], row[8])
+                rec = TaskRecord(row[0], row[1], _load_payload(row[2]), row[3], queued,
+                                 row[5], row[6], row[7], row[8])
                 keys = rec.lease_keys()
-                if any(k in held for k in keys):
-                    continue
-                held.update(keys)
+                if keys:
+                    if any(k in held for k in keys):
+                        continue
+                    held.update(keys)
                 picked.append(rec)
                 if len(picked) == n:
                     break
