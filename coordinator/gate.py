@@ -220,11 +220,18 @@ class Gate:
         for rank in idle_ranks:
             if at == len(picked):
                 break
-            half, size = (halves or {}).get(picked[at].id, (None, batch))
+            if not halves:  # (no failed batch split back: plain slices, no lookup per task)
+                group = picked[at:at + max(batch, 1)]
+                at += len(group)
+                plan.append(dsp.Planned(rank, group[0], mint_token(self.store.epoch, rank,
+                                                                   next(self._seq)),
+                                        deadline, tuple(group[1:])))
+                continue
+            half, size = halves.get(picked[at].id, (None, batch))
             group = [picked[at]]
             at += 1
             while (len(group) < min(size, batch) and at < len(picked)
-                   and (halves or {}).get(picked[at].id, (None, batch))[0] == half):
+                   and halves.get(picked[at].id, (None, batch))[0] == half):
                 group.append(picked[at])
                 at += 1
             plan.append(dsp.Planned(rank, group[0], mint_token(self.store.epoch, rank,
@@ -323,18 +330,21 @@ class Gate:
             values = [dsp.encode_value(_value_of(o)) for o in batch]
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             return f"value is not JSON-serialisable: {e}"[:300]
-        failed = [t for t, o in zip(task_ids, batch, strict=True)
-                  if _status_of(o) in RETRY_STATUSES]
+        retry = [_status_of(o) in RETRY_STATUSES for o in batch]
+        failed = [t for t, r in zip(task_ids, retry, strict=True) if r] if any(retry) else []
         if len(failed) == len(task_ids):
             dsp.retry_all(tx, a.rank, a.token, str(_status_of(batch[0])))
             out.retried.append(a.rank)
             return None
+        commit = self.commit
         if failed:  # before the commits, which end the dispatch
             dsp.end_without_result(tx, a.rank, a.token, failed, "timeout")
             out.retried.append(a.rank)
-        out.committed += [self.commit(tx, a, o, value, task_id=t)
-                          for t, o, value in zip(task_ids, batch, values, strict=True)
-                          if _status_of(o) not in RETRY_STATUSES]
+            out.committed += [commit(tx, a, o, value, t) for t, o, value, r
+                              in zip(task_ids, batch, values, retry, strict=True) if not r]
+        else:
+            out.committed += [commit(tx, a, o, value, t)
+                              for t, o, value in zip(task_ids, batch, values, strict=True)]
         return None
 
     def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:

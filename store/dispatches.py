@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from sqlalchemy import Connection, exists, select
 from sqlalchemy.exc import DBAPIError
 
@@ -152,8 +153,12 @@ _UPDATE_LISTED = ("UPDATE tasks SET {} WHERE id IN (SELECT value FROM json_each(
                   "AND state = '{}'")
 
 
-def _ids(ids: Sequence[int] | Sequence[str]) -> str:
-    return json.dumps(list(ids))
+#: A list of ids as JSON text for json_each (msgspec: a tenth of json.dumps' time).
+_json_list = msgspec.json.Encoder().encode
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return _json_list(ids).decode()
 
 
 def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
@@ -177,9 +182,9 @@ def record_dispatches(tx: Tx, plan: Sequence[Planned]) -> None:
     # in one active dispatch at most), removed with it, in the batch's order (lease id).
     for p in plan:
         if p.more:
-            db.execute("INSERT INTO leases (token, kind, key) SELECT ?, 'work', value "
-                       "FROM json_each(?) ORDER BY key", (p.token, _ids(
-                           [str(t.id) for t in p.more])))
+            db.execute("INSERT INTO leases (token, kind, key) SELECT ?, 'work', "
+                       "CAST(value AS TEXT) FROM json_each(?) ORDER BY key",
+                       (p.token, _ids([t.id for t in p.more])))
     held = [(p.token, kind.value, key) for p in plan for t in p.tasks
             for kind, key in t.lease_keys()]
     if held:
@@ -348,13 +353,17 @@ def commit_results(tx: Tx, items: Sequence[CommitItem],
     (`_Pending`): a FenceError for a dispatch that vanished surfaces there."""
     if not items:
         return
+    checked: dict[int, ActiveDispatch] = {}  # (a batch's items share their rank's check)
     for it in items:
-        a = active.get(it.rank)
+        a = checked.get(it.rank)
         if a is None or a.token != it.token:
-            raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
+            a = active.get(it.rank)
+            if a is None or a.token != it.token:
+                raise FenceError(f"rank {it.rank} token {it.token[:12]} is not current")
+            checked[it.rank] = a
     _pending(tx).commits.extend(
-        (it, it.task_id if it.task_id is not None else active[it.rank].task_id,
-         active[it.rank].ready) for it in items)
+        (it, it.task_id if it.task_id is not None else checked[it.rank].task_id,
+         checked[it.rank].ready) for it in items)
 
 
 def _write_commits(tx: Tx, pending: _Pending) -> None:
