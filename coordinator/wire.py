@@ -300,9 +300,8 @@ def _task_result(msg: _TaskResultIn) -> tuple[TaskResult, None] | tuple[None, st
         value = _untyped.decode(value_raw) if len(value_raw) else None
         # An empty array (0x90), what a worker sends for a task that found nothing, is not
         # walked: in a batch that is nearly every task.
-        testcases, over = ((_first_testcases(testcases_raw, MAX_TESTCASES)
-                            if len(testcases_raw) != 1 or testcases_raw[0] != 0x90 else ([], 0))
-                           if len(testcases_raw) else ([], 0))
+        testcases, over = (([], 0) if not len(testcases_raw) or testcases_raw == b"\x90"
+                           else _first_testcases(testcases_raw, MAX_TESTCASES))
     except _DECODE_ERRORS as e:
         return None, f"payload: {e}"[:300]
     return TaskResult(status=msg.status, value=value, testcases=testcases,
