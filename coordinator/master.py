@@ -194,7 +194,7 @@ class Master:
                 if progressed:
                     backoff.reset()
                 else:
-                    backoff.wait()
+                    backoff.wait(self._quiet_s())
                 self._periodic()
                 self._watch_for_a_stall()
             self._shutdown()
@@ -406,6 +406,24 @@ class Master:
         and the round waits for them all, one COMMIT for the lot. Unknown: due."""
         sent, took = self._sent_at.get(rank), self._answer_s.get(rank)
         return sent is None or took is None or sent + took <= by
+
+    def _quiet_s(self) -> float:
+        """How long no answer is due: until the first rank holding work is expected to answer
+        (its WORK left plus four fifths of its mean answer time: answers come early too).
+        The idle polls sleep that long (up to the backoff's cap) instead of every 50 µs:
+        with 63 ranks of 50 ms tasks on 2 cores an answer came every few milliseconds, and
+        the master polled 4-5 times per task, CPU the ranks' wake-ups needed (utilisation
+        0.85-0.92 that way, 0.91-0.94 this way). 0 while anything may come any moment: a
+        rank's time unknown, or a READY awaited after a RESULT."""
+        if not self._sent_at or self._answered:
+            return 0.0
+        first = math.inf
+        for rank, sent in self._sent_at.items():
+            took = self._answer_s.get(rank)
+            if took is None:
+                return 0.0
+            first = min(first, sent + 0.8 * took)
+        return max(0.0, first - time.monotonic())
 
     def _note_answer_times(self, results: list[Inbound]) -> None:
         now = time.monotonic()

@@ -81,9 +81,15 @@ class Backoff:
         self._n, self._delay = 0, self.start
         self._since = time.monotonic()
 
-    def wait(self) -> None:
+    def wait(self, quiet_s: float = 0.0) -> None:
+        """One wait between polls. `quiet_s`: how long the caller knows nothing is due (the
+        master: no rank's answer); past the next sleep's length, it sleeps that long (at
+        most `cap`) instead of polling again sooner."""
         self._n += 1
         if self._n <= self.spins:
+            return
+        if quiet_s > self._delay:
+            time.sleep(min(quiet_s, self.cap))
             return
         if self.yield_window:
             now = time.monotonic()

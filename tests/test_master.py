@@ -56,6 +56,26 @@ def test_automatic_batches_grow_until_what_a_dispatch_costs_its_rank_is_small(tm
     assert steady and all(10 <= n <= 20 for n in steady), ranks.sizes
 
 
+def test_the_master_knows_how_long_no_answer_is_due(tmp_path):
+    """Pure logic over the master's answer times: its idle polls may sleep until the first
+    rank holding work is expected to answer (four fifths of its mean time after its WORK),
+    and not at all while a rank's time is unknown or a READY is awaited after a RESULT."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
+    try:
+        master = Master(store, TimedRanks({1: 0, 2: 0}), MasterConfig(stats_file=None))
+        assert master._quiet_s() == 0.0  # nothing out
+        now = time.monotonic()
+        master._sent_at = {1: now, 2: now - 0.02}
+        master._answer_s = {1: 0.05}
+        assert master._quiet_s() == 0.0  # rank 2's time unknown
+        master._answer_s[2] = 0.05
+        assert 0.015 < master._quiet_s() <= 0.02  # rank 2's: due in 0.8 * 50 - 20 ms
+        master._answered = {3: (now, 0.05)}
+        assert master._quiet_s() == 0.0  # rank 3's READY may come any moment
+    finally:
+        store.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_stops_sending_does_not_hold_a_round_open(tmp_path):
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 5)

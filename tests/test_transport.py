@@ -116,6 +116,20 @@ def test_a_backoff_without_a_yield_window_never_yields(clock):
     assert clock.yields == 0 and clock.slept == [10e-6, 20e-6, 40e-6]
 
 
+def test_a_wait_with_nothing_due_sleeps_until_then_at_most_its_cap(clock):
+    """Pure logic: told that nothing is due for a while (`quiet_s`), a wait sleeps that long,
+    up to `cap`, instead of its short fast-window sleep; told nothing, or less than its next
+    sleep, it backs off as before."""
+    from coordinator import transport
+    b = transport.Backoff(start=10e-6, fast_cap=40e-6, cap=2e-3, spins=1)
+    b.wait(quiet_s=1.0)  # (a spin: returns at once)
+    b.wait(quiet_s=1.5e-3)
+    b.wait(quiet_s=1.0)
+    b.wait(quiet_s=5e-6)
+    b.wait()
+    assert clock.slept == [1.5e-3, 2e-3, 10e-6, 20e-6]
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_workers_spin_by_default_only_under_open_mpi():
