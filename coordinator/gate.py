@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,15 +336,13 @@ class Gate:
             dsp.retry_all(tx, a.rank, a.token, str(_status_of(batch[0])))
             out.retried.append(a.rank)
             return None
-        commit = self.commit
+        rows: Iterable[tuple[int, Any, str | None]] = zip(task_ids, batch, values, strict=True)
         if failed:  # before the commits, which end the dispatch
             dsp.end_without_result(tx, a.rank, a.token, failed, "timeout")
             out.retried.append(a.rank)
-            out.committed += [commit(tx, a, o, value, t) for t, o, value, r
-                              in zip(task_ids, batch, values, retry, strict=True) if not r]
-        else:
-            out.committed += [commit(tx, a, o, value, t)
-                              for t, o, value in zip(task_ids, batch, values, strict=True)]
+            rows = [row for row, r in zip(rows, retry, strict=True) if not r]
+        commit = self.commit
+        out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
         return None
 
     def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:

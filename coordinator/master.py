@@ -404,8 +404,14 @@ class Master:
         for every rank holding work lingered its whole `linger_s` each time, holding every
         freed rank's next WORK back; with tasks of microseconds every answer is due at once
         and the round waits for them all, one COMMIT for the lot. Unknown: due."""
+        at = self._answer_at(rank)
+        return at is None or at <= by
+
+    def _answer_at(self, rank: int, share: float = 1.0) -> float | None:
+        """When `rank`'s RESULT is expected (monotonic): its WORK left plus `share` of its
+        mean answer time; None if either is not known."""
         sent, took = self._sent_at.get(rank), self._answer_s.get(rank)
-        return sent is None or took is None or sent + took <= by
+        return None if sent is None or took is None else sent + share * took
 
     def _quiet_s(self) -> float:
         """How long no answer is due: until the first rank holding work is expected to answer
@@ -418,11 +424,11 @@ class Master:
         if not self._sent_at or self._answered:
             return 0.0
         first = math.inf
-        for rank, sent in self._sent_at.items():
-            took = self._answer_s.get(rank)
-            if took is None:
+        for rank in self._sent_at:
+            at = self._answer_at(rank, 0.8)
+            if at is None:
                 return 0.0
-            first = min(first, sent + 0.8 * took)
+            first = min(first, at)
         return max(0.0, first - time.monotonic())
 
     def _note_answer_times(self, results: list[Inbound]) -> None:
