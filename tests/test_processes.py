@@ -204,23 +204,26 @@ HYDRA_LIKE_PROXY = textwrap.dedent("""\
         p.wait()
     """)
 
+# Each rank's line goes out in one write (atomic on a pipe): two ranks of one proxy share its
+# stdout, and `print` writes the text and its newline apart, so two pids could run together.
 SLEEPING_RANK = textwrap.dedent("""\
     import os, time
-    print(os.getpid(), flush=True)
+    os.write(1, f"{os.getpid()}\\n".encode())
     time.sleep(600)
     """)
 
 # Rank 0 of the proxy's job: what the master's fence would make of its own rank 1, of the
 # other job's rank 1 (whose pid it is given) and of its rank 1 taken for rank 2.
 CHECKING_RANK = textwrap.dedent("""\
-    import json, sys, time
+    import json, os, sys, time
     from coordinator.processes import find_rank_process, not_our_rank
     deadline = time.monotonic() + 20
     while (found := find_rank_process(1)) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     other = int(sys.argv[1])
-    print(json.dumps({"found": found, "own": not_our_rank(found, 1),
-                      "as rank 2": not_our_rank(found, 2), "other": not_our_rank(other, 1)}))
+    os.write(1, (json.dumps({"found": found, "own": not_our_rank(found, 1),
+                             "as rank 2": not_our_rank(found, 2),
+                             "other": not_our_rank(other, 1)}) + "\\n").encode())
     """)
 
 
