@@ -139,6 +139,9 @@ def test_plans_of_the_harness_kinds(tmp_path):
     assert all(fc.HOLD_MIN_S <= lk.hold_s <= fc.HOLD_MAX_S < lk.lock_wait_s
                for lk in locks if not lk.outlasts)
     assert all(0 <= p.after_results < 25 for p in (*locks, *(q.alias for q in many if q.alias)))
+    # A hold that must stop the master starts while half the work or more is left.
+    assert all(lk.after_results < 12 for lk in short)
+    assert max(lk.after_results for lk in locks if not lk.outlasts) >= 12
     starts = [p.startup for p in many if p.startup]
     assert {s.rank for s in starts} == {1, 2, 3}
     assert all(0.02 <= s.delay_s <= 0.2 for s in starts)

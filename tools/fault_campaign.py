@@ -260,7 +260,8 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
     of all kinds (refilled when empty), so every kind leads one trial in each run of
     len(ALL_KINDS) trials; 0–3 more distinct kinds join it. Rates of injected kinds are
     log-uniform in 0.02–0.3; the harness's kinds draw their moment (a number of committed
-    results, 0 to tasks-1, plus up to 50 ms), hold, victim rank and MPI mode. A share
+    results, 0 to tasks-1 — below tasks/2 for a hold past --lock-wait — plus up to 50 ms),
+    hold, victim rank and MPI mode. A share
     `batch_fraction` of the trials run with `--batch` (one of `sizes`), drawn from an RNG
     of its own so that the rest of each plan is the same whatever the share."""
     rng = random.Random(seed)
@@ -283,7 +284,9 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
             hold = round(rng.uniform(HOLD_MIN_S, HOLD_MAX_S), 2)
             locks += 1
             if locks % SHORT_EVERY == 1:
-                lock = LockPlan(at, delay, SHORT_HOLD_S, SHORT_LOCK_WAIT_S)
+                # In the first half of the results: a hold near the end can start after the
+                # last commit, when the master no longer has to write, and prove nothing.
+                lock = LockPlan(at % max(1, tasks // 2), delay, SHORT_HOLD_S, SHORT_LOCK_WAIT_S)
             else:
                 lock = LockPlan(at, delay, hold, LOCK_WAIT_S)
         if "aliased_file" in kinds:
