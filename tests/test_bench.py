@@ -4,6 +4,7 @@ has the documented form. No timing is asserted (figures belong in docs/performan
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -13,6 +14,15 @@ import pytest
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
 LAST = re.compile(r"coordinator=(\d+) futures=(\d+) ratio=(\d+\.\d\d)")
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_tool", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def bench(*args: str, timeout: float) -> list[str]:
@@ -76,3 +86,39 @@ def test_bench_with_sleeping_tasks_reports_utilisation():
     # 120 × 20 ms over 5 workers is 0.48 s of work: no farm does it in less
     assert 0 < ours <= 1 and 0 < theirs <= 1
     assert abs(ratio - ours / theirs) < 0.01
+
+
+#: A job that aborts, as Open MPI's launcher now and then does, the first time it is run in a
+#: directory (argv[1]) and leaves a file there; then prints its result.
+FLAKY_JOB = """
+import pathlib, sys
+d = pathlib.Path(sys.argv[1])
+if not (d / "ran").exists():
+    (d / "ran").write_text("")
+    (d / "left.db").write_text("half")
+    print(sys.argv[2] + " - aborting", file=sys.stderr)
+    sys.exit(1)
+print("RESULT", (d / "left.db").exists())
+"""
+
+
+@pytest.mark.parametrize("said", ["LAUNCHER_FAILED", "LAUNCHER_ABORTED"])
+def test_a_job_its_launcher_failed_or_aborted_is_run_again_on_a_fresh_directory(tmp_path, said,
+                                                                                capsys):
+    tool = _load_tool()
+    cleared = []
+
+    def fresh() -> None:
+        cleared.append(True)
+        (tmp_path / "left.db").unlink()
+
+    out = tool.launch([sys.executable, "-c", FLAKY_JOB, str(tmp_path), getattr(tool, said)],
+                      fresh, timeout=60)
+    assert out.returncode == 0 and out.stdout == "RESULT False\n", out
+    assert cleared == [True]
+    assert "that run is taken again" in capsys.readouterr().err
+    # A job that fails otherwise is not run again.
+    other = tmp_path / "other"
+    other.mkdir()
+    out = tool.launch([sys.executable, "-c", FLAKY_JOB, str(other), "something else"], timeout=60)
+    assert out.returncode == 1 and not out.stdout

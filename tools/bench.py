@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +86,21 @@ class Side:
     extra: dict
 
 
-def launch(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+#: Open MPI's launcher, on a loaded machine, now and then ends a job saying this before any
+#: rank has printed a result (twice in a few hundred runs here, futures' side both times).
+LAUNCHER_ABORTED = "prterun: SIGPIPE detected"
+
+
+def launch(cmd: list[str], fresh: Callable[[], None] = lambda: None,
+           **kw) -> subprocess.CompletedProcess:
+    """Run a side's job; a job its launcher failed to start, or aborted, is run once more
+    (after `fresh()` removes what the first one left), saying so on stderr."""
     out = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if LAUNCHER_FAILED in out.stderr:
+    why = next((m for m in (LAUNCHER_FAILED, LAUNCHER_ABORTED) if m in out.stderr), None)
+    if why is not None:
+        print(f"# the launcher said {why!r}: that run is taken again", file=sys.stderr,
+              flush=True)
+        fresh()
         out = subprocess.run(cmd, capture_output=True, text=True, **kw)
     return out
 
@@ -128,7 +140,13 @@ def run_coordinator(mpiexec: str, a: argparse.Namespace, sync: str) -> Side:
             cmd += ["--worker-spin-ms", "0"]  # sleeping tasks: workers that do not spin
         if a.workload == "noop":
             cmd += ["--callable", "bench_task:task"]
-        out = launch(cmd, timeout=a.timeout, env=task_env(Path(d), a.work_ms / 1000))
+
+        def fresh() -> None:
+            for f in Path(d).iterdir():
+                if f.name.startswith((db.name, summary.name)):
+                    f.unlink()
+
+        out = launch(cmd, fresh, timeout=a.timeout, env=task_env(Path(d), a.work_ms / 1000))
         if out.returncode != 0 or not summary.exists():
             raise SystemExit(f"coordinator run failed ({out.returncode}):\n{out.stderr[-3000:]}")
         s = json.loads(summary.read_text())
