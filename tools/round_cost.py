@@ -3,22 +3,34 @@ whose workers answer every WORK at once (`tests/fakes.py`: RESULT and READY), N 
 
     python tools/round_cost.py                  # 10,000 tasks, 3 workers, FULL and NORMAL
     python tools/round_cost.py --tasks 3000 --workers 1 --sync FULL
+    python tools/round_cost.py --tasks 30000 --batch 100 --sync FULL --floor
 
 For each synchronous mode: tasks/s and µs per transaction of the master alone (the ceiling
 the MPI benchmark `tools/bench.py` can approach), then, in a second pass with SQLite's trace
 callback on, SQL statement executions per task (`executemany` rows included; the initial
 enqueue excluded) and WAL frames (pages written) per commit. Workers here cost nothing, so
 the figures isolate what the database and the master's Python spend on each task.
+
+`--floor` (batches) adds a peer in the same run: the rows the protocol writes per task, and
+nothing else, by bare `sqlite3` statements on the same schema, file system and synchronous
+mode, each in the cheapest form known (one statement per batch, no Python per task): per
+round, each batch's queue read, dispatch row, tasks to active and work leases, COMMIT; then
+each batch's result rows, tasks to done, dispatch and leases deleted, COMMIT. Its last line,
+`master=<tasks/s> floor=<tasks/s> ratio=<x>`, says how close the master comes to what SQLite
+alone allows, and the floor's µs per task by statement says where that goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sqlite3
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,6 +78,82 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool,
             "frames_per_tx": frames / summary.transactions}
 
 
+def floor_once(tasks: int, workers: int, sync: str, batch: int) -> dict[str, float]:
+    """The bare rows of `tasks` demo tasks in batches of `batch` over `workers` ranks: tasks/s,
+    and µs per task by statement kind (see the module's doc)."""
+    spent: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "floor.db"
+        store = Store.open(path, synchronous=sync)  # the schema, and the tasks, as the master's
+        try:
+            with store.transaction("import") as tx:
+                enqueue_tasks(tx, [t.as_task() for t in demo_tasks(tasks)])
+        finally:
+            store.close()
+        db = sqlite3.connect(path, isolation_level=None)
+        try:
+            for pragma in ("journal_mode = WAL", f"synchronous = {sync}", "foreign_keys = ON"):
+                db.execute(f"PRAGMA {pragma}")
+
+            def run(kind: str, sql: str, params: Any = ()) -> list[Any]:
+                t = time.perf_counter()
+                rows = db.execute(sql, params).fetchall()
+                spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - t
+                return rows
+
+            insert_results = ("INSERT INTO results (task_id, token, rank, incarnation, "
+                              "committed_at, status, value) VALUES " + ", ".join(
+                                  f"(?{5 + k}, ?1, ?2, 1, ?3, 'ok', ?4)" for k in range(batch)))
+            value, done, round_no = json.dumps(None), 0, 0
+            started = time.perf_counter()
+            while done < tasks:
+                round_no += 1
+                sent: list[tuple[str, int, list[int]]] = []
+                run("COMMIT", "BEGIN")
+                for rank in range(1, workers + 1):
+                    ids = [r[0] for r in run(
+                        "queue read", "SELECT id, payload FROM tasks WHERE state = 'queued' "
+                        "ORDER BY queue_pos, id LIMIT ?", (batch,))]
+                    if not ids:
+                        break
+                    token, now = os.urandom(32).hex(), time.time()
+                    run("dispatch row", "INSERT INTO dispatches (token, rank, task_id, "
+                        "incarnation, created_at) VALUES (?, ?, ?, 1, ?)",
+                        (token, rank, ids[0], now))
+                    run("tasks to active", "UPDATE tasks SET state = 'active', dispatches = "
+                        "dispatches + 1, updated_at = ? WHERE id IN (SELECT value FROM "
+                        "json_each(?))", (now, json.dumps(ids)))
+                    run("work leases", "INSERT INTO leases (token, kind, key) SELECT ?, "
+                        "'work', CAST(value AS TEXT) FROM json_each(?)",
+                        (token, json.dumps(ids[1:])))
+                    sent.append((token, rank, ids))
+                run("COMMIT", "COMMIT")
+                run("COMMIT", "BEGIN")
+                for token, rank, ids in sent:
+                    now = time.time()
+                    if len(ids) == batch:
+                        run("result rows", insert_results, [token, rank, now, value, *ids])
+                    else:
+                        for i in ids:
+                            run("result rows", "INSERT INTO results (task_id, token, rank, "
+                                "incarnation, committed_at, status, value) VALUES "
+                                "(?, ?, ?, 1, ?, 'ok', ?)", (i, token, rank, now, value))
+                    run("tasks to done", "UPDATE tasks SET state = 'done', updated_at = ? "
+                        "WHERE id IN (SELECT value FROM json_each(?))", (now, json.dumps(ids)))
+                    run("dispatch and leases deleted", "DELETE FROM dispatches WHERE token = ?",
+                        (token,))
+                    done += len(ids)
+                run("COMMIT", "COMMIT")
+            elapsed = time.perf_counter() - started
+            left = db.execute("SELECT count(*) FROM tasks WHERE state != 'done'").fetchone()[0]
+        finally:
+            db.close()
+    if left:
+        raise SystemExit(f"the floor left {left} of {tasks} tasks not done")
+    return {"tasks_per_s": tasks / elapsed,
+            **{k: v / tasks * 1e6 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=10_000, help="tasks per run (default 10,000)")
@@ -74,6 +162,8 @@ def main() -> int:
                    help="synchronous modes to measure (repeatable; default FULL and NORMAL)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each; the best is kept")
     p.add_argument("--batch", type=int, default=1, help="tasks per dispatch (default 1)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the bare rows of each task by plain SQL (a peer; see above)")
     p.add_argument("--profile", type=Path, default=None,
                    help="also write a cProfile of one more run (FULL) to this file")
     args = p.parse_args()
@@ -86,9 +176,18 @@ def main() -> int:
         counted = run_once(args.tasks, args.workers, sync, trace=True, batch=args.batch)
         print(f"synchronous={sync}: {best['tasks_per_s']:,.0f} tasks/s, "
               f"{best['us_per_tx']:.0f} µs per transaction, "
-              f"{best['tx_per_task']:.2f} transactions per task, "
+              f"{best['tx_per_task']:.3f} transactions per task, "
               f"{counted['sql_per_task']:.1f} SQL executions per task, "
               f"{counted['frames_per_tx']:.1f} WAL frames per commit")
+        if args.floor:
+            floor = max((floor_once(args.tasks, args.workers, sync, args.batch)
+                         for _ in range(args.repeat)), key=lambda r: r["tasks_per_s"])
+            rate = floor.pop("tasks_per_s")
+            print(f"synchronous={sync} floor (bare SQL, µs per task): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
+            last = f"master={best['tasks_per_s']:.0f} floor={rate:.0f} " \
+                   f"ratio={best['tasks_per_s'] / rate:.2f}"
+            print(last)
     if args.profile is not None:
         import cProfile
         with cProfile.Profile() as prof:
