@@ -317,6 +317,7 @@ class MasterRank:
             s = read_stats(conn)
             by_status = result_statuses(conn)
         store.close()
+        commits = store.commit_times
         elapsed = time.monotonic() - self.started
         t = s.tasks
         print(stats_text(s), end="", file=sys.stderr)
@@ -357,6 +358,10 @@ class MasterRank:
                 "master_cpu_s": cpu_s(), "loop_cpu_s": summary.cpu_s, "started_at": self.started_at,
                 "first_work_at": summary.first_work_at, "last_commit_at": summary.last_commit_at,
                 "synchronous": cfg.synchronous, "stopped_by_signal": summary.stopped_by_signal,
+                # The disk's share: a COMMIT at FULL waits for its fsync, and the master waits
+                # with it (a slow disk shows here, not in the CPU time).
+                "commits": commits.count, "commit_s": commits.total_s,
+                "commit_max_s": commits.max_s,
             })
         if summary.unacked_ranks:
             _say(f"ranks {summary.unacked_ranks} did not acknowledge STOP; ending the job (the "

@@ -27,16 +27,19 @@ if TYPE_CHECKING:
 @dataclass
 class CommitTimes:
     """How long the store's COMMITs took (with their fsync at `synchronous=FULL`), since the
-    store was opened: for the metrics file. `peak_s` is the longest since `take_peak`."""
+    store was opened: for the metrics file and the run's summary. `peak_s` is the longest
+    since `take_peak`, `max_s` the longest of all."""
 
     count: int = 0
     total_s: float = 0.0
     peak_s: float = 0.0
+    max_s: float = 0.0
 
     def add(self, seconds: float) -> None:
         self.count += 1
         self.total_s += seconds
         self.peak_s = max(self.peak_s, seconds)
+        self.max_s = max(self.max_s, seconds)
 
     def take_peak(self) -> float:
         peak, self.peak_s = self.peak_s, 0.0

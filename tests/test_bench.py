@@ -42,6 +42,10 @@ def test_bench_runs_both_farms_and_prints_the_ratio():
     # The default batches no-op python tasks (futures keeps its default chunksize 1)
     assert "futures (MPIPoolExecutor.map, chunksize=1): " in lines[1]
     assert float(re.search(r"([\d.]+) tasks per dispatch", coordinator)[1]) > 1, coordinator
+    # The COMMITs' wall time, from the run's summary: a mean no longer than the longest
+    mean, longest, share = re.search(
+        r"; COMMIT mean ([\d.]+) ms, max ([\d.]+) ms, (\d+)% of the loop$", coordinator).groups()
+    assert 0 < float(mean) <= float(longest) + 0.1 and int(share) <= 100, coordinator
     m = LAST.fullmatch(lines[-1])
     assert m, lines[-1]
     coordinator, futures, ratio = int(m[1]), int(m[2]), float(m[3])

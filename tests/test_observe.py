@@ -23,9 +23,11 @@ from coordinator.progress import (
     rate_over,
     rates,
 )
+from store.campaign import Store
 from store.engine import read_file
 from store.observe import Found, Sample, plot_series, read_observed
 from store.stats import read_stats, stats_text
+from store.tasks import NewTask, enqueue_tasks
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +184,19 @@ def test_the_live_display_shows_the_fields_it_lacked(campaign):
     for field in ("elapsed", "1m05s", "ETA", "0s", "test cases", "60", "last find", "5s ago",
                   "done", "300", "quarantined", "result 17 / ready 0"):
         assert field in text, (field, text)
+
+
+def test_the_store_times_its_commits_and_keeps_the_longest_past_a_peak_taken(tmp_path):
+    store = Store.open(tmp_path / "c.db", synchronous="FULL")
+    try:
+        before = store.commit_times.count
+        for i in range(3):
+            with store.transaction("import") as tx:
+                enqueue_tasks(tx, [NewTask({"data": f"task {i}"})])
+        times = store.commit_times
+        assert times.count == before + 3
+        assert times.total_s > 0 and times.total_s / times.count <= times.max_s
+        assert times.take_peak() == times.max_s > 0
+        assert times.peak_s == 0 and times.max_s > 0  # the metrics' peak restarts, not the max
+    finally:
+        store.close()

@@ -18,11 +18,13 @@ CPU-bound processes beside both sides for the whole run, as on a node shared wit
     python tools/bench.py --workers 63 --work-ms 50 --tasks 5000 --sync FULL
 
 Prints tasks/s for each, their ratio, database commits per task, the master's CPU time per
-task and peak memory. The last line reads `coordinator=<tasks/s> futures=<tasks/s>
-ratio=<coordinator/futures>` (the coordinator at the first --sync mode given, FULL by
-default); with --work-ms it reads `utilisation coordinator=<u> futures=<u> ratio=<x>`, where
-utilisation = tasks × W / (workers × makespan): the share of the workers' time spent in
-tasks (nominal task time on both sides, so a sleep's overshoot counts against both).
+task, peak memory and the coordinator's COMMITs' wall time (mean, longest, share of its
+loop: the disk's fsync, which the master waits for at FULL). The last line reads
+`coordinator=<tasks/s> futures=<tasks/s> ratio=<coordinator/futures>` (the coordinator at
+the first --sync mode given, FULL by default); with --work-ms it reads `utilisation
+coordinator=<u> futures=<u> ratio=<x>`, where utilisation = tasks × W / (workers ×
+makespan): the share of the workers' time spent in tasks (nominal task time on both sides,
+so a sleep's overshoot counts against both).
 """
 
 from __future__ import annotations
@@ -185,6 +187,14 @@ def _runtime_name(version: str) -> str:
     return lines[0]
 
 
+def commit_text(s: dict) -> str:
+    """The COMMITs' wall time from a run's summary: a slow disk (a slow fsync at FULL) makes
+    the master wait without using CPU, and shows here."""
+    n = max(s["commits"], 1)
+    return (f"mean {s['commit_s'] / n * 1e3:.2f} ms, max {s['commit_max_s'] * 1e3:.1f} ms, "
+            f"{s['commit_s'] / max(s['loop_s'], 1e-9):.0%} of the loop")
+
+
 def chunksize(a: argparse.Namespace) -> int:
     """futures' chunksize: --batch N, else its default (1) against the coordinator's own."""
     return a.batch if isinstance(a.batch, int) else 1
@@ -256,7 +266,8 @@ def main() -> int:
                   f"task, {s['committed_this_run'] / max(s['dispatches'], 1):.1f} tasks per "
                   f"dispatch, master CPU {run.master_cpu / a.tasks * 1e6:.0f} µs per task, "
                   f"peak RSS {run.rss:.0f} MiB"
-                  + (f", utilisation {util(run):.3f}" if a.work_ms else ""), flush=True)
+                  + (f", utilisation {util(run):.3f}" if a.work_ms else "")
+                  + f"; COMMIT {commit_text(s)}", flush=True)
     assert first is not None
     if a.work_ms:
         print(f"utilisation coordinator={util(first):.3f} futures={util(fut):.3f} "
