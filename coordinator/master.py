@@ -151,7 +151,6 @@ class Master:
         self._ran_s: dict[int, float] = {}       # rank -> its answered dispatch's run time
         self._sent_at: dict[int, float] = {}     # rank -> when its last WORK left (monotonic)
         self._answer_s: dict[int, float] = {}    # rank -> its mean WORK-to-RESULT time (EWMA)
-        self._first_due: float | None = None     # `_first_answer_due`, until either changes
         self._strays: list[Stray] = []           # quarantined with the next round
         self._ack_inbox: list[Received] = []      # STOP_ACKs drained with other messages
         self._forged_acks = 0
@@ -424,27 +423,16 @@ class Master:
         rank's time unknown, or a READY awaited after a RESULT."""
         if not self._sent_at or self._answered:
             return 0.0
-        first = self._first_due
-        if first is None:
-            # Kept until a WORK leaves or a RESULT comes in: an idle poll that walked every
-            # rank holding work took 11 % of the master's time with 63 ranks.
-            first = self._first_due = self._first_answer_due()
-        return max(0.0, first - time.monotonic())
-
-    def _first_answer_due(self) -> float:
-        """When the first rank holding work is expected to answer (`_quiet_s`); -inf if some
-        rank's time is unknown."""
         first = math.inf
         for rank in self._sent_at:
             at = self._answer_at(rank, 0.8)
             if at is None:
-                return -math.inf
+                return 0.0
             first = min(first, at)
-        return first
+        return max(0.0, first - time.monotonic())
 
     def _note_answer_times(self, results: list[Inbound]) -> None:
         now = time.monotonic()
-        self._first_due = None
         for m in results:
             sent = self._sent_at.pop(m.rank, None)
             if sent is not None:
@@ -567,7 +555,6 @@ class Master:
         try:
             self.transport.send_work(data, p.rank)
             self._sent_at[p.rank] = now = time.monotonic()
-            self._first_due = None
             answered, ran = self._answered.pop(p.rank, None), self._ran_s.pop(p.rank, None)
             if answered is not None and ran is not None:
                 self._auto.cycled(answered[1], ran, now - answered[0])

@@ -7,7 +7,6 @@ import contextlib
 import sqlite3
 import threading
 import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -26,7 +25,6 @@ from fakes import (
 )
 from sqlalchemy import func, select
 
-from coordinator.gate import Inbound
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import Received
@@ -71,39 +69,9 @@ def test_the_master_knows_how_long_no_answer_is_due(tmp_path):
         master._answer_s = {1: 0.05}
         assert master._quiet_s() == 0.0  # rank 2's time unknown
         master._answer_s[2] = 0.05
-        master._first_due = None  # (what a WORK sent or a RESULT received does)
         assert 0.015 < master._quiet_s() <= 0.02  # rank 2's: due in 0.8 * 50 - 20 ms
         master._answered = {3: (now, 0.05)}
         assert master._quiet_s() == 0.0  # rank 3's READY may come any moment
-    finally:
-        store.close()
-
-
-def test_the_first_answer_due_is_kept_until_a_work_leaves_or_a_result_comes(tmp_path):
-    """The idle polls do not walk every rank holding work each time (`_quiet_s`): the time
-    of the first answer due is worked out again only once a WORK has left or a RESULT has
-    come in, through the master's own send and receive paths."""
-    store = _campaign_of_demo_tasks(tmp_path / "c.db", 2)
-    try:
-        master = Master(store, TimedRanks({1: 0, 2: 0}), MasterConfig(stats_file=None))
-        now = time.monotonic()
-        master._sent_at = {1: now, 2: now}
-        master._answer_s = {1: 0.05, 2: 0.05}
-        assert 0.035 < master._quiet_s() <= 0.04
-        master._answer_s[2] = 0.01  # not through a RESULT: the kept time stands
-        assert 0.035 < master._quiet_s() <= 0.04
-        master._note_answer_times([Inbound(1, {})])  # rank 1's RESULT: worked out again
-        assert 1 not in master._sent_at and 1 in master._answered
-        assert master._quiet_s() == 0.0  # rank 1's READY may come any moment
-        master._answered.clear()  # (its READY)
-        assert master._quiet_s() < 0.008  # rank 2's, now 0.8 * 10 ms after its WORK
-        master._answer_s[2] = 0.05
-        master._sent_at[2] = time.monotonic()  # (not through a send: the kept time stands)
-        assert master._quiet_s() < 0.008
-        master.transport.send_work = lambda data, dest: None  # (the send itself: not here)
-        master._send_work(SimpleNamespace(rank=1, token="a" * 64), b"")  # rank 1's next WORK
-        due = 0.8 * master._answer_s[1]  # worked out again: rank 1's (its mean fell), first
-        assert due < 0.04 and due - 0.005 < master._quiet_s() <= due
     finally:
         store.close()
 
