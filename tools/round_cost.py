@@ -13,9 +13,10 @@ the figures isolate what the database and the master's Python spend on each task
 
 `--floor` (batches) adds a peer in the same run: the rows the protocol writes per task, and
 nothing else, by bare `sqlite3` statements on the same schema, file system and synchronous
-mode, each in the cheapest form known (one statement per batch, no Python per task): per
-round, each batch's queue read, dispatch row, tasks to active and work leases, COMMIT; then
-each batch's result rows, tasks to done, dispatch and leases deleted, COMMIT. Its last line,
+mode, each in the cheapest form known (one statement per batch; no Python per task but the
+collecting of its id). Per round: each batch's queue read, dispatch row, tasks to active and
+work leases, COMMIT; then each batch's result rows, tasks to done, dispatch and leases
+deleted, COMMIT. Its last line,
 `master=<tasks/s> floor=<tasks/s> ratio=<x>`, says how close the master comes to what SQLite
 alone allows, and the floor's µs per task by statement says where that goes.
 """
@@ -104,10 +105,9 @@ def floor_once(tasks: int, workers: int, sync: str, batch: int) -> dict[str, flo
             insert_results = ("INSERT INTO results (task_id, token, rank, incarnation, "
                               "committed_at, status, value) VALUES " + ", ".join(
                                   f"(?{5 + k}, ?1, ?2, 1, ?3, 'ok', ?4)" for k in range(batch)))
-            value, done, round_no = json.dumps(None), 0, 0
+            value, done = json.dumps(None), 0
             started = time.perf_counter()
             while done < tasks:
-                round_no += 1
                 sent: list[tuple[str, int, list[int]]] = []
                 run("COMMIT", "BEGIN")
                 for rank in range(1, workers + 1):
