@@ -223,17 +223,14 @@ class Gate:
             if not halves:  # (no failed batch split back: plain slices, no lookup per task)
                 group = picked[at:at + max(batch, 1)]
                 at += len(group)
-                plan.append(dsp.Planned(rank, group[0], mint_token(self.store.epoch, rank,
-                                                                   next(self._seq)),
-                                        deadline, tuple(group[1:])))
-                continue
-            half, size = halves.get(picked[at].id, (None, batch))
-            group = [picked[at]]
-            at += 1
-            while (len(group) < min(size, batch) and at < len(picked)
-                   and halves.get(picked[at].id, (None, batch))[0] == half):
-                group.append(picked[at])
+            else:
+                half, size = halves.get(picked[at].id, (None, batch))
+                group = [picked[at]]
                 at += 1
+                while (len(group) < min(size, batch) and at < len(picked)
+                       and halves.get(picked[at].id, (None, batch))[0] == half):
+                    group.append(picked[at])
+                    at += 1
             plan.append(dsp.Planned(rank, group[0], mint_token(self.store.epoch, rank,
                                                                next(self._seq)),
                                     deadline, tuple(group[1:])))
@@ -331,7 +328,7 @@ class Gate:
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             return f"value is not JSON-serialisable: {e}"[:300]
         retry = [_status_of(o) in RETRY_STATUSES for o in batch]
-        failed = [t for t, r in zip(task_ids, retry, strict=True) if r] if any(retry) else []
+        failed = [t for t, r in zip(task_ids, retry, strict=True) if r]
         if len(failed) == len(task_ids):
             dsp.retry_all(tx, a.rank, a.token, str(_status_of(batch[0])))
             out.retried.append(a.rank)

@@ -612,10 +612,8 @@ class Master:
             # (A run time not known: no overhead can be told from this dispatch.)
             self._ran_s[active.rank] = (self._ran_s.get(active.rank, 0.0) + res.duration_s
                                         if res.duration_s >= 0 else math.inf)
-        # (Called once per task of a batch: the happy path's detail, None, is not looked for.)
-        detail = None if res.status == "ok" and not res.detail else failure_detail(res)
         return dsp.CommitItem(active.rank, active.token, task_id, res.status, value_json,
-                              written, created, detail, res.dropped)
+                              written, created, failure_detail(res), res.dropped)
 
     def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result) -> int:
         """A timed-out run is retried, but the test cases it wrote before it was killed are
@@ -1068,8 +1066,7 @@ def _work(tx: Tx, p: dsp.Planned) -> Work:
         return Work(token=p.token, task=p.task.payload,
                     input=task_ops.input_bytes(tx, p.task.input_hash))
     return Work(token=p.token, task={}, batch=[
-        BatchTask(t.payload, None if t.input_hash is None
-                  else task_ops.input_bytes(tx, t.input_hash)) for t in p.tasks])
+        BatchTask(t.payload, task_ops.input_bytes(tx, t.input_hash)) for t in p.tasks])
 
 
 def _unsendable(tx: Tx, task: task_ops.TaskRecord) -> bool:

@@ -298,10 +298,7 @@ def _task_result(msg: _TaskResultIn) -> tuple[TaskResult, None] | tuple[None, st
         # The value itself (msgpack allows what JSON does not) is checked by the gate, which
         # encodes it once for storage.
         value = _untyped.decode(value_raw) if len(value_raw) else None
-        # An empty array (0x90), what a worker sends for a task that found nothing, is not
-        # walked: in a batch that is nearly every task.
-        testcases, over = (([], 0) if not len(testcases_raw) or testcases_raw == b"\x90"
-                           else _first_testcases(testcases_raw, MAX_TESTCASES))
+        testcases, over = _first_testcases(testcases_raw, MAX_TESTCASES)
     except _DECODE_ERRORS as e:
         return None, f"payload: {e}"[:300]
     return TaskResult(status=msg.status, value=value, testcases=testcases,
@@ -313,6 +310,10 @@ def _first_testcases(raw: memoryview, limit: int) -> tuple[list[tuple[str, bytes
     """The first `limit` test cases of the msgpack array `raw` and how many more it holds,
     without decoding those: the entries before are walked by their headers alone (each is
     [name, bytes]), so a RESULT of 100,000 test cases costs what 1,000 do."""
+    if not len(raw) or raw == b"\x90":
+        # None, or an empty array: what a worker sends for a task that found nothing, in a
+        # batch nearly every task.
+        return [], 0
     count, pos = _array_header(raw, 0)
     if count <= limit:
         return _testcases.decode(raw), 0

@@ -36,9 +36,6 @@ class TaskRecord:
         """Every side-table reservation a dispatch of this task holds (one lease row each).
         The task itself is reserved by the dispatch row (UNIQUE task_id), not by a lease."""
         keys: list[tuple[LeaseKind, str]] = []
-        if not (self.input_hash or "target_branch" in self.payload
-                or "schedule_prefix" in self.payload):
-            return keys  # a plain task (every task of a --tasks or --demo campaign)
         if self.payload.get("target_branch"):
             keys.append((LeaseKind.TARGET, str(self.payload["target_branch"])))
         if self.input_hash:

@@ -5,12 +5,14 @@ transports are in `fakes.py`.)"""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sqlite3
 import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from sqlalchemy import select, text
@@ -22,6 +24,21 @@ from store.journal import RetryPolicy
 from store.schema import tasks, workers
 from store.tasks import NewTask, enqueue_tasks, take_queued
 from store.vocabulary import TASK_TRANSITIONS, TaskState
+
+#: The project's `tools/` scripts, which tests load as modules (`load_tool`).
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def load_tool(name: str) -> ModuleType:
+    """`tools/<name>.py` as the module `name`, registered in sys.modules (its dataclasses
+    look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
 
 # Open MPI refuses to run as root without these; harmless elsewhere.
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

@@ -4,25 +4,16 @@ has the documented form. No timing is asserted (figures belong in docs/performan
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
 LAST = re.compile(r"coordinator=(\d+) futures=(\d+) ratio=(\d+\.\d\d)")
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_tool", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def bench(*args: str, timeout: float) -> list[str]:
@@ -109,7 +100,7 @@ print("RESULT", (d / "left.db").exists())
 @pytest.mark.parametrize("said", ["LAUNCHER_FAILED", "LAUNCHER_ABORTED"])
 def test_a_job_its_launcher_failed_or_aborted_is_run_again_on_a_fresh_directory(tmp_path, said,
                                                                                 capsys):
-    tool = _load_tool()
+    tool = load_tool("bench")
     cleared = []
 
     def fresh() -> None:

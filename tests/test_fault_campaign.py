@@ -4,7 +4,6 @@ fails on planted violations (a checker that cannot fail proves nothing)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -17,20 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "fault_campaign.py"
 
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("fault_campaign", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fault_campaign"] = mod  # dataclasses resolve annotations through it
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fc = _load_tool()
+fc = load_tool("fault_campaign")
 
 
 #: The short campaign's seed: its 4 trials hold the three harness kinds (an aliased file in

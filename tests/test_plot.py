@@ -3,7 +3,6 @@ page loaded in a real headless browser (Debian's Chromium), every chart loading.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from campaigns import finding_campaign
+from conftest import load_tool
 
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
@@ -114,11 +114,7 @@ def test_without_matplotlib_the_command_says_what_to_install(charts, tmp_path):
 
 def test_a_campaign_of_100000_tasks_is_plotted(tmp_path):
     """Made directly with SQL (tools/big_campaign.py): aggregated in SQL, it takes seconds."""
-    spec = importlib.util.spec_from_file_location("big_campaign",
-                                                  ROOT / "tools" / "big_campaign.py")
-    assert spec and spec.loader
-    big = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(big)
+    big = load_tool("big_campaign")
     db = tmp_path / "big.db"
     big.build(db, 100_000, 16, 86400.0)
     out = tmp_path / "charts"
