@@ -4,7 +4,14 @@ Every dispatch costs a rank some time that runs nothing: its WORK's trip and dec
 RESULT's, and the wait for the master's next round. With a few ranks on an idle node that is
 a fraction of a millisecond, and only tasks of microseconds need batches. With 63 ranks on 2
 cores it was 4-5 ms per dispatch: a 50 ms task then kept its rank busy only ~0.9 of the time,
-and a batch of a few tasks shares that cost out.
+and a batch of a few tasks shares that cost out. When the node slows down (a slow disk, other
+jobs' CPU) the cost grows to tens of milliseconds, and batches grow with it.
+
+Larger batches leave the queue's end uneven: the last dispatches, each holding up to a second
+of tasks, end far apart while the other ranks wait. So the share of the queue one dispatch
+takes shrinks as the queue does (guided self-scheduling, Polychronopoulos and Kuck 1987): a
+dispatch holds at most the queued tasks over twice the ranks, though never fewer than the
+tens of milliseconds of tasks that pay for its commit.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import MAX_BATCH
@@ -27,10 +35,14 @@ class AutoBatch:
     #: ... and long enough that the time its rank loses around it is at most about this share
     #: of the rank's time.
     OVERHEAD_SHARE = 0.04
-    #: ... but no longer than this, so results keep coming back, the queue's last dispatches
-    #: end close together, and a failed batch (split and run again) costs little; lower under
-    #: a --watchdog (`for_watchdog`).
-    MAX_S = 0.2
+    #: ... but no longer than this, so results keep coming back and a failed batch (split and
+    #: run again) costs little; lower under a --watchdog (`for_watchdog`). At 0.2 s, 63 ranks
+    #: of 50 ms tasks on a node whose dispatches had slowed to ~35 ms lost 0.21 of their time
+    #: (3 tasks a dispatch); up to 1 s, 0.11 (11-19 tasks).
+    MAX_S = 1.0
+    #: A dispatch takes at most the queued tasks over this many times the ranks (but never
+    #: fewer than TARGET_S of them): the queue's last dispatches are short and end together.
+    GUIDED_SHARE = 2
     #: The overhead is the median of this many latest dispatches: a burst of answers (the
     #: first round of WORK, all ranks finishing at once) delays a few ranks by tens of
     #: milliseconds, which says nothing of what a dispatch costs.
@@ -66,12 +78,16 @@ class AutoBatch:
             self._overhead_s = statistics.median(self._lost)
         return self._overhead_s
 
-    def size(self) -> int:
+    def size(self, queued: Callable[[], int] | None = None, ranks: int = 1) -> int:
+        """Tasks for the next dispatch. `queued`, if given, answers how many tasks wait in
+        the queue for `ranks` ranks; it is asked only when its answer could matter."""
         if self.task_s is None:
             return 1  # nothing measured yet
         task_s = max(self.task_s, 1e-6)
-        n = round(self.TARGET_S / task_s)
+        n = target = round(self.TARGET_S / task_s)
         if (overhead_s := self.overhead_s) is not None:
             share = self.OVERHEAD_SHARE
             n = max(n, math.ceil(overhead_s * (1 - share) / (share * task_s)))
+        if queued is not None and n > target:
+            n = min(n, max(target, math.ceil(queued() / (self.GUIDED_SHARE * max(ranks, 1)))))
         return max(1, min(n, MAX_BATCH, math.floor(self.max_s / task_s)))

@@ -149,8 +149,8 @@ def _parser() -> argparse.ArgumentParser:
                         "N tasks, for tasks too small to pay a commit each; auto sizes each "
                         "dispatch from the tasks' measured run time (at least ~30 ms of them) "
                         "and what a dispatch costs its rank (at most ~4%% of its time; at most "
-                        "0.2 s of tasks) (default: 1 for a command, auto for python and demo "
-                        "tasks)")
+                        "1 s of tasks, less as the queue empties) (default: 1 for a command, "
+                        "auto for python and demo tasks)")
     r.add_argument("--stall-grace", action=Once, type=non_negative_float, default=120.0,
                    metavar="S",
                    help="when no live rank can take work (each parked past --watchdog), end "

@@ -147,6 +147,9 @@ class Master:
         self._halves: dict[int, tuple[int, int]] = {}
         self._half_ids = itertools.count(1)
         self._auto = AutoBatch.for_watchdog(config.watchdog_s)  # --batch auto's measures
+        #: Queued tasks as last counted, less those dispatched since; and when to count again.
+        self._queued: int | None = None
+        self._recount_at = 0.0
         self._answered: dict[int, tuple[float, float]] = {}  # rank -> (RESULT in, WORK-to-it)
         self._ran_s: dict[int, float] = {}       # rank -> its answered dispatch's run time
         self._sent_at: dict[int, float] = {}     # rank -> when its last WORK left (monotonic)
@@ -520,11 +523,13 @@ class Master:
         if not self._idle:
             return []
         planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
-                                            or None, active=active, batch=self._batch_size(),
+                                            or None, active=active, batch=self._batch_size(tx),
                                             halves=self._halves,
                                             spread=self.config.batch is None)
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
+        if self._queued is not None:
+            self._queued = max(0, self._queued - sum(1 + len(p.more) for p in planned))
         self._idle = self._idle[len(planned):]
         for rank in self._idle:  # its wait for the next WORK is the queue's, not overhead
             self._answered.pop(rank, None)
@@ -647,8 +652,22 @@ class Master:
         return written, len(created)
 
     # -- batches ----------------------------------------------------------------------------
-    def _batch_size(self) -> int:
-        return self.config.batch if self.config.batch is not None else self._auto.size()
+    def _batch_size(self, tx: Tx) -> int:
+        if self.config.batch is not None:
+            return self.config.batch
+        return self._auto.size(lambda: self._queued_now(tx), len(self.live_workers()))
+
+    def _queued_now(self, tx: Tx) -> int:
+        """The queue's length for `--batch auto`'s guided share: counted at most once a
+        second, and less often when counting takes long (a queue of millions), so that the
+        count costs at most ~1 % of the master's time; in between, each dispatch's tasks are
+        taken off. Tasks queued meanwhile (new inputs, a batch split back) are missed until
+        the next count, which only makes the dispatches a little smaller until then."""
+        now = time.monotonic()
+        if self._queued is None or now >= self._recount_at:
+            self._queued = task_ops.count_queued(tx)
+            self._recount_at = now + max(1.0, 100 * (time.monotonic() - now))
+        return self._queued
 
     def _note_halves(self, recovered: Sequence[dsp.Recovery]) -> None:
         for rec in recovered:

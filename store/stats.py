@@ -79,7 +79,7 @@ _COUNT_DROPPED = f"SELECT count(*), total(dropped) FROM results WHERE {DROPPED_S
 #: every dispatch has one, keyed by the task's 64-character semantic id: such a file is
 #: audited as it is.
 BATCH_LEASE_SQL = "kind = 'work' AND length(key) < 20"
-_COUNT_QUEUED = "SELECT count(*) FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued'"
+COUNT_QUEUED_SQL = "SELECT count(*) FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued'"
 _COUNT_HELD = f"SELECT state, count(*) FROM tasks WHERE {HELD_STATES_SQL} GROUP BY state"
 
 
@@ -93,7 +93,7 @@ def count_by_state(tx_or_conn: Any) -> dict[str, int]:
     agree."""
     conn = getattr(tx_or_conn, "conn", tx_or_conn)
     counts = {s.value: 0 for s in TaskState}
-    counts[TaskState.QUEUED.value] = conn.exec_driver_sql(_COUNT_QUEUED).scalar_one()
+    counts[TaskState.QUEUED.value] = conn.exec_driver_sql(COUNT_QUEUED_SQL).scalar_one()
     counts[TaskState.ACTIVE.value] = conn.exec_driver_sql(
         "SELECT (SELECT count(*) FROM dispatches) + "
         f"(SELECT count(*) FROM leases WHERE {BATCH_LEASE_SQL})").scalar_one()

@@ -14,6 +14,7 @@ from sqlalchemy import Connection, and_, exists, select, text, update
 from .journal import RetryPolicy, Tx
 from .schema import events, results, tasks
 from .semantic import canonical_form, canonical_json, content_hash, is_self_contained
+from .stats import COUNT_QUEUED_SQL
 from .vocabulary import HELD_STATES_SQL, TASK_TRANSITIONS, EventKind, LeaseKind, TaskState
 
 
@@ -154,6 +155,11 @@ _QUEUED_FREE = _QUEUED.format(
 #: A stored payload is canonical JSON (`store.semantic`); msgspec reads it 6x faster than
 #: json.loads, the same values (integers of any size included), once per task taken.
 _load_payload = msgspec.json.Decoder().decode
+
+
+def count_queued(tx: Tx) -> int:
+    """How many tasks are queued (a walk of the queue's index: ~30 ms a million here)."""
+    return tx.db.execute(COUNT_QUEUED_SQL).fetchone()[0]
 
 
 def take_queued(tx: Tx, n: int) -> list[TaskRecord]:

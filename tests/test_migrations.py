@@ -571,7 +571,7 @@ def test_the_statistics_read_only_the_narrow_indexes(tmp_path: Path):
     versioning.upgrade(db)
     plans = _plans(db, str(stats._COUNT_EVENTS), "SELECT count(*) FROM results",
                    "SELECT status, count(*) FROM results GROUP BY status",
-                   stats._COUNT_QUEUED, stats._COUNT_HELD,
+                   stats.COUNT_QUEUED_SQL, stats._COUNT_HELD,
                    (stats._HELD_REASONS, {"state": "failed", "limit": 3}))
     assert plans == ["SCAN events USING COVERING INDEX ix_events_counted_kind",
                      "SCAN results USING COVERING INDEX ix_results_status",
