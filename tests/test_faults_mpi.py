@@ -550,7 +550,7 @@ def test_a_worker_stopped_by_sigstop_is_parked_and_recovered_after_sigcont(tmp_p
     db = tmp_path / "c.db"
     n = 24
     args = ["run", "--db", str(db), "--demo", str(n), "--demo-work-ms", "200",
-            "--watchdog", "2", "--stop-wait", "60", "--no-progress"]
+            "--watchdog", "2", "--stop-wait", "60", "--no-progress", *SINGLE]
     proc = start(args)
     stopped = None
     try:
