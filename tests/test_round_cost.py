@@ -31,3 +31,18 @@ def test_the_master_and_its_floor_of_bare_rows_with_a_short_last_batch():
     master, rows, ratio = int(m[1]), int(m[2]), float(m[3])
     assert master > 0 and rows > 0
     assert abs(ratio - master / rows) < 0.01
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_hold_work_all_run_long_answer_at_the_end():
+    """`--holders`: 20 more ranks each keep a dispatch unanswered until the 3 instant ranks
+    have done the rest; every task still commits, and the last line has its form."""
+    done = subprocess.run([sys.executable, str(TOOL), "--tasks", "200", "--sync", "NORMAL",
+                           "--repeat", "1", "--holders", "0", "--holders", "20"],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    m = re.fullmatch(r"holders=0:(\d+) holders=20:(\d+) ratio=(\d+\.\d\d)", lines[-1])
+    assert m, lines[-1]
+    assert abs(float(m[3]) - int(m[2]) / int(m[1])) < 0.02
+    assert any(line.startswith("synchronous=NORMAL, 20 holders: master CPU") for line in lines)

@@ -4,6 +4,7 @@ whose workers answer every WORK at once (`tests/fakes.py`: RESULT and READY), N 
     python tools/round_cost.py                  # 10,000 tasks, 3 workers, FULL and NORMAL
     python tools/round_cost.py --tasks 3000 --workers 1 --sync FULL
     python tools/round_cost.py --tasks 30000 --batch 100 --sync FULL --floor
+    python tools/round_cost.py --tasks 3000 --sync FULL --holders 0 --holders 600
 
 For each synchronous mode: tasks/s and µs per transaction of the master alone (the ceiling
 the MPI benchmark `tools/bench.py` can approach), then, in a second pass with SQLite's trace
@@ -19,6 +20,12 @@ work leases, COMMIT; then each batch's result rows, tasks to done, dispatch and 
 deleted, COMMIT. Its last line,
 `master=<tasks/s> floor=<tasks/s> ratio=<x>`, says how close the master comes to what SQLite
 alone allows, and the floor's µs per task by statement says where that goes.
+
+`--holders K` (repeatable) adds K ranks that each hold one dispatch all run long, as ranks
+running long tasks do, and answer only once the instant workers have done the rest: the
+master's CPU per task should not depend on K (a round's cost follows the answers it handles,
+not the ranks that exist). Its last line is `holders=<K>:<µs per task> ... ratio=<x>`, the
+ratio of the last K's µs per task to the first's.
 """
 
 from __future__ import annotations
@@ -41,12 +48,47 @@ from fakes import InstantWorkers  # noqa: E402
 
 from coordinator.master import Master, MasterConfig  # noqa: E402
 from coordinator.sources import demo_tasks  # noqa: E402
+from coordinator.wire import decode_work  # noqa: E402
 from store.campaign import Store  # noqa: E402
 from store.tasks import enqueue_tasks  # noqa: E402
 
 
+class Holders(InstantWorkers):
+    """`workers` instant ranks, then `holders` ranks that keep their first WORK unanswered
+    until the instant ranks have been sent `release_after` tasks, and then answer at once."""
+
+    def __init__(self, workers: int, holders: int, release_after: int):
+        super().__init__(workers + holders)
+        self.instant, self.release_after = workers, release_after
+        self.sent_to_instant = 0
+        self.held: list[tuple[int, bytes]] = []
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if dest > self.instant and not self.released:
+            self.held.append((dest, data))
+            return
+        if dest <= self.instant:
+            self.sent_to_instant += len(decode_work(data).tasks())
+        super().send_work(data, dest)
+        if self.released and self.held:
+            held, self.held = self.held, []
+            for rank, work in held:
+                super().send_work(work, rank)
+
+    @property
+    def released(self) -> bool:
+        return self.sent_to_instant >= self.release_after
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        if self.released and self.held:  # (the instant ranks' last WORK already left)
+            held, self.held = self.held, []
+            for rank, work in held:
+                super().send_work(work, rank)
+        yield from super().drain(tag, limit)
+
+
 def run_once(tasks: int, workers: int, sync: str, *, trace: bool,
-             batch: int | None = 1) -> dict[str, float]:
+             batch: int | None = 1, holders: int = 0) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         store = Store.open(Path(d) / "round.db", synchronous=sync)
         try:
@@ -61,7 +103,9 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool,
                 raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 raw.execute("PRAGMA wal_autocheckpoint = 0")  # the WAL then counts the frames
                 raw.set_trace_callback(count)
-            master = Master(store, InstantWorkers(workers), MasterConfig(
+            ranks = (Holders(workers, holders, tasks - holders * (batch or 1)) if holders
+                     else InstantWorkers(workers))
+            master = Master(store, ranks, MasterConfig(
                 stats_file=Path(d) / "stats", progress=False, linger_s=0, grace_s=1,
                 stop_wait_s=1, batch=batch))
             started = time.perf_counter()
@@ -75,6 +119,7 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool,
     if summary.committed != tasks:
         raise SystemExit(f"only {summary.committed} of {tasks} tasks committed")
     return {"tasks_per_s": tasks / elapsed, "us_per_tx": elapsed / summary.transactions * 1e6,
+            "us_per_task": summary.cpu_s / tasks * 1e6,
             "tx_per_task": summary.transactions / tasks, "sql_per_task": statements / tasks,
             "frames_per_tx": frames / summary.transactions}
 
@@ -164,12 +209,17 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1, help="tasks per dispatch (default 1)")
     p.add_argument("--floor", action="store_true",
                    help="also time the bare rows of each task by plain SQL (a peer; see above)")
+    p.add_argument("--holders", type=int, action="append", default=None, metavar="K",
+                   help="instead: the master's CPU per task with K more ranks that each hold a "
+                        "dispatch all run long (repeatable; see above)")
     p.add_argument("--profile", type=Path, default=None,
                    help="also write a cProfile of one more run (FULL) to this file")
     args = p.parse_args()
     print(f"# master alone: {args.tasks} demo tasks, {args.workers} instant workers, "
           f"SQLite {__import__('sqlite3').sqlite_version}, {os.cpu_count()} CPUs, "
           f"{time.strftime('%Y-%m-%d')}")
+    if args.holders:
+        return holders_main(args)
     for sync in args.sync or ["FULL", "NORMAL"]:
         best = max((run_once(args.tasks, args.workers, sync, trace=False, batch=args.batch)
                     for _ in range(args.repeat)), key=lambda r: r["tasks_per_s"])
@@ -194,6 +244,21 @@ def main() -> int:
             run_once(args.tasks, args.workers, "FULL", trace=False, batch=args.batch)
         prof.dump_stats(args.profile)
         print(f"profile of a FULL run in {args.profile}")
+    return 0
+
+
+def holders_main(args: argparse.Namespace) -> int:
+    sync = (args.sync or ["FULL"])[0]
+    cost: dict[int, float] = {}
+    for k in args.holders:
+        runs = [run_once(args.tasks, args.workers, sync, trace=False, batch=args.batch,
+                         holders=k) for _ in range(args.repeat)]
+        cost[k] = min(r["us_per_task"] for r in runs)
+        print(f"synchronous={sync}, {k} holders: master CPU {cost[k]:.0f} µs per task, "
+              f"{max(r['tasks_per_s'] for r in runs):,.0f} tasks/s")
+    first, last = cost[args.holders[0]], cost[args.holders[-1]]
+    print(" ".join(f"holders={k}:{v:.0f}" for k, v in cost.items())
+          + f" ratio={last / first:.2f}")
     return 0
 
 
