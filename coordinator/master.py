@@ -44,6 +44,7 @@ from store.workers import (
 )
 
 from .batching import AutoBatch
+from .expected_answers import ExpectedAnswers
 from .gate import Gate, Inbound, Stray
 from .observer import Observer
 from .output import TestcaseWriter, input_id, replace_text
@@ -152,8 +153,7 @@ class Master:
         self._recount_at = 0.0
         self._answered: dict[int, tuple[float, float]] = {}  # rank -> (RESULT in, WORK-to-it)
         self._ran_s: dict[int, float] = {}       # rank -> its answered dispatch's run time
-        self._sent_at: dict[int, float] = {}     # rank -> when its last WORK left (monotonic)
-        self._answer_s: dict[int, float] = {}    # rank -> its mean WORK-to-RESULT time (EWMA)
+        self._expected = ExpectedAnswers()       # ranks' outstanding WORKs and answer times
         self._strays: list[Stray] = []           # quarantined with the next round
         self._ack_inbox: list[Received] = []      # STOP_ACKs drained with other messages
         self._forged_acks = 0
@@ -273,6 +273,8 @@ class Master:
                 timed_out = self.gate.watchdog(tx)
                 recovered += timed_out
             self._note_halves(recovered)
+            for rec in recovered:  # no answer is awaited from them any more
+                self._expected.forget(rec.rank)
             if new_inputs:
                 task_ops.enqueue_tasks(tx, [i.as_task() for i in new_inputs],
                                        skip_known_content=True)
@@ -350,14 +352,21 @@ class Master:
         parked: dict[int, str] | None = None
         # The answers to wait for are those of the ranks holding a dispatch: a parked rank, or
         # one never heard from, has none, and counting it would make each round linger its
-        # whole `linger_s` for an answer that is not coming. The first phase reads the active
-        # dispatches anyway; reading them here costs nothing more. Of those, only the answers
-        # due within the linger are worth it (`_answer_due`).
+        # whole `linger_s` for an answer that is not coming. Of those, only the answers due
+        # within the linger are worth it: with 63 ranks of 50 ms tasks a round that waited for
+        # every rank holding work lingered its whole `linger_s` each time, holding every freed
+        # rank's next WORK back; with tasks of microseconds every answer is due at once and the
+        # round waits for them all, one COMMIT for the lot. Unknown: due.
         due: set[int] = set()
+        # The dispatches read are those of the ranks that answered (`looked_up`), each once a
+        # round: a round's cost follows the answers it handles, not the ranks holding work
+        # (`tools/round_cost.py --holders`). What the phases change (a commit, a dispatch
+        # planned) is kept in `active` itself, never read again.
+        looked_up: set[int] = set()
         if results or readies:
-            active = dsp.active_by_rank(tx)
+            active = self._look_up({}, looked_up, results, readies, tx)
             soon = time.monotonic() + self.config.linger_s
-            due = {rank for rank in active if self._answer_due(rank, soon)}
+            due = self._expected.due_by(soon)
         sent_result: set[int] = set()
         sent_ready: set[int] = set()
         deadline = None
@@ -374,6 +383,8 @@ class Master:
             rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
             self._health.note(ready.statuses, rr.statuses)
             active, parked = rr.active, ready.parked
+            if active is not None:
+                looked_up.update(active)  # (the ranks just planned: their rows are these)
             committed += rr.committed
             retried += rr.retried
             if self.config.linger_s <= 0 or not (results or readies):
@@ -389,32 +400,35 @@ class Master:
             results, readies = self._linger(deadline)
             if not (results or readies):
                 break
+            assert active is not None
+            active = self._look_up(active, looked_up, results, readies, tx)
         if any_ready:
             # docs/protocol.md §3: READY drained, then RESULT, then the sweep. A RESULT sent before
             # a READY applied above and receivable only now is applied before the sweep can join
             # that READY with an earlier invalid mark and roll a good dispatch back.
             late = self._receive_tag(TAG_RESULT)
             if late:
+                assert active is not None
+                active = self._look_up(active, looked_up, late, (), tx)
                 rr = self.gate.apply_results(tx, late, active=active)
                 self._health.note((), rr.statuses)
                 committed += rr.committed
                 retried += rr.retried
         return committed, retried, planned_early
 
-    def _answer_due(self, rank: int, by: float) -> bool:
-        """Whether `rank`'s RESULT is expected by `by` (monotonic time): its WORK left at
-        least the rank's mean answer time before. With 63 ranks of 50 ms tasks a round that waited
-        for every rank holding work lingered its whole `linger_s` each time, holding every
-        freed rank's next WORK back; with tasks of microseconds every answer is due at once
-        and the round waits for them all, one COMMIT for the lot. Unknown: due."""
-        at = self._answer_at(rank)
-        return at is None or at <= by
-
-    def _answer_at(self, rank: int, share: float = 1.0) -> float | None:
-        """When `rank`'s RESULT is expected (monotonic): its WORK left plus `share` of its
-        mean answer time; None if either is not known."""
-        sent, took = self._sent_at.get(rank), self._answer_s.get(rank)
-        return None if sent is None or took is None else sent + share * took
+    @staticmethod
+    def _look_up(active: dict[int, dsp.ActiveDispatch], looked_up: set[int],
+                 results: Sequence[Inbound], readies: Sequence[Inbound], tx: Tx,
+                 ) -> dict[int, dsp.ActiveDispatch]:
+        """`active` with the dispatches of the ranks that sent these answers and were not
+        looked up yet this round. A rank looked up before keeps what the phases left: its
+        dispatch committed in this round is gone from `active`, and must not come back."""
+        ranks = {m.rank for m in results} | {m.rank for m in readies}
+        ranks -= looked_up
+        if ranks:
+            active.update(dsp.active_by_rank(tx, ranks))
+            looked_up |= ranks
+        return active
 
     def _quiet_s(self) -> float:
         """How long no answer is due: until the first rank holding work is expected to answer
@@ -424,23 +438,16 @@ class Master:
         the master polled 4-5 times per task, CPU the ranks' wake-ups needed (utilisation
         0.85-0.92 that way, 0.91-0.94 this way). 0 while anything may come any moment: a
         rank's time unknown, or a READY awaited after a RESULT."""
-        if not self._sent_at or self._answered:
+        if not self._expected.sent_at or self._answered:
             return 0.0
-        first = math.inf
-        for rank in self._sent_at:
-            at = self._answer_at(rank, 0.8)
-            if at is None:
-                return 0.0
-            first = min(first, at)
-        return max(0.0, first - time.monotonic())
+        first = self._expected.first_expected()
+        return 0.0 if first is None else max(0.0, first - time.monotonic())
 
     def _note_answer_times(self, results: list[Inbound]) -> None:
         now = time.monotonic()
         for m in results:
-            sent = self._sent_at.pop(m.rank, None)
-            if sent is not None:
-                took, before = now - sent, self._answer_s.get(m.rank)
-                self._answer_s[m.rank] = took if before is None else 0.7 * before + 0.3 * took
+            took = self._expected.answered(m.rank, now)
+            if took is not None:
                 self._answered[m.rank] = (now, took)
 
     def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
@@ -559,7 +566,8 @@ class Master:
     def _send_work(self, p: dsp.Planned, data: bytes) -> None:
         try:
             self.transport.send_work(data, p.rank)
-            self._sent_at[p.rank] = now = time.monotonic()
+            now = time.monotonic()
+            self._expected.sent(p.rank, now)
             answered, ran = self._answered.pop(p.rank, None), self._ran_s.pop(p.rank, None)
             if answered is not None and ran is not None:
                 self._auto.cycled(answered[1], ran, now - answered[0])

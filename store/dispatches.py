@@ -130,12 +130,16 @@ SELECT d.token, d.rank, d.task_id, d.incarnation, d.sent_at, d.ready_at, d.inval
        1 + (SELECT count(*) FROM leases l WHERE l.token = d.token AND l.kind = 'work')
 FROM dispatches d LEFT JOIN tasks t ON t.id = d.task_id
 """
+#: The same for some ranks (a JSON array), through the rank's UNIQUE index: the master's round
+#: reads the dispatches of the ranks that answered, not of every rank holding work.
+_ACTIVE_OF = _ACTIVE + "WHERE d.rank IN (SELECT value FROM json_each(?))\n"
 
 
-def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
-    """Every active dispatch with its ownership check, in one query. Pending row changes
-    (`_Pending`) are taken into account, not written: the sends marked at the start of a
-    round then reach the rows with the commits of its answers, in the same statements."""
+def active_by_rank(tx: Tx, ranks: Collection[int] | None = None) -> dict[int, ActiveDispatch]:
+    """Every active dispatch with its ownership check (only `ranks`' if given), in one query.
+    Pending row changes (`_Pending`) are taken into account, not written: the sends marked at
+    the start of a round then reach the rows with the commits of its answers, in the same
+    statements."""
     pending = tx.pending()
     if isinstance(pending, _Pending) and (pending.ready or pending.commits):
         # (Not in the master's round, where marks and commits come after this read.)
@@ -144,7 +148,8 @@ def active_by_rank(tx: Tx) -> dict[int, ActiveDispatch]:
     sent = pending.sent if isinstance(pending, _Pending) else {}
     return {r[1]: ActiveDispatch(r[0], r[1], r[2], r[3], r[4] is not None or r[0] in sent,
                                  r[5] is not None, r[6], r[7], r[8] == 1, r[9])
-            for r in tx.raw_db.execute(_ACTIVE)}
+            for r in (tx.raw_db.execute(_ACTIVE) if ranks is None else
+                      tx.raw_db.execute(_ACTIVE_OF, (_ids(sorted(ranks)),)))}
 
 
 #: One statement for every listed task (a JSON array of ids), not one execution each: an

@@ -78,10 +78,13 @@ def test_the_master_knows_how_long_no_answer_is_due(tmp_path):
         master = Master(store, TimedRanks({1: 0, 2: 0}), MasterConfig(stats_file=None))
         assert master._quiet_s() == 0.0  # nothing out
         now = time.monotonic()
-        master._sent_at = {1: now, 2: now - 0.02}
-        master._answer_s = {1: 0.05}
+        expected = master._expected
+        expected.mean_s = {1: 0.05}
+        expected.sent(1, now)
+        expected.sent(2, now - 0.02)
         assert master._quiet_s() == 0.0  # rank 2's time unknown
-        master._answer_s[2] = 0.05
+        expected.answered(2, now - 0.02 + 0.05)  # (it answered once: 50 ms)
+        expected.sent(2, now - 0.02)
         assert 0.015 < master._quiet_s() <= 0.02  # rank 2's: due in 0.8 * 50 - 20 ms
         master._answered = {3: (now, 0.05)}
         assert master._quiet_s() == 0.0  # rank 3's READY may come any moment
@@ -437,7 +440,7 @@ def test_a_round_lingers_only_for_the_answers_due_within_it(tmp_path):
         assert master._round()  # rank 1's answer; rank 2's time is unknown: waited for
         assert ranks.clock - before > 10, "the round did not linger for rank 2"
         deadline = time.monotonic() + 20
-        while 2 not in master._answer_s:  # rank 2 answers once: its time is known
+        while 2 not in master._expected.mean_s:  # rank 2 answers once: its time is known
             assert time.monotonic() < deadline, "rank 2 never answered"
             master._round()
         while not master._round():  # the round that gives rank 2 its next task
