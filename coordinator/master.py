@@ -451,6 +451,8 @@ class Master:
                 self._answered[m.rank] = (now, took)
 
     def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
+        if not self.transport.waiting():
+            return [], []
         results, readies = self._receive_answers()
         self._receive_strays(results, readies)
         if results:

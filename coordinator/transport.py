@@ -215,6 +215,19 @@ class Transport:
             return None
         return Received(rank, got_tag, buf, size)
 
+    def waiting(self) -> bool:
+        """Whether any message waits, on any tag, from any rank: one probe that receives
+        nothing. The master's idle polls ask this first: a matched probe per tag drained costs
+        each poll three (RESULT, READY, the rest), and each of them makes the library progress
+        every peer's channel (with 63 ranks on 2 cores, 23 % of the master's round)."""
+        try:
+            return self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+        except MPI.Exception as e:
+            if not is_process_failure(e):
+                raise
+            self._note_failure()
+            return True  # (the drains then take what the survivors sent)
+
     def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None,
               ) -> Iterator[Received]:
         """Everything already waiting on `tag`, bounded in count (one phase cannot starve
