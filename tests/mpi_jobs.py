@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from processes import in_session
 
@@ -216,6 +217,26 @@ def wait_for(db: Path, sql: str, predicate, timeout: float = 60) -> object:
     _unless_the_job_ended(f"{sql!r} never satisfied the condition (last value {value!r})",
                           end_it=True)
     raise AssertionError("not reached")
+
+
+def wait_for_path(path: Path, timeout: float = 60) -> None:
+    """Wait until the test's latest job writes `path` (e.g. its --master-pid-file), handling
+    that job as `wait_for` does: if it ends first, fail at once with its output, unless its
+    launcher failed before any rank ran (LAUNCHER_FAILED): then it is launched once more."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        job = _started[-1] if _started else None
+        if job is not None and job.poll() is not None and not path.exists():
+            _unless_the_job_ended(f"{path} never appeared")
+        if time.monotonic() > deadline:
+            fail_with_the_job(f"{path} never appeared in {timeout} s")
+        time.sleep(0.02)
+
+
+def fail_with_the_job(what: str) -> NoReturn:
+    """Fail with `what` and the output of the test's latest job (ended first if it runs)."""
+    _unless_the_job_ended(what, end_it=True)
+    raise AssertionError(what)
 
 
 def _value_if(db: Path, sql: str, predicate) -> tuple[object, bool]:

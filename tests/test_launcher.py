@@ -166,3 +166,33 @@ def test_open_mpi_gets_the_shorter_keepalive_and_mpich_none_of_its_flags(tmp_pat
     (tmp_path / "m").mkdir()
     mpich = mpiexec_flags(_fake_mpiexec(tmp_path / "m", "HYDRA build details:"), 4)
     assert mpich == ["-n", "4"]
+
+
+def test_a_wait_for_a_file_of_the_job_relaunches_it_once_its_launcher_failed(tmp_path):
+    """tests/mpi_jobs.wait_for_path, as a test that waits for a job's --master-pid-file uses
+    it: a job whose launcher failed before any rank ran (LAUNCHER_FAILED) is launched once
+    more and the wait goes on (it waited out its whole minute, then failed on nothing); a
+    job that ends otherwise fails the wait at once, with the job's output."""
+    import subprocess
+
+    import mpi_jobs
+    import pytest
+
+    from coordinator.launcher import LAUNCHER_FAILED
+    launches, written = tmp_path / "launches", tmp_path / "pid"
+    flaky = ('echo launch >> "$1"; if [ "$(wc -l < "$1")" -le 1 ]; then echo "$2" >&2; '
+             'exit 213; fi; echo 1 > "$3"; sleep 30')
+
+    def job(script: str) -> mpi_jobs.Job:
+        started = mpi_jobs.Job(["sh", "-c", script, "sh", str(launches), LAUNCHER_FAILED,
+                                str(written)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+        mpi_jobs._started.append(started)  # (killed after the test by conftest)
+        return started
+
+    first = job(flaky)
+    mpi_jobs.wait_for_path(written, timeout=20)
+    assert first.relaunched == 1 and launches.read_text().count("launch") == 2
+    job('echo "the job said why" >&2; exit 3')
+    with pytest.raises(AssertionError, match="the job said why"):
+        mpi_jobs.wait_for_path(tmp_path / "never", timeout=20)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from mpi_jobs import (
     check_conservation,
+    fail_with_the_job,
     finish,
     kill_job,
     kill_ranks,
@@ -26,6 +27,7 @@ from mpi_jobs import (
     run,
     start,
     wait_for,
+    wait_for_path,
 )
 
 from coordinator.exits import ExitStatus
@@ -183,7 +185,7 @@ def rank_pid(db, rank: int, timeout: float = 60) -> int:
             if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
                 return pid
         time.sleep(0.05)
-    raise AssertionError(f"rank {rank} of the job for {db} never appeared")
+    fail_with_the_job(f"rank {rank} of the job for {db} never appeared")
 
 
 def test_a_refused_start_with_a_worker_killed_during_it_ends_every_rank(tmp_path):
@@ -207,9 +209,7 @@ def test_a_refused_start_with_a_worker_killed_during_it_ends_every_rank(tmp_path
         try:
             # Not before the master is past MPI_Init (it then writes its pid): a rank killed
             # inside MPI_Init hangs the whole job in Open MPI, before any of our code runs.
-            deadline = time.monotonic() + 60
-            while not pid_file.exists() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for_path(pid_file)
             victim = rank_pid(db, 3)
             time.sleep(0.3)  # inside the start-up broadcast, while the master reads
             os.kill(victim, signal.SIGKILL)
