@@ -217,9 +217,8 @@ class Transport:
 
     def waiting(self) -> bool:
         """Whether any message waits, on any tag, from any rank: one probe that receives
-        nothing. The master's idle polls ask this first: a matched probe per tag drained costs
-        each poll three (RESULT, READY, the rest), and each of them makes the library progress
-        every peer's channel (with 63 ranks on 2 cores, 23 % of the master's round)."""
+        nothing. The master's idle polls ask this first: draining each tag costs a poll three
+        matched probes (RESULT, READY, the rest): 4.3-5.1 µs of CPU against 1.3-1.5 here."""
         try:
             return self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
         except MPI.Exception as e:

@@ -70,17 +70,14 @@ class Holders(InstantWorkers):
         if dest <= self.instant:
             self.sent_to_instant += len(decode_work(data).tasks())
         super().send_work(data, dest)
-        if self.released and self.held:
-            held, self.held = self.held, []
-            for rank, work in held:
-                super().send_work(work, rank)
 
     @property
     def released(self) -> bool:
         return self.sent_to_instant >= self.release_after
 
     def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
-        if self.released and self.held:  # (the instant ranks' last WORK already left)
+        # The held WORKs are answered here, where the master looks for answers.
+        if self.released and self.held:
             held, self.held = self.held, []
             for rank, work in held:
                 super().send_work(work, rank)
