@@ -20,6 +20,11 @@ work leases, COMMIT; then each batch's result rows, tasks to done, dispatch and 
 deleted, COMMIT. Its last line,
 `master=<tasks/s> floor=<tasks/s> ratio=<x>`, says how close the master comes to what SQLite
 alone allows, and the floor's µs per task by statement says where that goes.
+It also times two leaner shapes that a change of the protocol's shape could at best reach,
+one transaction per round and no task row written at dispatch: "one state write" (each task
+goes from queued to done once, beside its result row) and "result rows only" (no task row
+written at all). Neither is a design: they say what such a change could buy, set beside
+`tools/bench.py --batch 100`'s futures figure from the same hour.
 
 `--holders K` (repeatable) adds K ranks that each hold one dispatch all run long, as ranks
 running long tasks do, and answer only once the instant workers have done the rest: the
@@ -121,9 +126,15 @@ def run_once(tasks: int, workers: int, sync: str, *, trace: bool,
             "frames_per_tx": frames / summary.transactions}
 
 
-def floor_once(tasks: int, workers: int, sync: str, batch: int) -> dict[str, float]:
-    """The bare rows of `tasks` demo tasks in batches of `batch` over `workers` ranks: tasks/s,
-    and µs per task by statement kind (see the module's doc)."""
+#: The shapes `--floor` times. "protocol" is what the master writes today; the two leaner ones
+#: are what a change of the protocol's shape could at best reach (see the module's doc).
+SHAPES = ("protocol", "one state write", "result rows only")
+
+
+def floor_once(tasks: int, workers: int, sync: str, batch: int,
+               shape: str = "protocol") -> dict[str, float]:
+    """The bare rows of `tasks` demo tasks in batches of `batch` over `workers` ranks, in one
+    of `SHAPES`: tasks/s, and µs per task by statement kind (see the module's doc)."""
     spent: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "floor.db"
@@ -144,56 +155,103 @@ def floor_once(tasks: int, workers: int, sync: str, batch: int) -> dict[str, flo
                 spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - t
                 return rows
 
-            insert_results = ("INSERT INTO results (task_id, token, rank, incarnation, "
-                              "committed_at, status, value) VALUES " + ", ".join(
-                                  f"(?{5 + k}, ?1, ?2, 1, ?3, 'ok', ?4)" for k in range(batch)))
-            value, done = json.dumps(None), 0
             started = time.perf_counter()
-            while done < tasks:
-                sent: list[tuple[str, int, list[int]]] = []
-                run("COMMIT", "BEGIN")
-                for rank in range(1, workers + 1):
-                    ids = [r[0] for r in run(
-                        "queue read", "SELECT id, payload FROM tasks WHERE state = 'queued' "
-                        "ORDER BY queue_pos, id LIMIT ?", (batch,))]
-                    if not ids:
-                        break
-                    token, now = os.urandom(32).hex(), time.time()
-                    run("dispatch row", "INSERT INTO dispatches (token, rank, task_id, "
-                        "incarnation, created_at) VALUES (?, ?, ?, 1, ?)",
-                        (token, rank, ids[0], now))
-                    run("tasks to active", "UPDATE tasks SET state = 'active', dispatches = "
-                        "dispatches + 1, updated_at = ? WHERE id IN (SELECT value FROM "
-                        "json_each(?))", (now, json.dumps(ids)))
-                    run("work leases", "INSERT INTO leases (token, kind, key) SELECT ?, "
-                        "'work', CAST(value AS TEXT) FROM json_each(?)",
-                        (token, json.dumps(ids[1:])))
-                    sent.append((token, rank, ids))
-                run("COMMIT", "COMMIT")
-                run("COMMIT", "BEGIN")
-                for token, rank, ids in sent:
-                    now = time.time()
-                    if len(ids) == batch:
-                        run("result rows", insert_results, [token, rank, now, value, *ids])
-                    else:
-                        for i in ids:
-                            run("result rows", "INSERT INTO results (task_id, token, rank, "
-                                "incarnation, committed_at, status, value) VALUES "
-                                "(?, ?, ?, 1, ?, 'ok', ?)", (i, token, rank, now, value))
-                    run("tasks to done", "UPDATE tasks SET state = 'done', updated_at = ? "
-                        "WHERE id IN (SELECT value FROM json_each(?))", (now, json.dumps(ids)))
-                    run("dispatch and leases deleted", "DELETE FROM dispatches WHERE token = ?",
-                        (token,))
-                    done += len(ids)
-                run("COMMIT", "COMMIT")
+            if shape == "protocol":
+                _protocol_rows(run, tasks, workers, batch)
+            else:
+                _lean_rows(run, tasks, workers, batch, state_write=shape == "one state write")
             elapsed = time.perf_counter() - started
-            left = db.execute("SELECT count(*) FROM tasks WHERE state != 'done'").fetchone()[0]
+            left = db.execute("SELECT count(*) FROM tasks WHERE id NOT IN "
+                              "(SELECT task_id FROM results)").fetchone()[0]
         finally:
             db.close()
     if left:
-        raise SystemExit(f"the floor left {left} of {tasks} tasks not done")
+        raise SystemExit(f"the floor ({shape}) left {left} of {tasks} tasks without a result")
     return {"tasks_per_s": tasks / elapsed,
             **{k: v / tasks * 1e6 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}}
+
+
+def _insert_results(run, batch: int, token: str, rank: int, ids: list[int]) -> None:
+    """A batch's result rows: one multi-row INSERT (a short last batch row by row)."""
+    now, value = time.time(), json.dumps(None)
+    if len(ids) == batch:
+        run("result rows", "INSERT INTO results (task_id, token, rank, incarnation, "
+            "committed_at, status, value) VALUES " + ", ".join(
+                f"(?{5 + k}, ?1, ?2, 1, ?3, 'ok', ?4)" for k in range(batch)),
+            [token, rank, now, value, *ids])
+    else:
+        for i in ids:
+            run("result rows", "INSERT INTO results (task_id, token, rank, incarnation, "
+                "committed_at, status, value) VALUES (?, ?, ?, 1, ?, 'ok', ?)",
+                (i, token, rank, now, value))
+
+
+def _protocol_rows(run, tasks: int, workers: int, batch: int) -> None:
+    """Today's rows. Per round: each batch's queue read, dispatch row, tasks to active and
+    work leases, COMMIT; then each batch's result rows, tasks to done, dispatch and leases
+    deleted, COMMIT."""
+    done = 0
+    while done < tasks:
+        sent: list[tuple[str, int, list[int]]] = []
+        run("COMMIT", "BEGIN")
+        for rank in range(1, workers + 1):
+            ids = [r[0] for r in run(
+                "queue read", "SELECT id, payload FROM tasks WHERE state = 'queued' "
+                "ORDER BY queue_pos, id LIMIT ?", (batch,))]
+            if not ids:
+                break
+            token, now = os.urandom(32).hex(), time.time()
+            run("dispatch row", "INSERT INTO dispatches (token, rank, task_id, "
+                "incarnation, created_at) VALUES (?, ?, ?, 1, ?)",
+                (token, rank, ids[0], now))
+            run("tasks to active", "UPDATE tasks SET state = 'active', dispatches = "
+                "dispatches + 1, updated_at = ? WHERE id IN (SELECT value FROM "
+                "json_each(?))", (now, json.dumps(ids)))
+            run("work leases", "INSERT INTO leases (token, kind, key) SELECT ?, "
+                "'work', CAST(value AS TEXT) FROM json_each(?)",
+                (token, json.dumps(ids[1:])))
+            sent.append((token, rank, ids))
+        run("COMMIT", "COMMIT")
+        run("COMMIT", "BEGIN")
+        for token, rank, ids in sent:
+            _insert_results(run, batch, token, rank, ids)
+            run("tasks to done", "UPDATE tasks SET state = 'done', updated_at = ? "
+                "WHERE id IN (SELECT value FROM json_each(?))", (time.time(), json.dumps(ids)))
+            run("dispatch and leases deleted", "DELETE FROM dispatches WHERE token = ?",
+                (token,))
+            done += len(ids)
+        run("COMMIT", "COMMIT")
+
+
+def _lean_rows(run, tasks: int, workers: int, batch: int, state_write: bool) -> None:
+    """A leaner shape, one transaction per round: the last round's batches' result rows (and,
+    with `state_write`, their tasks from queued straight to done) and dispatch rows deleted,
+    then this round's dispatch rows, COMMIT. No task row is written at dispatch: the queue is
+    read past a cursor (a real change would have to keep tasks in flight out of it)."""
+    done, cursor = 0, (-1, -1)
+    sent: list[tuple[str, int, list[int]]] = []
+    while done < tasks:
+        run("COMMIT", "BEGIN")
+        for token, rank, ids in sent:
+            _insert_results(run, batch, token, rank, ids)
+            if state_write:
+                run("tasks to done", "UPDATE tasks SET state = 'done', updated_at = ? WHERE "
+                    "id IN (SELECT value FROM json_each(?))", (time.time(), json.dumps(ids)))
+            run("dispatch deleted", "DELETE FROM dispatches WHERE token = ?", (token,))
+            done += len(ids)
+        sent = []
+        for rank in range(1, workers + 1):
+            rows = run("queue read", "SELECT queue_pos, id FROM tasks WHERE state = 'queued' "
+                       "AND (queue_pos, id) > (?, ?) ORDER BY queue_pos, id LIMIT ?",
+                       (*cursor, batch))
+            if not rows:
+                break
+            cursor = tuple(rows[-1])
+            token, ids = os.urandom(32).hex(), [r[1] for r in rows]
+            run("dispatch row", "INSERT INTO dispatches (token, rank, task_id, incarnation, "
+                "created_at) VALUES (?, ?, ?, 1, ?)", (token, rank, ids[0], time.time()))
+            sent.append((token, rank, ids))
+        run("COMMIT", "COMMIT")
 
 
 def main() -> int:
@@ -227,11 +285,15 @@ def main() -> int:
               f"{counted['sql_per_task']:.1f} SQL executions per task, "
               f"{counted['frames_per_tx']:.1f} WAL frames per commit")
         if args.floor:
-            floor = max((floor_once(args.tasks, args.workers, sync, args.batch)
-                         for _ in range(args.repeat)), key=lambda r: r["tasks_per_s"])
-            rate = floor.pop("tasks_per_s")
-            print(f"synchronous={sync} floor (bare SQL, µs per task): "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
+            rates: dict[str, float] = {}
+            for shape in SHAPES:
+                floor = max((floor_once(args.tasks, args.workers, sync, args.batch, shape)
+                             for _ in range(args.repeat)), key=lambda r: r["tasks_per_s"])
+                rates[shape] = floor.pop("tasks_per_s")
+                print(f"synchronous={sync} floor, {shape}: {rates[shape]:,.0f} tasks/s; "
+                      f"bare SQL, µs per task: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in floor.items()))
+            rate = rates["protocol"]
             last = f"master={best['tasks_per_s']:.0f} floor={rate:.0f} " \
                    f"ratio={best['tasks_per_s'] / rate:.2f}"
             print(last)
