@@ -118,6 +118,12 @@ class Store:
                                                         lock_wait_s=lock_wait_s,
                                                         on_wait=on_lock_wait):
                     pass
+                # The upgrade reads the file's header through a descriptor of its own, and
+                # closing a descriptor of the file drops every POSIX lock this process holds
+                # on it, SQLite's too: with the engine's connection open, the next process
+                # to close the file would think itself the last one and delete the -wal
+                # under the master. So no connection of this process is open meanwhile.
+                engine.dispose()
                 upgrade(path)
             with engine.connect() as conn, read_tx(conn):
                 check_revision(conn, path)

@@ -87,3 +87,52 @@ def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
     finally:
         store.close()
     assert lock_holder(db_path) is None
+
+
+_MASTER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from store.campaign import Store
+from store.tasks import NewTask, enqueue_tasks
+store = Store.open({db!r}, resume={resume}, synchronous="FULL")
+print("open", flush=True)
+sys.stdin.readline()
+with store.transaction("import") as tx:
+    enqueue_tasks(tx, [NewTask({{"data": i}}) for i in range(10)])
+print("written", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("resume", [False, True], ids=["new campaign", "resumed campaign"])
+def test_another_process_closing_the_file_leaves_a_running_masters_wal_alone(tmp_path, resume):
+    """A master's SQLite connection holds a POSIX lock on the file while it is open, so that a
+    `sqlite3` shell or a `coordinator requeue` that closes its own connection knows it is not
+    the last one and leaves the -wal alone. Closing any descriptor of the file drops the
+    process's POSIX locks, and `Store.open` closed one after its engine had opened a new
+    campaign (the schema's creation read the file's header): the next process to close the
+    file checkpointed and deleted the -wal under the running master, whose later commits went
+    to a deleted file (a kill -9 then lost 131 committed results)."""
+    db = tmp_path / "c.db"
+    if resume:
+        Store.open(db).close()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    master = subprocess.Popen(
+        [sys.executable, "-c", _MASTER.format(root=root, db=str(db), resume=resume)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert master.stdout.readline() == "open\n"
+        subprocess.run([sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect("
+                        "sys.argv[1]); c.execute('SELECT count(*) FROM tasks').fetchall(); "
+                        "c.close()", str(db)], check=True, timeout=60)
+        assert db.with_name("c.db-wal").exists(), "the -wal was deleted under the master"
+        master.stdin.write("\n")
+        master.stdin.flush()
+        assert master.stdout.readline() == "written\n"
+    finally:
+        master.kill()  # as kill -9: what it committed must be in the file
+        master.communicate(timeout=60)
+    import sqlite3
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT count(*) FROM tasks").fetchone() == (10,)

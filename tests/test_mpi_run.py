@@ -972,3 +972,30 @@ def test_workers_sleep_while_the_master_imports_a_big_tasks_file(tmp_path):
         kill_job(proc)
         finish(proc, timeout=60)
     assert spent < 0.2 * window, f"3 waiting workers used {spent:.2f} s of CPU in {window:.2f} s"
+
+
+def test_a_shell_opening_a_new_campaign_mid_run_costs_no_commit_at_a_kill_9(tmp_path):
+    """A `sqlite3` shell (or `coordinator requeue`) that opens and closes a new campaign's
+    file while its first master runs must leave that master's -wal alone. It did not: the
+    master had dropped its POSIX lock on the file (`Store.open`), the shell's close deleted
+    the -wal, and every commit after it went to a deleted file: a reader saw the counts
+    frozen, and a kill -9 of the master lost them (131 of 238 results in the report)."""
+    import contextlib
+    import sqlite3
+
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--demo", "3000", "--demo-work-ms", "20",
+                  "--batch", "1", "--no-progress"])
+    try:
+        wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n and n >= 10),
+                 timeout=120)
+        with contextlib.closing(sqlite3.connect(db)) as shell:  # read-write, as `sqlite3 c.db`
+            shell.execute("SELECT count(*) FROM tasks").fetchall()
+        assert db.with_name("c.db-wal").exists(), "the shell deleted the master's -wal"
+        after_shell = query(db, "SELECT count(*) FROM results")[0][0]
+        seen = wait_for(db, "SELECT count(*) FROM results",
+                        lambda n: bool(n and n >= after_shell + 30), timeout=60)
+        os.kill(master_pid(db), signal.SIGKILL)
+    finally:
+        kill_job(proc)
+    assert query(db, "SELECT count(*) FROM results")[0][0] >= seen
