@@ -250,7 +250,7 @@ _START = "coalesce(dispatched_at, sent_at, committed_at)"
 
 def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
     """The campaign's history, aggregated in SQL: one read of `results` for its span, one
-    that groups it by rank and by the buckets each result's dispatch began and ended in, one
+    that groups it by dispatch, then by rank and the buckets each dispatch began and ended in, one
     of `tasks` by creation bucket; the counted events and quarantined messages by kind and
     bucket. Python then only spreads the groups of dispatches longer than a bucket over the
     buckets they covered (a few per group)."""
@@ -290,14 +290,17 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
         for b in range(bs + 1, be):
             row[b] += count * width
 
-    for rank, bs, be, count, s_sum, e_sum, tc, bad in conn.exec_driver_sql(
+    # A dispatch's results (one per task of its batch) share its token and its times: its
+    # busy time counts once, its results each.
+    for rank, bs, be, count, s_sum, e_sum, results, tc, bad in conn.exec_driver_sql(
             f"SELECT rank, CAST((s - :t0) / :w AS INTEGER) AS bs, "
-            f"CAST((committed_at - :t0) / :w AS INTEGER) AS be, count(*), total(s - :t0), "
-            f"total(committed_at - :t0), total(testcases), sum(status <> 'ok') "
-            f"FROM (SELECT rank, committed_at, testcases, status, {_START} AS s FROM results) "
-            f"GROUP BY rank, bs, be", params):
+            f"CAST((e - :t0) / :w AS INTEGER) AS be, count(*), total(s - :t0), "
+            f"total(e - :t0), sum(n), total(tc), sum(bad) "
+            f"FROM (SELECT rank, min({_START}) AS s, max(committed_at) AS e, count(*) AS n, "
+            f"total(testcases) AS tc, sum(status <> 'ok') AS bad FROM results "
+            f"GROUP BY rank, token) GROUP BY rank, bs, be", params):
         b = max(0, min(be, n - 1))
-        done[b] += count
+        done[b] += results
         not_ok[b] += bad or 0
         testcases[b] += int(tc)
         spread(rank, bs, be, count, s_sum, e_sum)

@@ -320,7 +320,8 @@ imports = Table(
 Index("ix_imports_source", imports.c.kind, imports.c.source)
 
 
-#: The views revision 0010 made for post-mortems in the `sqlite3` shell (docs/sqlite.md).
+#: The views revision 0010 made for post-mortems in the `sqlite3` shell (docs/sqlite.md; 0012
+#: redefined `rank_utilisation`).
 #: Their DDL is the migration's; the names are here for the tests and the docs.
 VIEWS = ("in_flight", "task_history", "throughput_per_minute", "rank_utilisation",
          "held_tasks")

@@ -690,3 +690,32 @@ def test_0011_adds_the_imports_table_empty_and_goes_back(tmp_path: Path):
         "imports": []}
     _run_alembic(db, "downgrade", "0010")
     assert _dump(db) == before
+
+
+def test_0012_counts_a_batch_once_in_rank_utilisation_and_goes_back(tmp_path: Path):
+    """0012 changes no row, only the view: three results of one dispatch (a batch shares its
+    token and times) count its 10 s once, where 0010's view counted them three times."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0011")
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE results SET dispatched_at = committed_at - 10")
+        [(task, token, rank, committed)] = conn.execute(
+            "SELECT task_id, token, rank, committed_at FROM results").fetchall()
+        for other in (4, 5):  # two more tasks of the same dispatch
+            conn.execute("INSERT INTO results (task_id, token, rank, incarnation, committed_at, "
+                         "dispatched_at, status) VALUES (?, ?, ?, 1, ?, ?, 'ok')",
+                         (other, token, rank, committed, committed - 10))
+    query = "SELECT rank, results, busy_s, mean_task_s FROM rank_utilisation"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute(query).fetchall() == [(rank, 3, 30.0, 10.0)]  # (0010's)
+    before = _dump(db)
+    assert versioning.upgrade(db, "0012") == ("0011", "0012")
+    after = _dump(db)
+    assert {t: rows for t, rows in after["rows"].items() if t != "alembic_version"} == {
+        t: rows for t, rows in before["rows"].items() if t != "alembic_version"}
+    with sqlite3.connect(db) as conn:
+        assert conn.execute(query.replace(" FROM", ", dispatches FROM")).fetchall() == [
+            (rank, 3, 10.0, 3.333, 1)]
+    _run_alembic(db, "downgrade", "0011")
+    assert _dump(db) == before

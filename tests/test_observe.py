@@ -150,6 +150,44 @@ def test_plot_series_adds_up_to_the_campaigns_rows(campaign):
     assert sorted(s.busy) == [1, 2, 3] and s.incarnations[0][0] == 1
 
 
+def test_a_batch_counts_its_dispatch_time_once_and_each_of_its_results(tmp_path):
+    """Every task of a batch has a result row with its dispatch's times: a rank's busy time
+    is its dispatches' (the view read 8× too much in batches of 8, and the chart showed such
+    ranks busy all the time), its results are counted one by one."""
+    from fakes import InstantWorkers
+
+    from coordinator.master import Master, MasterConfig
+    from coordinator.sources import demo_tasks
+
+    db = tmp_path / "batched.db"
+    store = Store.open(db)
+    try:
+        with store.transaction("import") as tx:
+            enqueue_tasks(tx, [t.as_task() for t in demo_tasks(64)])
+        assert Master(store, InstantWorkers(2), MasterConfig(
+            stats_file=tmp_path / "stats", linger_s=0, grace_s=1, stop_wait_s=1,
+            batch=8)).run().committed == 64
+    finally:
+        store.close()
+    with sqlite3.connect(db) as c:  # each dispatch ran 2 s: every row of a batch says so
+        c.execute("UPDATE results SET dispatched_at = committed_at - 2.0")
+    dispatches = {rank: n for rank, n in _rows(
+        db, "SELECT rank, count(DISTINCT token) FROM results GROUP BY rank")}
+    assert sum(dispatches.values()) == 8
+
+    s = read_file(db, plot_series)[0]
+    assert sum(s.done) == 64
+    assert sum(sum(row) for row in s.busy.values()) == pytest.approx(8 * 2.0)  # not 64 × 2
+
+    rows = _rows(db, "SELECT rank, results, dispatches, busy_s, mean_task_s "
+                     "FROM rank_utilisation")
+    assert sum(r[1] for r in rows) == 64
+    for rank, results, n, busy_s, mean_task_s in rows:
+        assert n == dispatches[rank]
+        assert busy_s == pytest.approx(2.0 * n)
+        assert mean_task_s == round(2.0 * n / results, 3)
+
+
 def test_a_dispatch_longer_than_a_bucket_is_spread_over_the_buckets_it_covered(tmp_path):
     """A run of 25 s in buckets of 1 s adds a second to each bucket it spans: the chart of
     a rank's load shows it busy all along, not 25 s in one bucket."""
