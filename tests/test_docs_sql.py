@@ -30,21 +30,25 @@ VIEW_QUERIES = [q.strip() for q in re.search(r"```sql\n(.*?)```", VIEWS_SECTION,
                                              flags=re.DOTALL)[1].split(";") if q.strip()]
 
 
-@pytest.fixture(scope="module")
-def campaign(tmp_path_factory) -> Path:
-    """A finished 30-task campaign run by the real master, plus one quarantined READY."""
-    d = tmp_path_factory.mktemp("docs_sql")
-    db = d / "campaign.db"
+def _run_campaign(db: Path, tasks: int, batch: int = 1) -> None:
+    """`tasks` demo tasks run to their end by the real master, `batch` tasks per dispatch."""
     store = Store.open(db)
     try:
         with store.transaction("import") as tx:
-            enqueue_tasks(tx, [t.as_task() for t in demo_tasks(30)])
+            enqueue_tasks(tx, [t.as_task() for t in demo_tasks(tasks)])
         summary = Master(store, InstantWorkers(3), MasterConfig(
-            stats_file=d / "stats", progress=False, linger_s=0, grace_s=1,
-            stop_wait_s=1)).run()
-        assert summary.committed == 30
+            stats_file=db.with_name("stats"), progress=False, linger_s=0, grace_s=1,
+            stop_wait_s=1, batch=batch)).run()
+        assert summary.committed == tasks
     finally:
         store.close()
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory) -> Path:
+    """A finished 30-task campaign run by the real master, plus one quarantined READY."""
+    db = tmp_path_factory.mktemp("docs_sql") / "campaign.db"
+    _run_campaign(db, 30)
     with sqlite3.connect(db) as c:
         c.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank, token) "
                   "VALUES (1, 1, 'ready', 'malformed', 2, 'zz')")
@@ -88,7 +92,34 @@ def test_query_13_finds_a_token_committed_twice(campaign: Path, tmp_path: Path):
         c.execute("UPDATE results SET token = (SELECT token FROM results WHERE task_id = 1) "
                   "WHERE task_id = 2")
         rows = c.execute(QUERIES["13"]).fetchall()
-    assert [r[0] for r in rows] == ["token committed for more than one task"]
+    assert [r[0] for r in rows] == ["token committed by more than one dispatch"]
+
+
+def test_query_13_finds_nothing_wrong_with_batches_done_and_in_flight(tmp_path: Path):
+    """A batch's tasks share their dispatch's token, and only its first task has the
+    dispatch row (the others: `work` leases): no problem, finished or in flight. The query
+    reported a token "committed for more than one task" for every batch, and every batched
+    task in flight as "active without a dispatch"."""
+    db = tmp_path / "batched.db"
+    _run_campaign(db, 40, batch=4)
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT count(DISTINCT token) FROM results").fetchone() == (10,)
+        assert c.execute(QUERIES["13"]).fetchall() == []
+        # Tasks 9-12 back in flight, as one batch of rank 2 (as the master writes it).
+        token = c.execute("SELECT token FROM results WHERE task_id = 9").fetchone()[0]
+        c.execute("DELETE FROM results WHERE task_id BETWEEN 9 AND 12")
+        c.execute("UPDATE tasks SET state = 'active' WHERE id BETWEEN 9 AND 12")
+        c.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at) "
+                  "VALUES (?, 2, 9, 1, 0)", (token,))
+        c.executemany("INSERT INTO leases (token, kind, key) VALUES (?, 'work', ?)",
+                      [(token, str(i)) for i in (10, 11, 12)])
+        assert c.execute(QUERIES["13"]).fetchall() == []
+        # A batched task that is no longer active, and an active one that nothing holds.
+        c.execute("UPDATE tasks SET state = 'queued' WHERE id = 11")
+        c.execute("DELETE FROM leases WHERE key = '12'")
+        assert sorted(c.execute(QUERIES["13"]).fetchall()) == [
+            ("active task without a dispatch", 12, None),
+            ("batched task that is not active", 11, token)]
 
 
 def test_query_5_shows_a_late_result_of_a_retired_dispatch(campaign: Path, tmp_path: Path):
