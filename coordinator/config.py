@@ -304,6 +304,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"{flag} {path}: the directory {where} is not writable")
         if path.is_dir():
             raise ConfigError(f"{flag} {path} is a directory; it names the file to write")
+    _refuse_overwriting_inputs(ns, stats_file)
     return RunConfig(
         db=ns.db, resume=resume, retries=retries,
         max_attempts=max_attempts,
@@ -324,6 +325,40 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
         summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: the same path once links are resolved, or (both
+    there) the same inode, as a hard link is."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _refuse_overwriting_inputs(ns: argparse.Namespace, stats_file: Path) -> None:
+    """The files a run writes must not be the campaign's database (or its -wal, -shm), its
+    tasks file or its callable's file, nor one another: `--stats-file campaign.db` replaced
+    the database with 445 bytes of text, `--summary-json tasks.jsonl` the tasks."""
+    db = ns.db
+    kept = [("--db", db), *((f"--db's {suffix}", db.with_name(db.name + suffix))
+                             for suffix in ("-wal", "-shm", "-journal"))]
+    if ns.tasks is not None:
+        kept.append(("--tasks", ns.tasks))
+    if ns.callable and ":" in ns.callable:
+        module = ns.callable.rsplit(":", 1)[0]
+        if module.endswith(".py"):
+            kept.append(("--callable's file", Path(module)))
+    written = [(flag, path) for flag, path in (
+        ("--stats-file", stats_file), ("--summary-json", ns.summary_json),
+        ("--metrics-file", ns.metrics_file), ("--out", ns.out)) if path is not None]
+    for i, (flag, path) in enumerate(written):
+        for other, name in kept + written[:i]:
+            if _same_file(path, name):
+                raise ConfigError(f"{flag} {path} is the file {other} names ({name}): it "
+                                  f"would be overwritten; choose another path")
 
 
 def campaign_settings(cfg: RunConfig) -> dict[str, object]:

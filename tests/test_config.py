@@ -295,3 +295,27 @@ def test_the_first_line_says_how_tasks_are_batched(tmp_path):
         ", up to 8 tasks per dispatch")
     assert describe(resolve(tmp_path, "--demo", "10", "--batch", "1")).endswith(
         "demo executor")
+
+
+@pytest.mark.parametrize("flag", ["--stats-file", "--summary-json", "--metrics-file", "--out"])
+def test_what_a_run_writes_may_not_be_its_database_or_its_inputs(tmp_path, flag):
+    """`--stats-file campaign.db` replaced a campaign with 445 bytes of text, `--summary-json
+    tasks.jsonl` the tasks file: every path a run writes is refused at start when it names
+    the database (its -wal, -shm), the tasks file, the callable's file or another output,
+    through a symlink or a hard link too."""
+    tasks, work = tmp_path / "t.jsonl", tmp_path / "w.py"
+    tasks.write_text('{"data": 1}\n')
+    work.write_text("def f(p):\n    return p\n")
+    (tmp_path / "c.db").write_bytes(b"")
+    os.link(tasks, tmp_path / "hard.jsonl")
+    os.symlink(work, tmp_path / "soft.py")
+    source = ("--tasks", str(tasks), "--callable", f"{work}:f")
+    for name, names in (("c.db", "--db"), ("c.db-wal", "--db's -wal"),
+                        ("c.db-shm", "--db's -shm"), ("t.jsonl", "--tasks"),
+                        ("hard.jsonl", "--tasks"), ("soft.py", "--callable's file")):
+        with pytest.raises(ConfigError, match=f"^{flag} .* is the file {names} names"):
+            resolve(tmp_path, *source, flag, str(tmp_path / name))
+    other = "--metrics-file" if flag == "--stats-file" else "--stats-file"
+    with pytest.raises(ConfigError, match="would be overwritten"):
+        resolve(tmp_path, *source, flag, str(tmp_path / "x"), other, str(tmp_path / "x"))
+    assert resolve(tmp_path, *source, flag, str(tmp_path / "fresh")).db == tmp_path / "c.db"
