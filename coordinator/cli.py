@@ -26,6 +26,7 @@ from .config import (
     int_range,
     non_negative_float,
     resolve_run,
+    start_wait,
     timeout_seconds,
 )
 from .errors import UsageError
@@ -155,10 +156,10 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="S",
                    help="when no live rank can take work (each parked past --watchdog), end "
                         "the run after S seconds unless one answers (default 120)")
-    r.add_argument("--start-wait", action=Once, type=non_negative_float, default=60.0,
+    r.add_argument("--start-wait", action=Once, type=start_wait, default=60.0,
                    metavar="S",
                    help="a rank that reports no READY this long after the start is treated as "
-                        "lost: no work, not waited for at the stop (default 60)")
+                        "lost: no work, not waited for at the stop (default 60, at least 1)")
     r.add_argument("--lock-wait", action=Once, type=non_negative_float,
                    default=DEFAULT_LOCK_WAIT_S, metavar="S",
                    help="while another process holds the campaign's write lock (a sqlite3 "

@@ -52,6 +52,21 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+#: The shortest --start-wait: ranks take a second or more to start (the MPI library and
+#: Python's imports); with less, every rank is lost before its first READY, and the run
+#: ends at once as if all had died.
+MIN_START_WAIT_S = 1.0
+
+
+def start_wait(text: str) -> float:
+    value = non_negative_float(text)
+    if value < MIN_START_WAIT_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is too short: ranks take a second or more to start, and a rank silent "
+            f"that long is treated as lost (at least {MIN_START_WAIT_S:g})")
+    return value
+
+
 #: The longest command timeout: the wait counts milliseconds in a C int (24.8 days), and a
 #: larger value failed every task with "OverflowError: timeout is too large".
 MAX_TIMEOUT_S = 1_000_000.0

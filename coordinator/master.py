@@ -904,10 +904,13 @@ class Master:
         if silent:
             self._lost.update(silent)
             self._idle = [r for r in self._idle if r not in self._lost]
+            # With no live rank left the run stops: a late READY would find no master.
+            later = ("one that reports READY later gets work" if self.live_workers() else
+                     "none is left to wait for; if they are only slow to start, give a longer "
+                     "--start-wait")
             print(f"coordinator: rank{'s' * (len(silent) != 1)} {_ranks(silent)} reported no "
                   f"READY {self.config.start_wait_s:g} s after the start; treated as lost (no "
-                  f"work, not waited for at the stop; one that reports READY later gets work)",
-                  file=sys.stderr, flush=True)
+                  f"work, not waited for at the stop; {later})", file=sys.stderr, flush=True)
         if not self.live_workers() and self._stop_signal is None:
             print("coordinator: no workers left; stopping (the campaign is saved: continue "
                   "with --resume)", file=sys.stderr, flush=True)

@@ -319,3 +319,17 @@ def test_what_a_run_writes_may_not_be_its_database_or_its_inputs(tmp_path, flag)
     with pytest.raises(ConfigError, match="would be overwritten"):
         resolve(tmp_path, *source, flag, str(tmp_path / "x"), other, str(tmp_path / "x"))
     assert resolve(tmp_path, *source, flag, str(tmp_path / "fresh")).db == tmp_path / "c.db"
+
+
+@pytest.mark.parametrize("value", ["0", "0.5"])
+def test_a_start_wait_shorter_than_a_rank_takes_to_start_is_refused(value, capsys):
+    """`--start-wait 0` lost every rank before its first READY and ended the run at once with
+    exit 6, as if all had died."""
+    with pytest.raises(SystemExit) as e:
+        _parser().parse_args(["run", "--db", "c.db", "--start-wait", value])
+    assert e.value.code == 2
+    assert "is too short: ranks take a second or more to start" in capsys.readouterr().err
+
+
+def test_a_start_wait_of_a_second_is_taken(tmp_path):
+    assert resolve(tmp_path, "--start-wait", "1").start_wait_s == 1.0

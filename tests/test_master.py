@@ -510,3 +510,34 @@ def test_a_write_lock_held_through_the_stop_does_not_cost_the_workers_their_stop
     finally:
         store.close()
     assert unacked == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", [{2}, {1, 2}], ids=["one silent", "all silent"])
+def test_ranks_silent_at_the_start_are_lost_and_told_apart_from_a_run_left_without_any(
+        tmp_path, capsys, silent):
+    """A rank with no READY --start-wait after the start is lost: with others live it may still
+    report and get work; with none left the run stops at once, and saying that a late READY
+    gets work was wrong (seen with --start-wait 0, now refused: ranks take a second to start)."""
+    # Enough one-task dispatches for the live rank to be still at work when the wait ends.
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 2000)
+    try:
+        ranks = InstantWorkers(2)
+        ranks.queues[TAG_READY] = type(ranks.queues[TAG_READY])(
+            r for r in ranks.queues[TAG_READY] if r.rank not in silent)
+        summary = Master(store, ranks, MasterConfig(
+            linger_s=0, grace_s=1, stop_wait_s=1, stats_file=None, start_wait_s=0.01,
+            batch=1)).run()
+    finally:
+        store.close()
+    err = capsys.readouterr().err
+    lost = ("ranks 1, 2" if silent == {1, 2} else "rank 2") + " reported no READY 0.01 s after"
+    assert lost in err, err
+    if silent == {1, 2}:
+        assert summary.committed == 0
+        assert "none is left to wait for; if they are only slow to start, give a longer " \
+               "--start-wait" in err and "no workers left; stopping" in err
+        assert "later gets work" not in err
+    else:
+        assert summary.committed == 2000
+        assert "one that reports READY later gets work" in err
