@@ -39,13 +39,14 @@ class Checked:
 def check_run(cfg: RunConfig) -> Checked:
     """Raises a StoreError or UsageError for whatever would refuse the run."""
     found = probe(cfg.db)
-    if found.campaign and not cfg.resume:
-        raise CampaignExistsError(str(cfg.db), found.tasks)
+    # A running master first: "pass --resume" would only lead to this refusal.
     if found.master is not None:
         raise CampaignLockedError(
             f"{cfg.db} is in use by a running master (pid {found.master}) or a `coordinator "
             f"db upgrade`; stop it first (`kill -TERM {found.master}` stops a master "
             f"gracefully), or choose another --db path")
+    if found.campaign and not cfg.resume:
+        raise CampaignExistsError(str(cfg.db), found.tasks)
     notes: list[str] = []
     if cfg.resume and found.campaign:
         cfg, notes = take_over(cfg, found.settings)

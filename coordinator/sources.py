@@ -381,7 +381,8 @@ def load_tasks_jsonl(path: os.PathLike[str] | str) -> TasksFile:
     if not len(tasks):
         # A campaign of nothing would still be a campaign: the corrected file would then be
         # refused without --resume.
-        raise UsageError(f"tasks file {os.fspath(path)!r} holds no tasks (only blank lines)")
+        what = "is empty" if os.path.getsize(path) == 0 else "holds no tasks (only blank lines)"
+        raise UsageError(f"tasks file {os.fspath(path)!r} {what}")
     return tasks
 
 

@@ -126,3 +126,24 @@ def test_the_self_launcher_refuses_before_it_runs_mpiexec(tmp_path, args, says):
     assert done.returncode == ExitStatus.USAGE, done.stderr
     assert says in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
     assert not ran.exists()
+
+
+def test_a_start_on_a_campaign_a_master_runs_names_the_master_before_resume(tmp_path):
+    """Without --resume the refusal said "pass --resume", and with it the same command was
+    then refused because a master runs: the running master is named first."""
+    import os
+
+    from store.campaign import Store
+    from store.errors import CampaignLockedError
+
+    db = tmp_path / "c.db"
+    Store.open(db).close()
+    with pytest.raises(CampaignExistsError):
+        check_run(config(db))
+    running = Store.open(db, resume=True)  # holds the campaign's lock, as a master does
+    try:
+        for args in ((), ("--resume",)):
+            with pytest.raises(CampaignLockedError, match=f"running master \\(pid {os.getpid()}"):
+                check_run(config(db, *args))
+    finally:
+        running.close()

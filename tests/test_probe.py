@@ -116,3 +116,20 @@ def test_alembic_upgrades_an_older_campaign_and_creates_a_new_one(tmp_path):
         with contextlib.closing(sqlite3.connect(db)) as c:
             assert c.execute("SELECT version_num FROM alembic_version").fetchall() == [
                 (versioning.head_revision(),)]
+
+
+def test_a_link_to_a_file_in_a_missing_directory_is_refused_saying_so(tmp_path):
+    """A dangling symbolic link as --db gave a bare "[Errno 2] No such file or directory";
+    a link to a new file in a directory that exists still makes the campaign there."""
+    from store.errors import DatabaseOpenError
+    from store.probe import probe
+
+    dangling = tmp_path / "dangling.db"
+    dangling.symlink_to(tmp_path / "nowhere" / "c.db")
+    with pytest.raises(DatabaseOpenError, match=r"is a symbolic link to .*nowhere/c\.db, which "
+                                                 r"cannot be created: the directory .*nowhere "
+                                                 r"does not exist"):
+        probe(dangling)
+    fresh = tmp_path / "fresh.db"
+    fresh.symlink_to(tmp_path / "c.db")
+    assert probe(fresh).exists is False
