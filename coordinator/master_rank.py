@@ -369,7 +369,13 @@ class MasterRank:
             return self._end_job(self._record_exit(
                 status if summary.stopped_by_signal else ExitStatus.UNACKED), stop_first=False)
         self._record_exit(status)
-        if self.transport.fault_tolerant or self.transport.any_failed:
+        # Every rank acknowledged its STOP, so each took its last WORK: none is left to wait
+        # for, unless something is wrong, and then MPI_Finalize could wait on it for ever.
+        untaken = self.transport.unsettled_sends(wait_s=1.0)
+        if untaken:
+            _say(f"the WORK sent to ranks {untaken} was never taken although they acknowledged "
+                 f"their STOP; leaving without MPI_Finalize (the campaign is saved)")
+        if self.transport.fault_tolerant or self.transport.any_failed or untaken:
             # Under ULFM, MPI_Finalize can hang every survivor after a failure (ompi#11404);
             # everything is committed and every worker has gone, so leave without it.
             exit_now(status)

@@ -999,3 +999,44 @@ def test_a_shell_opening_a_new_campaign_mid_run_costs_no_commit_at_a_kill_9(tmp_
     finally:
         kill_job(proc)
     assert query(db, "SELECT count(*) FROM results")[0][0] >= seen
+
+
+def test_a_worker_stopped_while_idle_does_not_stop_the_master_sending_it_work(tmp_path):
+    """A WORK of a 1 MiB input to a rank that is not polling (stopped, swapped out, stuck
+    before its next poll) is never taken. The master's send blocked until it was: the whole
+    run froze, with no commit, and the watchdog that should retire that dispatch never ran
+    (3 of 3 runs with the rank stopped while idle). Now the send leaves without waiting, the
+    watchdog retires the dispatch 2 s later, and the run goes on."""
+    target = write_target(tmp_path)
+    afl = tmp_path / "afl_out"
+    queue = afl / "main" / "queue"
+    queue.mkdir(parents=True)
+    (queue / "id:000000,time:0,execs:0,orig:seed").write_bytes(b"one")
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--afl-out", str(afl), "--fuzzer", "main",
+                  "--no-feedback", "--watchdog", "2", "--batch", "1", "--no-progress", "--",
+                  sys.executable, str(target), "@@"], np=3)
+    stopped: list[int] = []
+    try:
+        master = master_pid(db)
+        wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n), timeout=120)
+        workers = [p for p in ranks_of(db) if p != master]
+        assert len(workers) == 2, workers
+        for pid in workers:  # both idle now: the next WORK goes to a rank that does not poll
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        (queue / "id:000001,time:0,execs:0,orig:big").write_bytes(os.urandom(1 << 20))
+        wait_for(db, "SELECT count(*) FROM events WHERE kind = 'watchdog'", lambda n: bool(n),
+                 timeout=60)
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stopped.clear()
+        wait_for(db, "SELECT count(*) FROM results", lambda n: bool(n and n >= 2), timeout=60)
+        os.kill(master, signal.SIGTERM)
+        done = finish(proc)
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db)
