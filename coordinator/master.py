@@ -59,6 +59,7 @@ from .wire import (
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
+    TAG_WORK,
     BatchTask,
     Result,
     Stop,
@@ -995,7 +996,11 @@ class Master:
                 # had finished were reported unacknowledged and killed).
                 deadline += time.monotonic() - began
                 shown_ready.update(m.rank for m in readies)
-            for rank in sorted(pending & shown_ready - set(stop_tokens)):
+            # A rank that has not taken its last WORK yet may have shown an older READY: its
+            # STOP waits until it has (a worker takes a STOP first, and would finalize with
+            # that WORK never taken, which MPI_Finalize could wait on for ever).
+            untaken = self.transport.posted_to(TAG_WORK) if pending - set(stop_tokens) else ()
+            for rank in sorted(pending & shown_ready - set(stop_tokens) - set(untaken)):
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)
                 if token is None:
                     pending.discard(rank)

@@ -162,9 +162,11 @@ class Transport:
         #: A larger message is consumed without being held (`poll`); None: no bound (the
         #: workers, which receive only from the master).
         self.max_message_bytes: int | None = None
-        #: WORK sent and not yet known to be complete: (request, its bytes, which must live
-        #: until then, the rank). At most one per rank: a rank gets WORK only after its READY.
-        self._sends: list[tuple[MPI.Request, bytes, int]] = []
+        #: The master's sends not yet known to be complete (`post`): requests, and beside
+        #: them their bytes (which must live until then), ranks and tags. A few per rank at
+        #: most: a rank gets WORK only after its READY, STOP once, START once.
+        self._requests: list[MPI.Request] = []
+        self._posted: list[tuple[bytes, int, int]] = []
 
     # -- failure notification (ULFM) ---------------------------------------------------------
     def _note_failure(self) -> None:
@@ -183,7 +185,8 @@ class Transport:
                 self._new_failed.append(r)
 
     def take_failed(self) -> list[int]:
-        """Ranks reported dead since the last call (empty without ULFM: there the job dies)."""
+        """Ranks reported dead since the last call: by ULFM, or (with or without it) a rank
+        whose posted send failed after it left (`settle_sends`)."""
         out, self._new_failed = self._new_failed, []
         return out
 
@@ -255,52 +258,77 @@ class Transport:
             raise SendFailed(dest, e) from e
 
     def send_work(self, data: bytes, dest: int) -> None:
-        """WORK leaves without the master waiting for it to be taken. A blocking send did
-        wait: Open MPI's shared-memory transport completes even a small send only once the
-        receiver has taken it (until a peer has had 16 messages), and a worker takes it at
-        its next poll, when the kernel next runs it. With 63 workers on 2 cores a WORK send
-        took a median 8 ms, and the master spent 9.7 s of an 18 s run in them. A send that
-        fails at once raises SendFailed (nothing left: rewound as never sent); one that
-        fails later reports its rank dead (`take_failed`: recovered as after a send)."""
-        self.settle_sends()
+        self.post(data, dest, TAG_WORK)
+
+    def post(self, data: bytes, dest: int, tag: int) -> None:
+        """The master's send (WORK, STOP, the start verdict): it leaves without the master
+        waiting for it to be taken. A blocking send did wait: Open MPI's shared-memory
+        transport completes even a small send only once the receiver has taken it (until a
+        peer has had 16 messages), and a larger one always waits for the receiver. A worker
+        takes it at its next poll, when the kernel next runs it: with 63 workers on 2 cores
+        a WORK send took a median 8 ms, and a rank that does not poll (stopped) froze the
+        master for good. A send that fails at once raises SendFailed (it never left); one
+        that fails later reports its rank dead (`take_failed`: recovered as after a send)."""
         try:
-            request = self.comm.Isend([data, MPI.BYTE], dest=dest, tag=TAG_WORK)
+            request = self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag)
         except MPI.Exception as e:
             if is_process_failure(e):
                 self._note_failure()
             raise SendFailed(dest, e) from e
-        self._sends.append((request, data, dest))
+        self._requests.append(request)
+        self._posted.append((data, dest, tag))
 
     def settle_sends(self) -> None:
-        """Forget the WORK sends that completed; a rank whose send failed is reported dead
-        (with ULFM, as the runtime says; otherwise that rank alone)."""
-        if not self._sends:
+        """Forget the posted sends that completed (one `Testsome` for all); a rank whose
+        send failed is reported dead (with ULFM, as the runtime says; otherwise that rank
+        alone)."""
+        if not self._requests:
             return
-        pending = []
-        for request, data, dest in self._sends:
+        try:
+            done = MPI.Request.Testsome(self._requests)
+        except MPI.Exception:
+            done = self._settle_one_by_one()
+        if done is None:  # (every request inactive: none can still be pending)
+            done = list(range(len(self._requests)))
+        if done:
+            finished = set(done)
+            self._requests = [r for i, r in enumerate(self._requests) if i not in finished]
+            self._posted = [p for i, p in enumerate(self._posted) if i not in finished]
+
+    def _settle_one_by_one(self) -> list[int]:
+        """After a failure in `Testsome`: which sends completed, which failed (their ranks
+        reported dead)."""
+        done = []
+        for i, (request, (_, dest, _)) in enumerate(zip(self._requests, self._posted, strict=True)):
             try:
-                if not request.Test():
-                    pending.append((request, data, dest))
+                if request.Test():
+                    done.append(i)
             except MPI.Exception as e:
+                done.append(i)
                 if is_process_failure(e):
                     self._note_failure()
                 if dest not in self._failed:
                     self._failed.add(dest)
                     self._new_failed.append(dest)
-        self._sends = pending
+        return done
+
+    def posted_to(self, tag: int = TAG_WORK) -> set[int]:
+        """The ranks that have not yet taken what was posted to them on `tag`."""
+        self.settle_sends()
+        return {dest for _, dest, t in self._posted if t == tag}
 
     def unsettled_sends(self, wait_s: float = 0.0) -> list[int]:
-        """The ranks whose WORK has not been taken yet, after waiting up to `wait_s` for it:
-        MPI_Finalize could wait on them for ever."""
+        """The ranks that have not taken what was posted to them, after waiting up to
+        `wait_s`: MPI_Finalize could wait on them for ever."""
         deadline = time.monotonic() + wait_s
         while True:
             self.settle_sends()
-            if not self._sends or time.monotonic() >= deadline:
-                return sorted({dest for _, _, dest in self._sends})
+            if not self._posted or time.monotonic() >= deadline:
+                return sorted({dest for _, dest, _ in self._posted})
             time.sleep(0.001)
 
     def send_stop(self, data: bytes, dest: int) -> None:
-        self.send(data, dest, TAG_STOP)
+        self.post(data, dest, TAG_STOP)
 
     # -- worker side -------------------------------------------------------------------------
     def send_result(self, data: bytes) -> None:
@@ -329,7 +357,7 @@ class Transport:
             backoff.wait()
 
     def send_start(self, data: bytes, dest: int) -> None:
-        self.send(data, dest, TAG_START)
+        self.post(data, dest, TAG_START)
 
     def wait_for_start(self) -> Received:
         """Worker: the master's start verdict (or a STOP that came first), polling with

@@ -84,6 +84,9 @@ class InstantWorkers:
     def waiting(self) -> bool:
         return True  # (the drains say what is there: some fakes make messages appear in them)
 
+    def posted_to(self, tag: int) -> set[int]:
+        return set()  # (every WORK is taken at once)
+
     def send_work(self, data: bytes, dest: int) -> None:
         work = decode_work(data)
         self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(ok_answer(work))))

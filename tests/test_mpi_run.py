@@ -1014,7 +1014,9 @@ def test_a_worker_stopped_while_idle_does_not_stop_the_master_sending_it_work(tm
     (queue / "id:000000,time:0,execs:0,orig:seed").write_bytes(b"one")
     db = tmp_path / "c.db"
     proc = start(["run", "--db", str(db), "--afl-out", str(afl), "--fuzzer", "main",
-                  "--no-feedback", "--watchdog", "2", "--batch", "1", "--no-progress", "--",
+                  "--no-feedback", "--watchdog", "2", "--batch", "1", "--no-progress",
+                  # (a loaded machine may retire a dispatch more than once: never deferred)
+                  "--retries", "16", "--max-attempts", "50", "--",
                   sys.executable, str(target), "@@"], np=3)
     stopped: list[int] = []
     try:
