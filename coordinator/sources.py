@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from store.lock import held_campaign_file
 from store.semantic import PayloadError, canonical_form
 from store.tasks import NewTask
 
@@ -354,6 +355,10 @@ def _read_input_file(path: pathlib.Path, lineno: int, obj: dict,
     input_file = obj["input_file"]
     if not isinstance(input_file, str) or not input_file:
         raise TaskFileError(path, lineno, "'input_file' must be a non-empty string")
+    held = held_campaign_file(input_file)
+    if held is not None:
+        raise TaskFileError(path, lineno, f"input_file {input_file!r} is a file of the "
+                                          f"campaign's database {held}, which no task reads")
     try:
         st = os.stat(input_file)
         if not stat.S_ISREG(st.st_mode):

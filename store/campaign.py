@@ -37,7 +37,7 @@ from .errors import (
     StoreError,
 )
 from .journal import QuarantineSampler, RetryPolicy, Tx
-from .lock import lock_campaign
+from .lock import lock_campaign, release_campaign
 from .observe import CommitTimes
 from .probe import probe
 from .revisions import check_revision, current_revision
@@ -149,7 +149,7 @@ class Store:
                 engine.dispose()
             if new and path.is_file() and path.stat().st_size == 0:
                 path.unlink()  # refused before it held anything: as if never started
-            os.close(lock_fd)
+            release_campaign(lock_fd)
             raise
         store = cls(path, engine, incarnation, epoch, policy, report, clock, bitmap,
                     lock_wait_s, on_lock_wait)
@@ -217,7 +217,7 @@ class Store:
         if self._lock_fd is not None:
             # After the engine's connections: closing a descriptor of the file drops the
             # process's POSIX locks on it, which are SQLite's.
-            os.close(self._lock_fd)  # releases the campaign to the next master
+            release_campaign(self._lock_fd)  # releases the campaign to the next master
             self._lock_fd = None
 
     def __enter__(self) -> Store:

@@ -61,7 +61,36 @@ def lock_campaign(path: str | os.PathLike[str]) -> int:
         os.close(fd)
         raise
     refuse_aliases(path)  # (a link made while it was being opened)
+    _held[fd] = os.path.realpath(path)
     return fd
+
+
+#: The campaign files this process holds (`lock_campaign`), by descriptor: their real paths.
+_held: dict[int, str] = {}
+
+
+def release_campaign(fd: int) -> None:
+    """Close the descriptor `lock_campaign` returned (after the database's own connections:
+    closing a descriptor of the file drops the process's POSIX locks on it, SQLite's)."""
+    _held.pop(fd, None)
+    os.close(fd)
+
+
+def held_campaign_file(path: str | os.PathLike[str]) -> str | None:
+    """The campaign this process holds that `path` is a file of (the database, its -wal,
+    -shm or -journal, by any name), or None. Such a file is read and written only through
+    SQLite while held: opening and closing it otherwise would drop SQLite's POSIX locks (on
+    the database: the next process to close it would delete the -wal under the master)."""
+    if not _held:
+        return None
+    real = os.path.realpath(path)
+    for db in _held.values():
+        if real in (db, db + "-wal", db + "-shm", db + "-journal"):
+            return db
+        with contextlib.suppress(OSError):
+            if os.path.samefile(real, db):
+                return db
+    return None
 
 
 @contextlib.contextmanager
@@ -76,7 +105,7 @@ def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
     try:
         yield
     finally:
-        os.close(fd)
+        release_campaign(fd)
 
 
 def lock_holder(path: str | os.PathLike[str]) -> int | None:

@@ -428,6 +428,31 @@ def test_an_input_file_that_is_not_a_regular_file_is_refused(tmp_path):
         load_tasks_jsonl(tasks)
 
 
+def test_an_input_file_of_the_campaign_the_master_holds_is_refused_unread(tmp_path):
+    """A tasks file made by `find corpus -type f` with the campaign in corpus/ named the
+    database as an input: the master read it through a descriptor of its own, and closing
+    that dropped SQLite's POSIX locks (the next shell to close the file would delete the -wal
+    under the master). The files of a campaign the process holds are refused, by any name."""
+    from store.campaign import Store
+
+    db = tmp_path / "c.db"
+    (tmp_path / "alias").symlink_to(db)
+    store = Store.open(db)
+    try:
+        for name in ("c.db", "alias", "c.db-wal", "c.db-shm"):
+            tasks = write_lines(tmp_path / "t.jsonl", [json.dumps(
+                {"path": "x", "input_file": str(tmp_path / name)})])
+            with pytest.raises(TaskFileError, match=r"t.jsonl:1: input_file .* is a file of "
+                                                    r"the campaign's database .*c\.db"):
+                list(load_tasks_jsonl(tasks))
+    finally:
+        store.close()
+    # Released, it is a file like any other (the lock's registry forgets it).
+    [task] = load_tasks_jsonl(write_lines(tmp_path / "t.jsonl", [json.dumps(
+        {"path": "x", "input_file": str(db)})]))
+    assert task.input_bytes == db.read_bytes()
+
+
 def test_an_input_too_big_to_store_is_refused_by_name_and_the_others_go_on(tmp_path, queue,
                                                                            capsys):
     """An input is stored with its task; one over SQLite's 1 GB stopped the master with
