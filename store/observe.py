@@ -290,15 +290,15 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
         for b in range(bs + 1, be):
             row[b] += count * width
 
-    # A dispatch's results (one per task of its batch) share its token and its times: its
-    # busy time counts once, its results each.
+    # A dispatch's results (one per task of its batch) share its times, and no two dispatches
+    # of a rank share both: its busy time counts once, its results each.
     for rank, bs, be, count, s_sum, e_sum, results, tc, bad in conn.exec_driver_sql(
             f"SELECT rank, CAST((s - :t0) / :w AS INTEGER) AS bs, "
             f"CAST((e - :t0) / :w AS INTEGER) AS be, count(*), total(s - :t0), "
             f"total(e - :t0), sum(n), total(tc), sum(bad) "
             f"FROM (SELECT rank, min({_START}) AS s, max(committed_at) AS e, count(*) AS n, "
             f"total(testcases) AS tc, sum(status <> 'ok') AS bad FROM results "
-            f"GROUP BY rank, token) GROUP BY rank, bs, be", params):
+            f"GROUP BY rank, committed_at, {_START}) GROUP BY rank, bs, be", params):
         b = max(0, min(be, n - 1))
         done[b] += results
         not_ok[b] += bad or 0

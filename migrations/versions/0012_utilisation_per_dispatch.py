@@ -9,8 +9,9 @@ its commit. Since a dispatch can carry a batch of tasks (`--batch`, the default 
 Python tasks), every task of a batch has its own result row with the dispatch's times, so a
 rank's busy time was counted once per task: `busy_fraction` read 7.9 for ranks running
 batches of 8, and `mean_task_s` 0.127 s for 10 ms tasks. The view now groups a rank's results
-by their dispatch (its token) first, and gains a `dispatches` column (last, so that a
-`SELECT *` reads the old columns where they were).
+by their dispatch first (its start and its commit, which a batch's results share and no two
+dispatches of one rank do; numbers sort faster than the 64-character token), and gains a
+`dispatches` column (last, so that a `SELECT *` reads the old columns where they were).
 
 No row changes; only the view is replaced.
 """
@@ -39,7 +40,7 @@ WITH per_dispatch AS (
   SELECT r.incarnation AS inc, r.rank, count(*) AS results, sum(r.status = 'ok') AS ok,
          sum(r.status <> 'ok') AS not_ok, max(r.committed_at) - min({_STARTED}) AS busy,
          min({_STARTED}) AS first, max(r.committed_at) AS last
-  FROM results r GROUP BY r.incarnation, r.rank, r.token),
+  FROM results r GROUP BY r.incarnation, r.rank, r.committed_at, {_STARTED}),
 per AS (
   SELECT inc, rank, sum(results) AS results, sum(ok) AS ok, sum(not_ok) AS not_ok,
          count(*) AS dispatches, total(busy) AS busy, min(first) AS first, max(last) AS last
