@@ -356,24 +356,37 @@ def _same_file(a: Path, b: Path) -> bool:
 def _refuse_overwriting_inputs(ns: argparse.Namespace, stats_file: Path) -> None:
     """The files a run writes must not be the campaign's database (or its -wal, -shm), its
     tasks file or its callable's file, nor one another: `--stats-file campaign.db` replaced
-    the database with 445 bytes of text, `--summary-json tasks.jsonl` the tasks."""
-    db = ns.db
-    kept = [("--db", db), *((f"--db's {suffix}", db.with_name(db.name + suffix))
-                             for suffix in ("-wal", "-shm", "-journal"))]
-    if ns.tasks is not None:
-        kept.append(("--tasks", ns.tasks))
-    if ns.callable and ":" in ns.callable:
-        module = ns.callable.rsplit(":", 1)[0]
-        if module.endswith(".py"):
-            kept.append(("--callable's file", Path(module)))
+    the database with 445 bytes of text, `--summary-json tasks.jsonl` the tasks. Each is
+    written through `NAME.tmp`, which must not be one of them either."""
     written = [(flag, path) for flag, path in (
         ("--stats-file", stats_file), ("--summary-json", ns.summary_json),
         ("--metrics-file", ns.metrics_file), ("--out", ns.out)) if path is not None]
+    refuse_overwriting(ns.db, ns.tasks, ns.callable, written)
+
+
+def refuse_overwriting(db: Path, tasks: Path | None, callable_spec: str | None,
+                       written: list[tuple[str, Path]]) -> None:
+    """ConfigError if a file in `written` (flag, path) names the database's files, the tasks
+    file, the callable's file or another written one (`_refuse_overwriting_inputs`)."""
+    real_db = Path(os.path.realpath(db))  # (SQLite keeps -wal and -shm beside the target)
+    kept = [("--db", db)]
+    for base in {db, real_db}:
+        kept += [(f"--db's {suffix}", base.with_name(base.name + suffix))
+                 for suffix in ("-wal", "-shm", "-journal")]
+    if tasks is not None:
+        kept.append(("--tasks", tasks))
+    if callable_spec and ":" in callable_spec:
+        module = callable_spec.rsplit(":", 1)[0]
+        if module.endswith(".py"):
+            kept.append(("--callable's file", Path(module)))
     for i, (flag, path) in enumerate(written):
+        tmp = path.with_name(path.name + ".tmp")
         for other, name in kept + written[:i]:
-            if _same_file(path, name):
-                raise ConfigError(f"{flag} {path} is the file {other} names ({name}): it "
-                                  f"would be overwritten; choose another path")
+            for mine in (path, tmp) if flag != "--out" else (path,):
+                if _same_file(mine, name):
+                    raise ConfigError(f"{flag} {path} would overwrite {name} ({other}"
+                                      + (f", through {mine}" if mine is tmp else "")
+                                      + "); choose another path")
 
 
 def campaign_settings(cfg: RunConfig) -> dict[str, object]:

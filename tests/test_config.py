@@ -313,10 +313,10 @@ def test_what_a_run_writes_may_not_be_its_database_or_its_inputs(tmp_path, flag)
     for name, names in (("c.db", "--db"), ("c.db-wal", "--db's -wal"),
                         ("c.db-shm", "--db's -shm"), ("t.jsonl", "--tasks"),
                         ("hard.jsonl", "--tasks"), ("soft.py", "--callable's file")):
-        with pytest.raises(ConfigError, match=f"^{flag} .* is the file {names} names"):
+        with pytest.raises(ConfigError, match=f"^{flag} .* would overwrite .*\\({names}\\)"):
             resolve(tmp_path, *source, flag, str(tmp_path / name))
     other = "--metrics-file" if flag == "--stats-file" else "--stats-file"
-    with pytest.raises(ConfigError, match="would be overwritten"):
+    with pytest.raises(ConfigError, match=r"would overwrite .*x \(--"):
         resolve(tmp_path, *source, flag, str(tmp_path / "x"), other, str(tmp_path / "x"))
     assert resolve(tmp_path, *source, flag, str(tmp_path / "fresh")).db == tmp_path / "c.db"
 
@@ -333,3 +333,19 @@ def test_a_start_wait_shorter_than_a_rank_takes_to_start_is_refused(value, capsy
 
 def test_a_start_wait_of_a_second_is_taken(tmp_path):
     assert resolve(tmp_path, "--start-wait", "1").start_wait_s == 1.0
+
+
+def test_an_output_written_through_its_tmp_file_or_a_linked_db_is_refused_too(tmp_path):
+    """Each end-of-run file is written to NAME.tmp and renamed: `--stats-file X --db X.tmp`
+    truncated the database through the temporary file. SQLite keeps -wal and -shm beside
+    the file a --db link names, and those are refused there too."""
+    with pytest.raises(ConfigError, match=r"--stats-file .*s would overwrite .*s\.tmp \(--db, "
+                                          r"through .*s\.tmp\)"):
+        resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "s.tmp"),
+                                          "--stats-file", str(tmp_path / "s")]))
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link.db").symlink_to(real / "c.db")
+    with pytest.raises(ConfigError, match=r"would overwrite .*real/c\.db-wal \(--db's -wal\)"):
+        resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "link.db"),
+                                          "--metrics-file", str(real / "c.db-wal")]))

@@ -147,3 +147,18 @@ def test_a_start_on_a_campaign_a_master_runs_names_the_master_before_resume(tmp_
                 check_run(config(db, *args))
     finally:
         running.close()
+
+
+def test_a_resume_may_not_write_over_the_callable_the_campaign_stored(tmp_path):
+    """`--resume` without --callable runs the one the campaign stored: an output naming its
+    file was not checked, since the command line did not name it."""
+    from coordinator.config import ConfigError
+
+    db, tasks, spec = tmp_path / "c.db", tmp_path / "t.jsonl", tmp_path / "work.py"
+    tasks.write_text('{"data": 1}\n')
+    spec.write_text("def solve(task):\n    return 1\n")
+    _stored_campaign(db, campaign_settings(config(db, "--tasks", str(tasks), "--callable",
+                                                  f"{spec}:solve")))
+    with pytest.raises(ConfigError, match=r"--summary-json .*work\.py would overwrite .*"
+                                          r"\(--callable's file\)"):
+        check_run(config(db, "--resume", "--tasks", str(tasks), "--summary-json", str(spec)))
