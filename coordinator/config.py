@@ -319,8 +319,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"{flag} {path}: the directory {where} is not writable")
         if path.is_dir():
             raise ConfigError(f"{flag} {path} is a directory; it names the file to write")
-    _refuse_overwriting_inputs(ns, stats_file)
-    return RunConfig(
+    cfg = RunConfig(
         db=ns.db, resume=resume, retries=retries,
         max_attempts=max_attempts,
         synchronous=ns.synchronous, executor=executor, executor_given=executor_given,
@@ -340,11 +339,17 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         inject=ns.inject, inject_seed=ns.inject_seed, inject_log=ns.inject_log,
         summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )
+    refuse_overwriting(cfg)
+    return cfg
+
+
+#: What SQLite keeps beside a database (as `store.lock.SIDE_FILES`, which a worker, loading
+#: this module, must not import: its start stays free of the store).
+_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file: the same path once links are resolved, or (both
-    there) the same inode, as a hard link is."""
+    """As `store.lock.same_file` (see `_SIDE_FILES` for why not that one)."""
     if os.path.realpath(a) == os.path.realpath(b):
         return True
     try:
@@ -353,32 +358,25 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _refuse_overwriting_inputs(ns: argparse.Namespace, stats_file: Path) -> None:
-    """The files a run writes must not be the campaign's database (or its -wal, -shm), its
-    tasks file or its callable's file, nor one another: `--stats-file campaign.db` replaced
-    the database with 445 bytes of text, `--summary-json tasks.jsonl` the tasks. Each is
-    written through `NAME.tmp`, which must not be one of them either."""
-    written = [(flag, path) for flag, path in (
-        ("--stats-file", stats_file), ("--summary-json", ns.summary_json),
-        ("--metrics-file", ns.metrics_file), ("--out", ns.out)) if path is not None]
-    refuse_overwriting(ns.db, ns.tasks, ns.callable, written)
-
-
-def refuse_overwriting(db: Path, tasks: Path | None, callable_spec: str | None,
-                       written: list[tuple[str, Path]]) -> None:
-    """ConfigError if a file in `written` (flag, path) names the database's files, the tasks
-    file, the callable's file or another written one (`_refuse_overwriting_inputs`)."""
-    real_db = Path(os.path.realpath(db))  # (SQLite keeps -wal and -shm beside the target)
-    kept = [("--db", db)]
-    for base in {db, real_db}:
-        kept += [(f"--db's {suffix}", base.with_name(base.name + suffix))
-                 for suffix in ("-wal", "-shm", "-journal")]
-    if tasks is not None:
-        kept.append(("--tasks", tasks))
-    if callable_spec and ":" in callable_spec:
-        module = callable_spec.rsplit(":", 1)[0]
+def refuse_overwriting(cfg: RunConfig) -> None:
+    """The files a run writes must not be the campaign's database (or what SQLite keeps
+    beside it), its tasks file or its callable's file, nor one another: `--stats-file
+    campaign.db` replaced the database with 445 bytes of text, `--summary-json tasks.jsonl`
+    the tasks. Each is written through `NAME.tmp`, which must not be one of them either.
+    Checked again once a --resume has taken the campaign's stored callable (`preflight`)."""
+    real_db = Path(os.path.realpath(cfg.db))  # (SQLite keeps -wal and -shm beside the target)
+    kept = [("--db", cfg.db)]
+    for base in {cfg.db, real_db}:
+        kept += [(f"--db's {side}", base.with_name(base.name + side)) for side in _SIDE_FILES]
+    if cfg.tasks_file is not None:
+        kept.append(("--tasks", cfg.tasks_file))
+    if cfg.callable_spec and ":" in cfg.callable_spec:
+        module = cfg.callable_spec.rsplit(":", 1)[0]
         if module.endswith(".py"):
             kept.append(("--callable's file", Path(module)))
+    written = [(flag, path) for flag, path in (
+        ("--stats-file", cfg.stats_file), ("--summary-json", cfg.summary_json),
+        ("--metrics-file", cfg.metrics_file), ("--out", cfg.out)) if path is not None]
     for i, (flag, path) in enumerate(written):
         tmp = path.with_name(path.name + ".tmp")
         for other, name in kept + written[:i]:

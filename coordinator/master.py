@@ -999,8 +999,8 @@ class Master:
             # A rank that has not taken its last WORK yet may have shown an older READY: its
             # STOP waits until it has (a worker takes a STOP first, and would finalize with
             # that WORK never taken, which MPI_Finalize could wait on for ever).
-            untaken = self.transport.posted_to(TAG_WORK) if pending - set(stop_tokens) else ()
-            for rank in sorted(pending & shown_ready - set(stop_tokens) - set(untaken)):
+            untaken = self.transport.posted_to(TAG_WORK)
+            for rank in sorted(pending & shown_ready - set(stop_tokens) - untaken):
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)
                 if token is None:
                     pending.discard(rank)

@@ -50,11 +50,7 @@ def check_run(cfg: RunConfig) -> Checked:
     notes: list[str] = []
     if cfg.resume and found.campaign:
         cfg, notes = take_over(cfg, found.settings)
-        # The callable the campaign stored, now this run's, must not be written over either.
-        refuse_overwriting(cfg.db, cfg.tasks_file, cfg.callable_spec, [
-            (flag, path) for flag, path in (
-                ("--stats-file", cfg.stats_file), ("--summary-json", cfg.summary_json),
-                ("--metrics-file", cfg.metrics_file), ("--out", cfg.out)) if path is not None])
+        refuse_overwriting(cfg)  # the callable the campaign stored is this run's now
     if cfg.demo is None and cfg.tasks_file is None and cfg.afl_out is None \
             and not found.campaign:
         # A --resume of a file that holds no campaign yet starts a new one: the embedded

@@ -180,9 +180,13 @@ class Transport:
             group.Free()
         self.comm.Ack_failed()
         for r in ranks:
-            if r not in self._failed and r != MPI.UNDEFINED:
-                self._failed.add(r)
-                self._new_failed.append(r)
+            if r != MPI.UNDEFINED:
+                self._mark_failed(r)
+
+    def _mark_failed(self, rank: int) -> None:
+        if rank not in self._failed:
+            self._failed.add(rank)
+            self._new_failed.append(rank)
 
     def take_failed(self) -> list[int]:
         """Ranks reported dead since the last call: by ULFM, or (with or without it) a rank
@@ -307,9 +311,7 @@ class Transport:
                 done.append(i)
                 if is_process_failure(e):
                     self._note_failure()
-                if dest not in self._failed:
-                    self._failed.add(dest)
-                    self._new_failed.append(dest)
+                self._mark_failed(dest)
         return done
 
     def posted_to(self, tag: int = TAG_WORK) -> set[int]:

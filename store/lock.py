@@ -68,6 +68,20 @@ def lock_campaign(path: str | os.PathLike[str]) -> int:
 #: The campaign files this process holds (`lock_campaign`), by descriptor: their real paths.
 _held: dict[int, str] = {}
 
+#: What SQLite keeps beside a database, by the database's real name.
+SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two paths name one file: the same path once links are resolved (whether or
+    not it exists yet), or the same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: not the same one
+        return False
+
 
 def release_campaign(fd: int) -> None:
     """Close the descriptor `lock_campaign` returned (after the database's own connections:
@@ -81,15 +95,9 @@ def held_campaign_file(path: str | os.PathLike[str]) -> str | None:
     -shm or -journal, by any name), or None. Such a file is read and written only through
     SQLite while held: opening and closing it otherwise would drop SQLite's POSIX locks (on
     the database: the next process to close it would delete the -wal under the master)."""
-    if not _held:
-        return None
-    real = os.path.realpath(path)
     for db in _held.values():
-        if real in (db, db + "-wal", db + "-shm", db + "-journal"):
+        if any(same_file(path, db + side) for side in ("", *SIDE_FILES)):
             return db
-        with contextlib.suppress(OSError):
-            if os.path.samefile(real, db):
-                return db
     return None
 
 

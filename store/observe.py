@@ -296,7 +296,7 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
             f"SELECT rank, CAST((s - :t0) / :w AS INTEGER) AS bs, "
             f"CAST((e - :t0) / :w AS INTEGER) AS be, count(*), total(s - :t0), "
             f"total(e - :t0), sum(n), total(tc), sum(bad) "
-            f"FROM (SELECT rank, min({_START}) AS s, max(committed_at) AS e, count(*) AS n, "
+            f"FROM (SELECT rank, {_START} AS s, committed_at AS e, count(*) AS n, "
             f"total(testcases) AS tc, sum(status <> 'ok') AS bad FROM results "
             f"GROUP BY rank, committed_at, {_START}) GROUP BY rank, bs, be", params):
         b = max(0, min(be, n - 1))

@@ -47,10 +47,11 @@ def probe(path: str | os.PathLike[str], *, current: bool = True) -> Probe:
     if not path.absolute().parent.is_dir():
         raise DatabaseOpenError(f"{path} cannot be created: the directory "
                                 f"{path.absolute().parent} does not exist")
-    target = Path(os.path.realpath(path))
-    if path.is_symlink() and not target.parent.is_dir():  # (a link to a new file is fine)
-        raise DatabaseOpenError(f"{path} is a symbolic link to {target}, which cannot be "
-                                f"created: the directory {target.parent} does not exist")
+    if path.is_symlink():  # (a link to a new file in a directory that exists is fine)
+        target = Path(os.path.realpath(path))
+        if not target.parent.is_dir():
+            raise DatabaseOpenError(f"{path} is a symbolic link to {target}, which cannot be "
+                                    f"created: the directory {target.parent} does not exist")
     if not path.exists():
         return Probe(exists=False, campaign=False, master=None)
     if not path.is_file():

@@ -38,8 +38,8 @@ _STARTED = "coalesce(r.dispatched_at, r.sent_at, r.committed_at)"
 RANK_UTILISATION = f"""
 WITH per_dispatch AS (
   SELECT r.incarnation AS inc, r.rank, count(*) AS results, sum(r.status = 'ok') AS ok,
-         sum(r.status <> 'ok') AS not_ok, max(r.committed_at) - min({_STARTED}) AS busy,
-         min({_STARTED}) AS first, max(r.committed_at) AS last
+         sum(r.status <> 'ok') AS not_ok, r.committed_at - {_STARTED} AS busy,
+         {_STARTED} AS first, r.committed_at AS last
   FROM results r GROUP BY r.incarnation, r.rank, r.committed_at, {_STARTED}),
 per AS (
   SELECT inc, rank, sum(results) AS results, sum(ok) AS ok, sum(not_ok) AS not_ok,
