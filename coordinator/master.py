@@ -133,7 +133,7 @@ class Master:
         self.summary = Summary()
         self._stop_signal: str | None = None
         self._stop_at = 0.0
-        self._sent: list[str] = []                 # WORK left: mark post-send next tx
+        self._sent: list[tuple[str, float]] = []   # WORK left (token, when): marked next tx
         self._unsent: list[tuple[int, str, str]] = []  # (rank, token, why): compensate pre-send
         self._failed_ranks: set[int] = set()
         self._idle: list[int] = []
@@ -574,7 +574,7 @@ class Master:
             answered, ran = self._answered.pop(p.rank, None), self._ran_s.pop(p.rank, None)
             if answered is not None and ran is not None:
                 self._auto.cycled(answered[1], ran, now - answered[0])
-            self._sent.append(p.token)
+            self._sent.append((p.token, self.store.clock()))
             self.summary.dispatches += 1
             if self.summary.first_work_at is None:
                 self.summary.first_work_at = time.time()

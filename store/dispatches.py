@@ -208,7 +208,7 @@ class _Pending:
     __slots__ = ("sent", "ready", "commits")
 
     def __init__(self) -> None:
-        self.sent: dict[str, float] = {}                 # token -> when marked
+        self.sent: dict[str, float] = {}                 # token -> when its WORK left
         self.ready: dict[tuple[int, str], float] = {}    # (rank, token) -> when seen
         self.commits: list[tuple[CommitItem, int, bool]] = []  # item, task id, READY seen
 
@@ -217,7 +217,11 @@ class _Pending:
         if self.commits:
             _write_commits(tx, self)
         if self.sent:
-            db.executemany("UPDATE dispatches SET sent_at = ? WHERE token = ? "
+            # The watchdog's budget counts from the WORK leaving, not from the dispatch's
+            # planning: a COMMIT held up by a slow disk (or a master descheduled) before the
+            # send must not eat the worker's time and retire a dispatch whose answer is due.
+            db.executemany("UPDATE dispatches SET sent_at = ?1, "
+                           "deadline = deadline - created_at + ?1 WHERE token = ?2 "
                            "AND sent_at IS NULL", [(at, t) for t, at in self.sent.items()])
         if self.ready:
             db.executemany("UPDATE dispatches SET ready_at = ? WHERE rank = ? AND token = ? "
@@ -231,13 +235,15 @@ def _pending(tx: Tx) -> _Pending:
     return pending
 
 
-def mark_sent(tx: Tx, tokens: Iterable[str]) -> None:
-    """WORK left the master: from now on a rollback is post-send (the attempt counts).
-    Written with the transaction's next statement of another kind, or by the commit of the
-    dispatch's result in this transaction (`_Pending`)."""
+def mark_sent(tx: Tx, tokens: Iterable[str | tuple[str, float]]) -> None:
+    """WORK left the master: from now on a rollback is post-send (the attempt counts), and a
+    watchdog deadline counts from then. Each token comes with when its WORK left, or alone
+    (then: this transaction's time). Written with the transaction's next statement of another
+    kind, or by the commit of the dispatch's result in this transaction (`_Pending`)."""
     sent = _pending(tx).sent
     for t in tokens:
-        sent.setdefault(t, tx.now)
+        token, at = (t, tx.now) if isinstance(t, str) else t
+        sent.setdefault(token, at)
 
 
 def members(tx: Tx, token: str) -> list[int]:

@@ -15,6 +15,7 @@ from sqlalchemy import text
 
 from coordinator.gate import Gate, Inbound
 from coordinator.protocol import ReadyStatus, ResultStatus
+from store import dispatches as dsp
 from store.campaign import Store
 from store.journal import RetryPolicy
 from store.schema import (
@@ -295,6 +296,34 @@ def test_unowned_ready_is_quarantined_and_visible(farm):
 
 
 # -- the watchdog's parked rank -------------------------------------------------------------
+
+def test_the_watchdog_counts_from_when_the_work_left_not_from_the_plan(tmp_path: Path):
+    """A COMMIT held up (a slow disk, the master descheduled) between the plan and the send
+    must not eat the worker's budget: the deadline moves to the send time plus the budget."""
+    clock = [1000.0]
+    store = Store.open(tmp_path / "c.db", policy=POLICY, clock=lambda: clock[0])
+    gate = Gate(store)
+    try:
+        with store.transaction() as tx:
+            enqueue_tasks(tx, [NewTask({"path": "/seeds/one"}), NewTask({"path": "/seeds/2"})])
+            gate.apply_ready(tx, [Inbound(1, {READY_KEY: ""}), Inbound(2, {READY_KEY: ""})])
+        with store.transaction() as tx:
+            late, prompt = gate.plan_dispatches(tx, [1, 2], deadline_s=DEADLINE_S)
+        sent_late = clock[0] + 3 * DEADLINE_S  # WORK left long after the plan
+        with store.transaction() as tx:
+            dsp.mark_sent(tx, [(late.token, sent_late), prompt.token])
+        clock[0] += DEADLINE_S + 0.001
+        with store.transaction() as tx:  # the promptly sent one is past its deadline
+            assert [(r.rank, r.token) for r in gate.watchdog(tx)] == [(2, prompt.token)]
+        clock[0] = sent_late + DEADLINE_S
+        with store.transaction() as tx:
+            assert gate.watchdog(tx) == []
+        clock[0] += 0.001
+        with store.transaction() as tx:
+            assert [(r.rank, r.token) for r in gate.watchdog(tx)] == [(1, late.token)]
+    finally:
+        store.close()
+
 
 def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
     """Two READYs echoing the retired token in the same batch: the rank comes back once
