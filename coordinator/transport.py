@@ -167,6 +167,7 @@ class Transport:
         #: most: a rank gets WORK only after its READY, STOP once, START once.
         self._requests: list[MPI.Request] = []
         self._posted: list[tuple[bytes, int, int]] = []
+        self._statuses: list[MPI.Status] = []  # Testsome's, kept for the next call
 
     # -- failure notification (ULFM) ---------------------------------------------------------
     def _note_failure(self) -> None:
@@ -288,10 +289,13 @@ class Transport:
         alone)."""
         if not self._requests:
             return
+        while len(self._statuses) < len(self._requests):
+            self._statuses.append(MPI.Status())
+        statuses = self._statuses[:len(self._requests)]
         try:
-            done = MPI.Request.Testsome(self._requests)
+            done = MPI.Request.Testsome(self._requests, statuses)
         except MPI.Exception:
-            done = self._settle_one_by_one()
+            done = self._settle_failed(statuses)
         if done is None:  # (every request inactive: none can still be pending)
             done = list(range(len(self._requests)))
         if done:
@@ -299,19 +303,23 @@ class Transport:
             self._requests = [r for i, r in enumerate(self._requests) if i not in finished]
             self._posted = [p for i, p in enumerate(self._posted) if i not in finished]
 
-    def _settle_one_by_one(self) -> list[int]:
-        """After a failure in `Testsome`: which sends completed, which failed (their ranks
-        reported dead)."""
-        done = []
-        for i, (request, (_, dest, _)) in enumerate(zip(self._requests, self._posted, strict=True)):
-            try:
-                if request.Test():
-                    done.append(i)
-            except MPI.Exception as e:
-                done.append(i)
-                if is_process_failure(e):
-                    self._note_failure()
-                self._mark_failed(dest)
+    def _settle_failed(self, statuses: list[MPI.Status]) -> list[int]:
+        """After `Testsome` raised (MPI_ERR_IN_STATUS): which sends completed, and the ranks
+        of those that failed, reported dead. The error does not say which sends completed,
+        and MPI has already freed them (a `Test` of each would now say "done" for the
+        failed one too), so they are the requests now null (every one was active before the
+        call). A process failure names no rank: the runtime's list of failed ranks does
+        (ULFM). Any other error is taken as its own send's, the statuses being in the order
+        of the requests (Testsome's indices ascend in the implementations used here)."""
+        done = [i for i, r in enumerate(self._requests) if r == MPI.REQUEST_NULL]
+        for i, status in zip(done, statuses, strict=False):
+            error = status.Get_error()
+            if error == MPI.SUCCESS:
+                continue
+            if MPI.Get_error_class(error) == ERR_PROC_FAILED:
+                self._note_failure()
+            else:
+                self._mark_failed(self._posted[i][1])
         return done
 
     def posted_to(self, tag: int = TAG_WORK) -> set[int]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -246,3 +248,45 @@ def test_a_worker_slow_to_start_on_a_short_run_leaves_no_traceback(tmp_path):
         done.stderr[-3000:]
     assert query(db, "SELECT state, count(*) FROM workers GROUP BY 1") == [("stopped", 3)]
     check_conservation(db, expected_tasks=1)
+
+
+#: A master's Transport posts 1 MiB (more than any eager limit: it waits for its receiver) to
+#: rank 1, which has died; rank 2 takes a small message. Then only `settle_sends` runs: no
+#: probe, which would learn of the death by itself.
+POSTED_TO_THE_DEAD = """
+import os, signal, sys, time
+from coordinator.transport import Transport
+from coordinator.wire import TAG_WORK
+t = Transport()
+if t.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if t.rank == 2:
+    t.comm.Recv(bytearray(16), source=0, tag=TAG_WORK)
+    time.sleep(5)
+    os._exit(0)
+time.sleep(1.0)
+t.post(b"y" * 16, 2, TAG_WORK)
+t.post(b"x" * (1 << 20), 1, TAG_WORK)
+failed, deadline = [], time.monotonic() + 20
+while t.posted_to() and time.monotonic() < deadline:
+    failed += t.take_failed()
+    time.sleep(0.01)
+print("FAILED", sorted(failed + t.take_failed()), "LEFT", sorted(t.posted_to()), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(mpi_kind() != "openmpi", reason="ULFM is an Open MPI feature")
+def test_a_posted_send_to_a_dead_rank_reports_that_rank_dead(tmp_path):
+    """Testsome fails the whole call (MPI_ERR_IN_STATUS) and frees the failed request with
+    the rest: a second look at each request finds them all "done". The dead rank must still be
+    reported, by the send, not only by a later probe."""
+    from mpi_jobs import MPIEXEC, mpiexec_flags
+
+    script = tmp_path / "posted.py"
+    script.write_text(POSTED_TO_THE_DEAD)
+    out = subprocess.run([MPIEXEC, *mpiexec_flags(MPIEXEC, 3, ulfm=True), sys.executable,
+                          str(script)], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("FAILED")), None)
+    assert line == "FAILED [1] LEFT []", (out.stdout[-2000:], out.stderr[-2000:])
