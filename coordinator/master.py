@@ -837,10 +837,12 @@ class Master:
         (it may be what failed); returns the ranks that did not acknowledge in time."""
         pending = set(self.live_workers())
         tokens: dict[int, str] = {}
+        unreachable = set()
         for rank in sorted(pending):
             token = self._send_stop(rank, finalize=False)
             if token is None:
                 pending.discard(rank)
+                unreachable.add(rank)
             else:
                 tokens[rank] = token
         deadline = time.monotonic() + min(self.config.stop_wait_s, 5.0)
@@ -851,7 +853,7 @@ class Master:
             self._strays = []
             pending -= set(self._take_failed())
             backoff.wait()
-        return sorted(pending)
+        return sorted(pending | (unreachable - self._dead))
 
     def _take_failed(self) -> list[int]:
         """Ranks the runtime reported dead since the last call (ULFM), kept in `_dead`."""
@@ -1002,8 +1004,9 @@ class Master:
             untaken = self.transport.posted_to(TAG_WORK)
             for rank in sorted(pending & shown_ready - set(stop_tokens) - untaken):
                 token = self._send_stop(rank, finalize=not self.transport.any_failed)
-                if token is None:
+                if token is None:  # (not waited for; ended below unless it is dead)
                     pending.discard(rank)
+                    self._failed_ranks.add(rank)
                 else:
                     stop_tokens[rank] = token
                 progressed = True
@@ -1020,10 +1023,11 @@ class Master:
         with self._tx("workers stopped") as tx:
             set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])
             self._note_strays(tx)
-        # Ranks lost at the start or refused are alive as far as MPI knows, and would hold
+        # Ranks lost at the start, refused, or sent to in vain (a send that failed for
+        # another reason than their death) are alive as far as MPI knows, and would hold
         # the job open: ended with the unacknowledged ones.
         self._take_failed()
-        alive = (self._lost | self._refused) - self._dead
+        alive = (self._lost | self._refused | self._failed_ranks) - self._dead
         return sorted(pending | alive)
 
 

@@ -244,7 +244,9 @@ def test_a_task_whose_work_cannot_be_built_is_held_as_failed_and_the_run_goes_on
 def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_path):
     """Pre-send compensation (docs/protocol.md R6): the WORK never left, so nothing is charged: the
     task keeps its queue place and its counts, the event is `send_failed` (no requeue, no recovery),
-    and the rank that could not be reached is marked failed and left alone."""
+    and the rank that could not be reached is marked failed and left alone, until the end:
+    alive as far as MPI knows, it never gets a STOP, so it is reported unacknowledged (and
+    ended), or MPI_Finalize would wait for it for ever."""
     from coordinator.transport import SendFailed
     ranks = ScriptedAnswers(2, answered_after(0))
     answer = ranks.send_work
@@ -255,7 +257,8 @@ def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_pat
         answer(data, dest)
 
     ranks.send_work = send_work
-    assert _run_demo_tasks(tmp_path, 4, ranks).committed == 4
+    summary = _run_demo_tasks(tmp_path, 4, ranks)
+    assert (summary.committed, summary.unacked_ranks) == (4, [2])
     with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
         failed_on = db.execute("SELECT task_id FROM events WHERE kind = 'send_failed'"
                                ).fetchall()
