@@ -252,6 +252,12 @@ class MasterRank:
             # MPI_Finalize can hang after a rank's death (ompi#11404), which the master may
             # not have seen: under ULFM every rank leaves without it, as at the end of a run.
             exit_now(status)
+        # A verdict not taken would hold MPI_Finalize for ever (a rank that never polls:
+        # stopped); each rank has --start-wait to come up and take it, as at any start.
+        untaken = self.transport.unsettled_sends(wait_s=cfg.start_wait_s)
+        if untaken:
+            _say(f"ranks {untaken} never took the start verdict; leaving without MPI_Finalize")
+            exit_now(status)
         return status
 
     def _tell_workers(self, start: Start) -> None:
