@@ -15,6 +15,8 @@ import secrets
 import stat
 import sys
 
+from store.lock import held_file_ids
+
 from .errors import UsageError
 
 __all__ = ["TestcaseWriter", "input_id", "sanitize_src"]
@@ -96,6 +98,7 @@ class TestcaseWriter:
     def _scan_files(self) -> None:
         with os.scandir(self.out_dir) as it:
             entries = list(it)
+        campaign = held_file_ids()
         for entry in entries:
             if entry.name.startswith(_TMP_PREFIX):
                 _remove_quietly(entry.path)  # left by a master killed mid-write
@@ -104,6 +107,14 @@ class TestcaseWriter:
                 continue
             if not self.afl_style:
                 continue  # its name says where a content is: nothing to read
+            st = entry.stat(follow_symlinks=False)
+            if (st.st_dev, st.st_ino) in campaign:
+                # The campaign's database (or its -wal, -shm) kept in the queue: reading it
+                # would drop SQLite's POSIX locks on it (store.lock.held_campaign_file).
+                print(f"coordinator: {entry.path} is a file of the campaign's database; "
+                      f"not read as a test case (keep the database out of the AFL queue)",
+                      file=sys.stderr, flush=True)
+                continue
             match = _AFL_ID.match(entry.name)
             if match:
                 self._next_id = max(self._next_id, int(match.group(1)) + 1)

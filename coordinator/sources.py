@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from store.lock import held_campaign_file
+from store.lock import held_campaign_file, held_file_ids
 from store.semantic import PayloadError, canonical_form
 from store.tasks import NewTask
 
@@ -96,8 +96,10 @@ class AflQueueSource:
         # (inode, mtime_ns) of the queue directory when it was last listed, if trusted
         self._listed: tuple[int, int] | None = None
         self._relist_at = 0.0
-        #: Entries that are not regular files (symbolic links, pipes, ...): never read.
+        #: Entries that are not regular files (symbolic links, pipes, ...) or are files of
+        #: the campaign's database: never read.
         self.skipped = 0
+        self._campaign_files: frozenset[tuple[int, int]] = frozenset()  # (dev, ino), a poll's
 
     @property
     def origin_prefix(self) -> str:
@@ -118,6 +120,7 @@ class AflQueueSource:
         now = time.time()
         found: list[NewInput] = []
         still_unsettled: dict[str, tuple[int, int]] = {}
+        self._campaign_files = held_file_ids()
         for name in sorted(names):
             new_input = self._take(name, now, still_unsettled)
             if new_input is not None:
@@ -182,6 +185,15 @@ class AflQueueSource:
             print(f"coordinator: AFL queue entry {_as_text(path)} skipped: "
                   f"{_kind_of(st.st_mode)}, not a regular file ({self.skipped} skipped so far)",
                   file=sys.stderr, flush=True)
+            return None
+        if (st.st_dev, st.st_ino) in self._campaign_files:
+            # A link to the campaign's own database (or its -wal, -shm): opening and closing
+            # it here would drop SQLite's POSIX locks on it (store.lock.held_campaign_file).
+            self._handled.add(name)
+            self.skipped += 1
+            print(f"coordinator: AFL queue entry {_as_text(path)} skipped: a file of the "
+                  f"campaign's database ({self.skipped} skipped so far)", file=sys.stderr,
+                  flush=True)
             return None
         if st.st_size > MAX_INPUT_BYTES:
             self._handled.add(name)

@@ -101,6 +101,21 @@ def held_campaign_file(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+def held_file_ids() -> frozenset[tuple[int, int]]:
+    """(device, inode) of each file of the campaigns this process holds that exists now: a
+    directory's entries are checked against it by their own `stat`, a hard link included,
+    without a lookup of each entry's name (`held_campaign_file`)."""
+    ids = set()
+    for db in _held.values():
+        for side in ("", *SIDE_FILES):
+            try:
+                st = os.stat(db + side)
+            except OSError:
+                continue
+            ids.add((st.st_dev, st.st_ino))
+    return frozenset(ids)
+
+
 @contextlib.contextmanager
 def campaign_locked(path: str | os.PathLike[str]) -> Iterator[None]:
     """Hold the campaign's lock (as a master does) for a maintenance step that must not run

@@ -136,3 +136,56 @@ def test_another_process_closing_the_file_leaves_a_running_masters_wal_alone(tmp
     import sqlite3
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT count(*) FROM tasks").fetchone() == (10,)
+
+
+def _my_locks(*paths) -> list[str]:
+    """This process's POSIX locks on these files, from /proc/locks (type and range)."""
+    inodes = set()
+    for p in paths:
+        st = os.stat(p)
+        inodes.add(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}")
+    mine = []
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            # "1: POSIX  ADVISORY  READ 1234 08:01:5678 128 128" (a "->" marks a waiter)
+            if "->" in fields or fields[1] != "POSIX" or fields[4] != str(os.getpid()):
+                continue
+            if fields[5] in inodes:
+                mine.append(" ".join(fields[3:4] + fields[5:]))
+    return sorted(mine)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux's /proc/locks")
+def test_a_master_reads_no_file_of_its_campaign_in_the_afl_queues(tmp_path):
+    """The campaign's database kept in the master's own AFL queue (or a link to its -shm in
+    the fuzzer's): hashed or imported like a test case, it was opened and closed beside
+    SQLite's descriptor, which dropped every POSIX lock SQLite held on it; the next process
+    to close the file would then delete the -wal under the master."""
+    from coordinator.output import TestcaseWriter
+    from coordinator.sources import AflQueueSource
+
+    ours, theirs = tmp_path / "afl" / "symcc" / "queue", tmp_path / "afl" / "main" / "queue"
+    ours.mkdir(parents=True)
+    theirs.mkdir(parents=True)
+    db = ours / "campaign.db"
+    store = Store.open(db)
+    try:
+        with store.reading() as conn:  # a reader holds its locks while it reads
+            conn.exec_driver_sql("SELECT count(*) FROM tasks").all()
+            files = [db, db.with_name("campaign.db-shm")]
+            held = _my_locks(*files)
+            assert held, "SQLite holds no POSIX lock: nothing to check"
+            os.link(files[1], theirs / "id:000000,orig:shm")
+            (theirs / "id:000001,orig:seed").write_bytes(b"seed")
+            writer = TestcaseWriter(ours, afl_style=True)
+            writer.scan()
+            source = AflQueueSource(tmp_path / "afl", "main", settle_s=0)
+            os.utime(theirs / "id:000001,orig:seed", (0, 0))
+            os.utime(files[1], (0, 0))
+            found = source.poll()
+            assert _my_locks(*files) == held
+        assert [i.input_bytes for i in found] == [b"seed"]
+        assert source.skipped == 1
+    finally:
+        store.close()
