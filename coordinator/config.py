@@ -358,6 +358,13 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def exit_status_path(pid_file: Path) -> Path:
+    """Where the master of a self-launched job records the status it ends with, beside its
+    pid. The launcher reports that status, not mpiexec's, which is the first rank's to end
+    abnormally (128 + SIGUSR2 for a hung rank the master ended) or, under ULFM, often 0."""
+    return pid_file.with_name(pid_file.name + ".exit")
+
+
 def refuse_overwriting(cfg: RunConfig) -> None:
     """The files a run writes must not be the campaign's database (or what SQLite keeps
     beside it), its tasks file or its callable's file, nor one another: `--stats-file
@@ -374,9 +381,13 @@ def refuse_overwriting(cfg: RunConfig) -> None:
         module = cfg.callable_spec.rsplit(":", 1)[0]
         if module.endswith(".py"):
             kept.append(("--callable's file", Path(module)))
+    pid_file = cfg.master_pid_file
     written = [(flag, path) for flag, path in (
         ("--stats-file", cfg.stats_file), ("--summary-json", cfg.summary_json),
-        ("--metrics-file", cfg.metrics_file), ("--out", cfg.out)) if path is not None]
+        ("--metrics-file", cfg.metrics_file), ("--out", cfg.out),
+        ("--master-pid-file", pid_file),
+        ("--master-pid-file's exit status", pid_file and exit_status_path(pid_file)),
+    ) if path is not None]
     for i, (flag, path) in enumerate(written):
         tmp = path.with_name(path.name + ".tmp")
         for other, name in kept + written[:i]:

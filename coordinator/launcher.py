@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import RunConfig
+from .config import RunConfig, exit_status_path
 from .errors import UsageError
 from .exits import ExitStatus, signalled
 from .processes import process_exists
@@ -35,13 +35,6 @@ def find_mpiexec(explicit: str | None = None) -> str | None:
         return os.path.abspath(found) if found else None
     beside = Path(sys.executable).parent / "mpiexec"
     return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-def exit_status_path(pid_file: Path) -> Path:
-    """Where the master of a self-launched job records the status it ends with, beside its
-    pid. The launcher reports that status, not mpiexec's, which is the first rank's to end
-    abnormally (128 + SIGUSR2 for a hung rank the master ended) or, under ULFM, often 0."""
-    return pid_file.with_name(pid_file.name + ".exit")
 
 
 #: Open MPI's launcher (prterun) sometimes fails to start its PMIx server when several jobs

@@ -297,7 +297,8 @@ def test_the_first_line_says_how_tasks_are_batched(tmp_path):
         "demo executor")
 
 
-@pytest.mark.parametrize("flag", ["--stats-file", "--summary-json", "--metrics-file", "--out"])
+@pytest.mark.parametrize("flag", ["--stats-file", "--summary-json", "--metrics-file", "--out",
+                                  "--master-pid-file"])
 def test_what_a_run_writes_may_not_be_its_database_or_its_inputs(tmp_path, flag):
     """`--stats-file campaign.db` replaced a campaign with 445 bytes of text, `--summary-json
     tasks.jsonl` the tasks file: every path a run writes is refused at start when it names
@@ -349,3 +350,8 @@ def test_an_output_written_through_its_tmp_file_or_a_linked_db_is_refused_too(tm
     with pytest.raises(ConfigError, match=r"would overwrite .*real/c\.db-wal \(--db's -wal\)"):
         resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "link.db"),
                                           "--metrics-file", str(real / "c.db-wal")]))
+    # (the launcher's pid file, and the exit status it writes beside it: NAME.exit)
+    with pytest.raises(ConfigError, match=r"--master-pid-file's exit status .*p\.exit would "
+                                          r"overwrite .*p\.exit \(--db\)"):
+        resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "p.exit"),
+                                          "--master-pid-file", str(tmp_path / "p")]))
