@@ -10,6 +10,7 @@ import sys
 
 from .config import RunConfig
 from .exits import ExitStatus
+from .processes import exit_now
 from .transport import Transport
 from .worker_rank import run_worker_rank
 
@@ -24,4 +25,10 @@ def run(cfg: RunConfig) -> int:
     if transport.rank == 0:
         from .master_rank import run_master_rank
         return run_master_rank(cfg, transport)
-    return run_worker_rank(cfg, transport)
+    status = run_worker_rank(cfg, transport)
+    # A thread a task's callable left running would hold the interpreter's exit, and with it
+    # this rank's MPI_Finalize, which the master's waits on: a thread sleeping 40 s held the
+    # whole run's end 40 s. Everything this rank owed is sent; its exit handlers are the
+    # user's code, not ours.
+    transport.finalize()
+    exit_now(status)

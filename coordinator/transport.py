@@ -386,6 +386,11 @@ class Transport:
                 raise MasterGone("the MPI runtime reported rank 0 dead during the start")
             backoff.wait()
 
+    def finalize(self) -> None:
+        """MPI_Finalize now, rather than at the interpreter's exit (mpi4py's own handler)."""
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+
     def abort(self, code: int) -> None:
         """MPI_Abort: ends every rank of the job (without ULFM)."""
         sys.stdout.flush()

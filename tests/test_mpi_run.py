@@ -23,6 +23,7 @@ from mpi_jobs import (
     kill_job,
     kill_ranks,
     master_pid,
+    mpi_kind,
     quarantined,
     query,
     ranks_of,
@@ -392,7 +393,6 @@ def test_a_stop_that_ends_busy_ranks_leaves_no_command_running(tmp_path, ulfm):
     own, so it used to outlive the job, with its children, until its own end. The master now
     sends such ranks on its host SIGUSR2 first, and a worker takes its command's process
     group with it."""
-    from mpi_jobs import mpi_kind
     if ulfm and mpi_kind() != "openmpi":
         pytest.skip("ULFM is Open MPI's")
     target, pids = tmp_path / "long.py", tmp_path / "pids"
@@ -586,6 +586,26 @@ def test_a_run_whose_every_rank_hangs_says_so_and_ends_as_stalled(tmp_path):
     assert query(db, "SELECT state, count(*) FROM tasks GROUP BY state") == [("queued", 6)]
     assert query(db, "SELECT sum(attempts) FROM tasks") == [(3,)]  # the three it ran
     assert ranks_of(db) == []  # the hung ranks were ended with the job
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ulfm", [True, False], ids=["ulfm", "no-ulfm"])
+def test_a_thread_a_callable_leaves_running_does_not_hold_the_end_of_the_run(tmp_path, ulfm):
+    """A task's callable starts a thread that never ends. The worker's interpreter waited for
+    it at exit, before MPI_Finalize, and the master's MPI_Finalize waited for that worker:
+    the run never ended."""
+    if ulfm and mpi_kind() != "openmpi":
+        pytest.skip("ULFM is an Open MPI feature")
+    spec = tmp_path / "lingers.py"
+    spec.write_text("import threading\n"
+                    "def work(task):\n"
+                    "    threading.Thread(target=threading.Event().wait).start()\n"
+                    "    return task\n")
+    db = tmp_path / "c.db"
+    done = run(["run", "--db", str(db), "--demo", "4", "--callable", f"{spec}:work",
+                "--no-progress"], np=3, ulfm=ulfm, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 4)]
 
 
 def test_a_shell_holding_the_write_lock_is_waited_for_and_nothing_is_lost(tmp_path):
