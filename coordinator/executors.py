@@ -18,6 +18,7 @@ import os
 import pathlib
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -28,7 +29,12 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from .config import EXECUTOR_KINDS, RunConfig
 from .errors import UsageError
-from .processes import kill_command, running_commands, wait_exit_unreaped
+from .processes import (
+    MPI_JOB_VARIABLES,
+    kill_command,
+    running_commands,
+    wait_exit_unreaped,
+)
 from .wire import clip_detail
 
 __all__ = [
@@ -258,7 +264,10 @@ class CommandExecutor:
         return path
 
     def _environment(self, input_path: pathlib.Path, out_dir: pathlib.Path) -> dict[str, str]:
-        env = dict(os.environ)
+        # Without the launcher's variables: a target that uses MPI would otherwise join the
+        # job as this worker's rank (seen: `rank 1 size 2`, then the real rank 1 crashed in
+        # MPI_Improbe and the run lost it). It starts as an MPI job of its own instead.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_JOB_VARIABLES)}
         env["SYMCC_OUTPUT_DIR"] = str(out_dir)
         if env.get("SYMCC_MEMORY_INPUT", "").strip().lower() in ("1", "on", "yes", "true"):
             # The user's harness makes a buffer symbolic itself: SymCC refuses a file input
@@ -306,12 +315,15 @@ class CommandExecutor:
                 stdin_file.close()
         running_commands.spawned(proc.pid)
         tail = _TailReader(proc.stderr, DETAIL_MAX_BYTES)
-        tail.start()
-        timed_out = not self._wait(proc)
-        # Also reaps anything the target left running in its group after a normal exit.
-        kill_command(proc.pid)
-        running_commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
-        returncode = proc.wait()
+        timed_out = True
+        try:
+            tail.start()
+            timed_out = not self._wait(proc)
+        finally:  # (whatever failed here, the target is not left running unsupervised)
+            # Also reaps anything the target left running in its group after a normal exit.
+            kill_command(proc.pid)
+            running_commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
+            returncode = proc.wait()
         # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.
         tail.join(timeout=2.0)
         stderr_tail = tail.text()
@@ -392,9 +404,12 @@ class CommandExecutor:
 
 def _read_bounded(path: str, limit: int) -> bytes | None:
     """The file's bytes, or None if it is larger than ``limit``; OSError if unreadable."""
-    # O_NOFOLLOW: the scandir check and this open must agree even if the target raced us.
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    # O_NOFOLLOW: the scandir check and this open must agree even if the target raced us;
+    # O_NONBLOCK: a file swapped for a pipe meanwhile must not block the worker.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is no longer a regular file")
         data = f.read(limit + 1)
     return None if len(data) > limit else data
 

@@ -208,6 +208,10 @@ def wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
 #: MPICH's Hydra sets no job name: `_job_of`). A process is a rank of this job only if it has
 #: the master's job and the rank, as its launcher set them.
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+#: The prefixes of every variable an MPI launcher gives its ranks (Open MPI, PRRTE and PMIx;
+#: MPICH's Hydra and PMI): what makes a process a member of the job.
+MPI_JOB_VARIABLES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "HYDI_", "MPI_LOCALRANKID",
+                     "MPI_LOCALNRANKS")
 JOB_VARS = ("PMIX_NAMESPACE", "PMI_KVSNAME", "PMI_JOBID", "OMPI_MCA_ess_base_jobid")
 
 

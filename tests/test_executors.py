@@ -219,6 +219,69 @@ def test_command_timeout_kills_the_whole_process_group(tmp_path, workdir):
     assert all(_gone(p) for p in pids), f"still alive: {[p for p in pids if not _gone(p)]}"
 
 
+def test_a_target_does_not_inherit_the_mpi_launchers_variables(tmp_path, workdir, monkeypatch):
+    """With them, a target that uses MPI joined the job as its worker's rank (`rank 1 size
+    2`), and the real rank crashed in MPI_Improbe: the run lost it."""
+    launcher = {"OMPI_COMM_WORLD_RANK": "1", "PMIX_RANK": "1", "PMIX_NAMESPACE": "prterun-x",
+                "PMI_FD": "7", "PRTE_MCA_x": "y", "HYDRA_PROXY": "1", "HYDI_CONTROL_FD": "9",
+                "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    for k, v in {**launcher, "MY_TARGET_SETTING": "kept"}.items():
+        monkeypatch.setenv(k, v)
+    env_file = tmp_path / "env.json"
+    target = write_script(tmp_path, "env.py", "import json, os, sys\n"
+                          "json.dump(dict(os.environ), open(sys.argv[1], 'w'))\n")
+    out = CommandExecutor([sys.executable, target, str(env_file), "@@"], timeout_s=30).run(
+        {}, b"x", workdir)
+    assert out.status == "ok", out.detail
+    seen = json.loads(env_file.read_text())
+    assert not set(launcher) & set(seen)
+    assert seen["MY_TARGET_SETTING"] == "kept" and "SYMCC_OUTPUT_DIR" in seen
+
+
+def test_a_failure_while_a_target_runs_does_not_leave_it_running(tmp_path, workdir,
+                                                                  monkeypatch):
+    """Anything raised between the start and the wait (a thread that cannot start) used to
+    leave the target and its group running, unsupervised, past --timeout."""
+    from coordinator import executors
+
+    def cannot_start(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(executors._TailReader, "start", cannot_start)
+    target = write_script(tmp_path, "hang.py", HANGING_TARGET)
+    pid_file = tmp_path / "pids"
+    ex = CommandExecutor([sys.executable, target, str(pid_file)], timeout_s=30)
+    with pytest.raises(RuntimeError):
+        ex.run({}, b"x", workdir)
+
+    def running_it() -> list[int]:  # (by its command line: it may not have written its pid)
+        mine = []
+        for entry in os.listdir("/proc"):
+            try:
+                cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(pid_file).encode() in cmdline and not _gone(int(entry)):
+                mine.append(int(entry))
+        return mine
+
+    deadline = time.monotonic() + 10
+    while running_it() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running_it() == []
+
+
+@pytest.mark.timeout(30)
+def test_an_output_file_swapped_for_a_pipe_does_not_block_the_worker(tmp_path):
+    """The output files are listed, then read: one a leftover process swaps for a pipe
+    meanwhile is unreadable, not a read that waits for a writer for ever."""
+    from coordinator.executors import _read_bounded
+    fifo = tmp_path / "000000"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="no longer a regular file"):
+        _read_bounded(str(fifo), 1 << 20)
+
+
 def test_command_file_count_limit(tmp_path, workdir):
     target = write_script(tmp_path, "many.py", MANY_FILES_TARGET)
     ex = CommandExecutor([sys.executable, target, "5", "10"], timeout_s=30, max_files=2)
