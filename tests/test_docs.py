@@ -31,6 +31,37 @@ def test_every_link_in_the_docs_resolves():
             assert (page.parent / target).exists(), f"{page.name}: {target}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation dropped, spaces
+    as hyphens, a repeated one numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6} (.*)", line)
+        if m is None:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_anchor_a_link_names_is_a_heading_of_its_page():
+    broken = []
+    for page in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            linked = (page.parent / target) if target else page
+            if linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert broken == []
+
+
 def test_every_docs_citation_in_the_code_resolves_and_none_points_outside():
     for path in CODE + DOCS:
         text = path.read_text()
