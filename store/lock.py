@@ -14,6 +14,7 @@ Light: the stdlib only, for the checks `coordinator run` makes before it launche
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from collections.abc import Iterator
@@ -45,7 +46,15 @@ def lock_campaign(path: str | os.PathLike[str]) -> int:
     own connections, to release the campaign. CampaignLockedError while another process
     holds it."""
     refuse_aliases(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise DatabaseOpenError(
+            f"{path} cannot be opened for writing ({e.strerror}: a read-only file or "
+            f"filesystem, or an immutable file); a run needs a writable node-local path. "
+            f"`coordinator status --db {path}` reads it as it is") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

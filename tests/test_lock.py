@@ -189,3 +189,19 @@ def test_a_master_reads_no_file_of_its_campaign_in_the_afl_queues(tmp_path):
         assert source.skipped == 1
     finally:
         store.close()
+
+
+def test_a_campaign_file_that_cannot_be_written_is_refused_in_a_sentence(tmp_path):
+    """An immutable file (`chattr +i`; as root, a mode of 0444 stops nothing) or one on a
+    read-only mount: the run said only `[Errno 1] Operation not permitted: 'c.db'`."""
+    db = tmp_path / "c.db"
+    _campaign(db)
+    if subprocess.run(["chattr", "+i", str(db)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this filesystem")
+    try:
+        with pytest.raises(DatabaseOpenError, match=r"c\.db cannot be opened for writing "
+                                                    r"\(Operation not permitted: .*writable"):
+            Store.open(db, resume=True)
+    finally:
+        subprocess.run(["chattr", "-i", str(db)], check=True)
+    Store.open(db, resume=True).close()  # (and nothing was changed meanwhile)
