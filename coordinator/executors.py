@@ -30,9 +30,12 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 from .config import EXECUTOR_KINDS, RunConfig
 from .errors import UsageError
 from .processes import (
+    COMMAND_MARK,
     MPI_JOB_VARIABLES,
     kill_command,
+    kill_marked,
     running_commands,
+    started_ticks,
     wait_exit_unreaped,
 )
 from .wire import clip_detail
@@ -227,6 +230,7 @@ class CommandExecutor:
         self.max_total_bytes = max_total_bytes
         # The program's own path is never substituted (the start directory may contain "@@").
         self.uses_file_arg = any("@@" in a for a in self.argv[1:])
+        self._runs = 0
 
     def run(self, task: dict, input_bytes: bytes | None, workdir: pathlib.Path) -> ExecOutcome:
         started = time.perf_counter()
@@ -263,11 +267,13 @@ class CommandExecutor:
             raise ValueError(f"input file {raw!r} does not exist or is not a regular file")
         return path
 
-    def _environment(self, input_path: pathlib.Path, out_dir: pathlib.Path) -> dict[str, str]:
+    def _environment(self, input_path: pathlib.Path, out_dir: pathlib.Path,
+                     mark: str) -> dict[str, str]:
         # Without the launcher's variables: a target that uses MPI would otherwise join the
         # job as this worker's rank (seen: `rank 1 size 2`, then the real rank 1 crashed in
         # MPI_Improbe and the run lost it). It starts as an MPI job of its own instead.
         env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_JOB_VARIABLES)}
+        env[COMMAND_MARK] = mark
         env["SYMCC_OUTPUT_DIR"] = str(out_dir)
         if env.get("SYMCC_MEMORY_INPUT", "").strip().lower() in ("1", "on", "yes", "true"):
             # The user's harness makes a buffer symbolic itself: SymCC refuses a file input
@@ -291,6 +297,8 @@ class CommandExecutor:
         except OSError as exc:
             return ExecOutcome(status=STATUS_ERROR,
                                detail=clip_detail(f"cannot open input for stdin: {exc}"))
+        self._runs += 1
+        mark = f"{os.getpid()}.{self._runs}"  # (unique on this host while the worker lives)
         running_commands.spawning = True
         try:
             proc = subprocess.Popen(
@@ -299,7 +307,7 @@ class CommandExecutor:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 cwd=workdir,
-                env=self._environment(input_path, out_dir),
+                env=self._environment(input_path, out_dir, mark),
                 start_new_session=True,
                 close_fds=True,
             )
@@ -313,6 +321,8 @@ class CommandExecutor:
         finally:
             if stdin_file is not None:
                 stdin_file.close()
+        since = started_ticks(proc.pid)
+        running_commands.marks[proc.pid] = (mark, since)
         running_commands.spawned(proc.pid)
         tail = _TailReader(proc.stderr, DETAIL_MAX_BYTES)
         timed_out = True
@@ -320,9 +330,12 @@ class CommandExecutor:
             tail.start()
             timed_out = not self._wait(proc)
         finally:  # (whatever failed here, the target is not left running unsupervised)
-            # Also reaps anything the target left running in its group after a normal exit.
+            # Also ends anything the target left running after a normal exit: in its group,
+            # and, by its mark, what left the group (a daemon outlived the whole job).
             kill_command(proc.pid)
+            kill_marked(mark, since)
             running_commands.groups.discard(proc.pid)  # before the reap frees the id for reuse
+            running_commands.marks.pop(proc.pid, None)
             returncode = proc.wait()
         # An escaped grandchild (own session) may hold the pipe open; don't wait on it forever.
         tail.join(timeout=2.0)

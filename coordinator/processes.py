@@ -115,12 +115,55 @@ def kill_command(pgid: int) -> None:
         pass  # group already empty
 
 
+#: The variable each command is started with (`mark_of_command`): its processes, and those it
+#: starts, carry it, even those that leave its process group (a daemon's `setsid`).
+COMMAND_MARK = "COORDINATOR_COMMAND"
+
+
+def kill_marked(mark: str, since_ticks: int = 0) -> int:
+    """SIGKILL every process on this host whose environment carries `COMMAND_MARK=mark` and
+    that started at or after `since_ticks` (/proc's clock ticks since boot; older ones are
+    not read): what a command left running outside its process group. A process that
+    cleared its environment is not found. Returns how many were signalled."""
+    needle = f"{COMMAND_MARK}={mark}".encode()
+    killed = 0
+    for _ in range(3):  # (one that forked between the look and the kill: the next look)
+        found = []
+        for pid, fields in proc_stats():
+            if pid == os.getpid() or int(fields[22 - 3]) < since_ticks:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            if needle in env.split(b"\0"):
+                found.append(pid)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
+
+
+def started_ticks(pid: int) -> int:
+    """When process `pid` started, in /proc's clock ticks since boot (0 if unknown)."""
+    fields = proc_stat(pid)
+    return int(fields[22 - 3]) if fields is not None else 0
+
+
 class RunningCommands:
     """The process groups of the commands this process runs now (their leaders unreaped, so
-    each id is still theirs): what a worker torn down by a signal must not leave behind."""
+    each id is still theirs), each with its mark and start (`kill_marked`): what a worker
+    torn down by a signal must not leave behind."""
 
     def __init__(self) -> None:
         self.groups: set[int] = set()
+        self.marks: dict[int, tuple[str, int]] = {}
         self.spawning = False  # a command is being started: its group is not known yet
         self.deferred: list[Callable[[], None]] = []
 
@@ -143,6 +186,9 @@ def kill_running_commands() -> None:
     own, so nothing else ends it when its worker goes: it would outlive the job."""
     for pgid in list(running_commands.groups):
         kill_command(pgid)
+        mark = running_commands.marks.get(pgid)
+        if mark is not None:
+            kill_marked(*mark)
 
 
 def teardown_when_safe(teardown: Callable[[], None]) -> None:

@@ -238,6 +238,42 @@ def test_a_target_does_not_inherit_the_mpi_launchers_variables(tmp_path, workdir
     assert seen["MY_TARGET_SETTING"] == "kept" and "SYMCC_OUTPUT_DIR" in seen
 
 
+# Starts a daemon in a session of its own (out of the target's process group), which records
+# its pid and sleeps; the target itself exits at once, successfully.
+DAEMONIZING_TARGET = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    pid_file = sys.argv[1]
+    subprocess.Popen([sys.executable, "-c",
+                      "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid()));"
+                      " time.sleep(60)", pid_file], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until the daemon is up and has said who it is
+        try:
+            if open(pid_file).read():
+                break
+        except OSError:
+            pass
+        time.sleep(0.01)
+    """
+)
+
+
+def test_a_process_that_leaves_the_targets_group_is_ended_with_it(tmp_path, workdir):
+    """A daemon the target started in a session of its own escaped the group kill and
+    outlived the whole job (its parent then init)."""
+    target = write_script(tmp_path, "daemon.py", DAEMONIZING_TARGET)
+    pid_file = tmp_path / "daemon.pid"
+    out = CommandExecutor([sys.executable, target, str(pid_file), "@@"], timeout_s=30).run(
+        {}, b"x", workdir)
+    assert out.status == "ok", out.detail
+    daemon = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(daemon) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _gone(daemon), f"the daemon {daemon} outlived its target"
+
+
 def test_a_failure_while_a_target_runs_does_not_leave_it_running(tmp_path, workdir,
                                                                   monkeypatch):
     """Anything raised between the start and the wait (a thread that cannot start) used to
