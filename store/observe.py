@@ -150,7 +150,7 @@ def read_samples(conn: Connection, incarnation: int, since: float) -> list[Sampl
 class Times:
     created_at: float | None       # the campaign's first start
     incarnation_started_at: float | None
-    last_observed_at: float | None  # the latest observation of the current incarnation
+    last_observed_at: float | None  # the current incarnation's last sign of life (`read_times`)
     source: str | None              # campaign.settings' task source: demo, tasks or afl
     oldest_dispatch: tuple[int, int, float] | None  # (rank, task id, recorded at)
 
@@ -161,8 +161,15 @@ def read_times(conn: Connection) -> Times:
     started = conn.exec_driver_sql(
         f"SELECT max(at) FROM events WHERE kind = 'campaign' AND {COUNTED_KIND_SQL} "
         f"AND incarnation = ?", (incarnation,)).scalar()
+    # The observations are seconds apart, and a master killed between two (kill -9) writes
+    # no last one: 2 s and 77 results read "ran 0s". What it left in flight, and its latest
+    # event (the last row of its table), say when it was last alive: O(in flight).
     last = conn.exec_driver_sql(
-        "SELECT max(at) FROM observations WHERE incarnation = ?", (incarnation,)).scalar()
+        "SELECT max(at) FROM (SELECT max(at) AS at FROM observations WHERE incarnation = ?1 "
+        "UNION ALL SELECT max(coalesce(sent_at, created_at)) FROM dispatches "
+        "WHERE incarnation = ?1 "
+        "UNION ALL SELECT at FROM (SELECT at, incarnation FROM events "
+        "ORDER BY id DESC LIMIT 1) WHERE incarnation = ?1)", (incarnation,)).scalar()
     try:
         source = (json.loads(settings) or {}).get("source") if settings else None
     except ValueError:

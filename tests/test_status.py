@@ -100,3 +100,29 @@ def test_status_of_a_live_dispatch_shows_the_rank_its_task_and_age(campaign, tmp
     assert main(["status", "--db", str(copy)]) == ExitStatus.OK
     out = capsys.readouterr().out
     assert "oldest active dispatch: task 7 on rank 2, " in out
+
+
+def test_a_master_killed_between_observations_ran_until_the_last_it_left(campaign, tmp_path,
+                                                                         capsys):
+    """kill -9 leaves no last observation: a 2 s run with 77 results read "ran 0s" and no
+    rate. What it left in flight says when it was last alive."""
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:
+        (inc,) = c.execute("SELECT incarnation FROM campaign").fetchone()
+        (started,) = c.execute("SELECT max(at) FROM events WHERE kind = 'campaign' "
+                               "AND incarnation = ?", (inc,)).fetchone()
+        # only the first observation was written; task 7 was in flight 5 s in, then the kill
+        c.execute("DELETE FROM observations WHERE incarnation = ?1 AND at > (SELECT min(at) "
+                  "FROM observations WHERE incarnation = ?1)", (inc,))
+        c.execute("UPDATE observations SET at = ? WHERE incarnation = ?", (started, inc))
+        c.execute("DELETE FROM events WHERE at > ?", (started,))
+        c.execute("DELETE FROM results WHERE task_id = 7")
+        c.execute("UPDATE tasks SET state = 'active' WHERE id = 7")
+        c.execute("INSERT INTO dispatches (token, rank, task_id, incarnation, created_at, "
+                  "sent_at) VALUES (?, 2, 7, ?, ?, ?)", ("7" * 64, inc, started + 4.5,
+                                                        started + 5.0))
+    got = _status(copy, capsys)
+    assert got["incarnation_run_s"] == pytest.approx(5.0)
+    assert got["rate"]["overall"] == pytest.approx(299 / 5.0)
