@@ -137,6 +137,21 @@ def test_query_5_shows_a_late_result_of_a_retired_dispatch(campaign: Path, tmp_p
         ["quarantined result/unowned"]
 
 
+def test_query_5_says_whose_each_event_of_a_batch_is(campaign: Path, tmp_path: Path):
+    """A batch's tasks share its token, so a task's history holds its batch-mates' events
+    too: six identical `dispatched` rows, with nothing to tell them apart."""
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:  # tasks 8 and 9 went out with task 7, and came back
+        c.execute("INSERT INTO events (at, incarnation, kind, rank, token, task_id) "
+                  "SELECT dispatched_at - 1, incarnation, 'dispatched', rank, token, t.id "
+                  "FROM results, (SELECT 7 AS id UNION SELECT 8 UNION SELECT 9) t "
+                  "WHERE task_id = 7")
+        rows = c.execute(QUERIES["5"]).fetchall()
+    assert sorted(r[4] for r in rows if r[2] == "dispatched") == [7, 8, 9]
+
+
 def test_the_page_uses_every_view_and_each_runs_on_a_campaign_file(campaign: Path):
     """Each view of revision 0010 is in the page's table and used by one of its examples,
     and each example runs (on a campaign with a held task and a dispatch in flight)."""
