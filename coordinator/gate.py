@@ -81,10 +81,12 @@ class ResultRound:
     active: dict[int, dsp.ActiveDispatch] | None = None
 
 
-def validate_result(body: Mapping[str, Any], raw: object = None) -> tuple[Any, str | None]:
-    """The default payload check for a current RESULT: (the parsed result, None), or
-    (None, why it is invalid). The master plugs in the strict wire schema instead; either
-    way the gate then checks that the value can be stored (`dispatches.encode_value`)."""
+def validate_result(body: Mapping[str, Any], raw: object = None, tasks: int = 1,
+                    ) -> tuple[Any, str | None]:
+    """The default payload check for a current RESULT of a dispatch of `tasks` tasks: (the
+    parsed result, None), or (None, why it is invalid). The master plugs in the strict wire
+    schema instead; either way the gate then checks that the value can be stored
+    (`dispatches.encode_value`) and that it answers each task once."""
     if body.get("status") not in RESULT_STATUSES:
         return None, f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
     return body, None
@@ -135,7 +137,7 @@ def _detail(body: object) -> str | None:
 
 class Gate:
     def __init__(self, store: Store, *,
-                 validate: Callable[[Mapping[str, Any], Any], tuple[Any, str | None]]
+                 validate: Callable[[Mapping[str, Any], Any, int], tuple[Any, str | None]]
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any], int] | None = None):
@@ -256,7 +258,7 @@ class Gate:
             status = classify_result(m.body, expected)
             if status is ResultStatus.CURRENT:
                 assert a is not None and isinstance(m.body, Mapping)
-                parsed, why = self.validate(m.body, m.raw)
+                parsed, why = self.validate(m.body, m.raw, a.size)
                 value_json = None
                 if why is None:
                     # Encoded once, here, for every validator: what cannot be stored is an

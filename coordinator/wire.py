@@ -256,10 +256,15 @@ def decode_inbound(data: bytes | bytearray | memoryview, max_bytes: int) -> obje
 
 
 def check_result(body: Mapping[str, Any], raw: bytes | bytearray | None = None,
-                 ) -> tuple[Result | None, str | None]:
+                 tasks: int | None = None) -> tuple[Result | None, str | None]:
     """Strict validation of a current RESULT's payload, from its bytes (`raw`; a mapping is
     encoded first): (result, None) or (None, why). At most MAX_TESTCASES test cases are
-    taken, the rest counted as dropped; a value over MAX_VALUE_BYTES is refused."""
+    taken in all, the rest counted as dropped; a value over MAX_VALUE_BYTES is refused.
+
+    `tasks`: how many the dispatch holds. A RESULT answering another number is refused
+    before any value is decoded: each may be 2 MiB of nested empty arrays, some 150 MiB
+    once decoded, and a batch of 1,000 of them, sent for a dispatch of one task, took the
+    master's memory far past its bound before the count was compared."""
     try:
         if raw is None:
             raw = encode(dict(body))
@@ -268,14 +273,20 @@ def check_result(body: Mapping[str, Any], raw: bytes | bytearray | None = None,
         return None, f"payload: {e}"[:300]
     if msg.v != WIRE_VERSION:
         return None, f"wire version {msg.v}, expected {WIRE_VERSION}"
-    outcome, why = _task_result(msg)
+    answers = len(msg.batch) if msg.batch is not None else 1
+    if tasks is not None and answers != tasks:
+        return None, f"payload: the RESULT answers {answers} task(s); the dispatch holds {tasks}"
+    # The test-case limit is the message's, shared by its tasks in order: 1,000 tasks of
+    # 1,000 test cases each decoded to a million in one round.
+    left = [MAX_TESTCASES]
+    outcome, why = _task_result(msg, left)
     if why is not None:
         return None, why
     batch = None
     if msg.batch is not None:
         batch = []
         for i, item in enumerate(msg.batch):
-            got, why = _task_result(item)
+            got, why = _task_result(item, left)
             if why is not None:
                 return None, f"batch[{i}]: {why}"
             batch.append(got)
@@ -285,9 +296,9 @@ def check_result(body: Mapping[str, Any], raw: bytes | bytearray | None = None,
                   dropped=outcome.dropped, batch=batch), None
 
 
-def _task_result(msg: _TaskResultIn) -> tuple[TaskResult, None] | tuple[None, str]:
+def _task_result(msg: _TaskResultIn, left: list[int]) -> tuple[TaskResult, None] | tuple[None, str]:
     """One task's outcome, checked: its status, its value's size, its test cases (at most
-    MAX_TESTCASES taken, the rest counted as dropped)."""
+    `left[0]` taken, which it lowers by as many; the rest counted as dropped)."""
     if msg.status not in RESULT_STATUSES:
         return None, f"status {msg.status!r:.40} is not ok/error/timeout"
     value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
@@ -298,9 +309,10 @@ def _task_result(msg: _TaskResultIn) -> tuple[TaskResult, None] | tuple[None, st
         # The value itself (msgpack allows what JSON does not) is checked by the gate, which
         # encodes it once for storage.
         value = _untyped.decode(value_raw) if len(value_raw) else None
-        testcases, over = _first_testcases(testcases_raw, MAX_TESTCASES)
+        testcases, over = _first_testcases(testcases_raw, left[0])
     except _DECODE_ERRORS as e:
         return None, f"payload: {e}"[:300]
+    left[0] -= len(testcases)
     return TaskResult(status=msg.status, value=value, testcases=testcases,
                       returncode=msg.returncode, duration_s=msg.duration_s, detail=msg.detail,
                       dropped=min(msg.dropped + over, MAX_COUNT)), None

@@ -153,6 +153,42 @@ def test_a_value_past_its_bound_is_refused_and_test_cases_past_theirs_are_counte
     assert check_result({}, encode(few))[0].testcases == [("a", b"1"), ("b", b"2")]
 
 
+def test_a_result_answering_another_number_of_tasks_is_refused_unread():
+    """Each value of a batch is decoded (up to 2 MiB of msgpack each, ~56 bytes of Python
+    objects per byte): 4 bombs sent for a one-task dispatch took 577 MiB before the count
+    was compared. The count is compared first."""
+    import tracemalloc
+
+    from coordinator.wire import MAX_VALUE_BYTES
+    bomb = (b"\xdd" + (MAX_VALUE_BYTES - 5).to_bytes(4, "big")
+            + b"\x90" * (MAX_VALUE_BYTES - 5))  # one array of ~2M empty arrays
+    item = b"\x82" + encode("status") + encode("ok") + encode("value") + bomb
+    raw = (b"\x83" + encode("token") + encode(T) + encode("status") + encode("ok")
+           + encode("batch") + b"\x94" + item * 4)
+    tracemalloc.start()
+    try:
+        res, why = check_result({}, raw, tasks=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert res is None and why == "payload: the RESULT answers 4 task(s); the dispatch holds 1"
+    assert peak < 4 * MAX_VALUE_BYTES, peak  # the structure alone, no value decoded
+    assert check_result({}, encode(Result(token=T, status="ok")), tasks=3)[1] == \
+        "payload: the RESULT answers 1 task(s); the dispatch holds 3"
+
+
+def test_a_batch_shares_the_test_case_bound_of_its_result():
+    """1,000 tasks of 1,000 test cases each decoded to a million test cases in one round."""
+    from coordinator.wire import MAX_TESTCASES, TaskResult
+    cases = [(f"t{i}", b"x") for i in range(600)]
+    raw = encode(Result(token=T, status="ok",
+                        batch=[TaskResult(status="ok", testcases=cases)] * 3))
+    res, why = check_result({}, raw, tasks=3)
+    assert why is None
+    assert [len(t.testcases) for t in res.batch] == [600, MAX_TESTCASES - 600, 0]
+    assert [t.dropped for t in res.batch] == [0, 1200 - MAX_TESTCASES, 600]
+
+
 @pytest.mark.parametrize("parsed, detail", [
     ({"status": "ok", "detail": "warnings on stderr", "returncode": 0}, None),
     ({"status": "error", "detail": "target exited with status 3\nboom", "returncode": 3},
