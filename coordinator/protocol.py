@@ -114,8 +114,10 @@ def ready_problem(msg: Mapping[str, Any], sender: int) -> str | None:
         return f"it says it is rank {rank!r:.40}, and it came from rank {sender}"
     if pid is not None and (type(pid) is not int or not 1 <= pid <= MAX_PID):
         return f"pid {pid!r:.40} is not a process id"
+    # (Printed by `coordinator status`: a control character in it would drive the terminal.)
     if host is not None and (not isinstance(host, str) or not host or
-                             len(host) > MAX_HOST_CHARS):
+                             len(host) > MAX_HOST_CHARS or not host.isprintable()
+                             or any(c.isspace() for c in host)):
         return f"host {host!r:.60} is not a host name"
     return None
 

@@ -439,4 +439,7 @@ def detail_summary(detail: str | None, width: int = 200) -> str:
     own = [line for line in lines[1:] if not DROPPED_NOTE.match(line)]
     last = own[-1] if own else ""
     text = lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}"
+    # A target's stderr is printed on the operator's terminal: its escape sequences shown,
+    # not obeyed (one could clear the screen or retitle the window).
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= width else text[:width - 1] + "…"

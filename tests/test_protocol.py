@@ -136,6 +136,8 @@ def test_ready_pid_positive_int_is_kept(pid):
     ({"pid": "12"}, "pid '12' is not a process id"),
     ({"host": ""}, "host '' is not a host name"),
     ({"host": "h" * 256}, "is not a host name"),
+    ({"host": "\x1b[2J\x1b]0;pwn\x07h"}, "is not a host name"),  # drove status's terminal
+    ({"host": "two words"}, "is not a host name"),
 ])
 def test_a_ready_field_out_of_range_is_named(fields, says):
     """A READY with pid 2**64 - 1 ended the master when the store wrote it."""

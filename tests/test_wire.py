@@ -214,6 +214,8 @@ def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
      "ValueError: no"),
     ("", "(no detail)"), (None, "(no detail)"),
     ("a" * 150 + "\n" + "b" * 150, "a" * 150 + " … " + "b" * 46 + "…"),
+    # a target's escape sequences are shown, not sent to the operator's terminal
+    ("killed\n\x1b[2J\x1b]0;pwn\x07 done\x9b", "killed … \\x1b[2J\\x1b]0;pwn\\x07 done\\x9b"),
 ])
 def test_status_shows_the_first_and_last_own_line_of_a_failure(detail, line):
     assert detail_summary(detail) == line
