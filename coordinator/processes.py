@@ -364,7 +364,15 @@ def fence(ranks: Collection[int], where: Mapping[int, tuple[str, int, float]],
     for rank in ranks:
         host, pid, seen = where.get(rank, (None, None, None))
         if host is not None and host != here:
-            continue  # another host's: not for this master to end
+            # Another host's, as it said: not for this master to end, unless the rank's own
+            # process is here all the same (a rank may say any host).
+            found = find_rank_process(rank)
+            if found is None:
+                continue
+            refused(rank, pid, f"it said it runs on {host!r:.60}, and its own process is "
+                               f"pid {found} on this host")
+            pids[rank] = found
+            continue
         # A process that started after the rank's last READY has taken a dead rank's pid.
         why = ("it reported no pid" if pid is None else
                "that pid is this master's" if pid == os.getpid() else

@@ -170,6 +170,21 @@ def test_a_ranks_own_process_is_fenced_whatever_pid_it_reported(tmp_path,
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_on_this_host_that_names_another_is_fenced_all_the_same(tmp_path, capsys,
+                                                                       as_rank_0_of_a_job):
+    """A rank may say any host: one here that named another host (and ignored its STOP) was
+    never ended, and under ULFM the job waited on it."""
+    with (contextlib.closing(Store.open(tmp_path / "c.db")) as store,
+          unhandled_teardown_worker(rank=2) as (worker, _)):
+        with store.transaction("test") as tx:
+            accept_versions(tx, 2, 0, "", host="elsewhere.example", pid=worker.pid)
+        master = Master(store, InstantWorkers(), MasterConfig(stats_file=None))
+        assert master.fence([2], term_wait_s=0.2) == [2]
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+        assert f"its own process is pid {worker.pid} on this host" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("who", ["another job's rank 1", "this job's rank 2", "no rank"])
 def test_a_pid_that_is_not_the_ranks_own_process_is_never_fenced(tmp_path, capsys,
                                                                  as_rank_0_of_a_job, who):
