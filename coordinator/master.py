@@ -698,11 +698,16 @@ class Master:
         """While another process holds the write lock (a `sqlite3` shell, a backup), the
         round's BEGIN waits: the answers that arrive meanwhile join the round that waits, so
         they are applied before its sweeps (a watchdog deadline that passed during the wait
-        does not retire a dispatch whose answer is in)."""
+        does not retire a dispatch whose answer is in). Up to a bound: a wait may last
+        `--lock-wait` (30 min), and a rank sending RESULTs of --max-message-bytes would
+        otherwise fill the master's memory at each retry; past it, they wait in MPI's
+        queues, their senders'."""
         def waiting(waited: float) -> None:
-            more_results, more_readies = self._receive()
-            results.extend(more_results)
-            readies.extend(more_readies)
+            held = sum(len(m.raw) for m in results if m.raw is not None)
+            if held < 2 * self.config.max_message_bytes:
+                more_results, more_readies = self._receive()
+                results.extend(more_results)
+                readies.extend(more_readies)
             self.lock_waiter(waited)
         return waiting
 

@@ -544,3 +544,34 @@ def test_ranks_silent_at_the_start_are_lost_and_told_apart_from_a_run_left_witho
     else:
         assert summary.committed == 2000
         assert "one that reports READY later gets work" in err
+
+
+class EndlessResults(InstantWorkers):
+    """A rank that always has another RESULT of `size` bytes waiting (junk: only held)."""
+
+    def __init__(self, size: int):
+        super().__init__(1)
+        self.size = size
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        if tag == TAG_RESULT:
+            yield Received(1, TAG_RESULT, bytearray(self.size))
+            return
+        yield from super().drain(tag, limit, max_bytes)
+
+
+def test_answers_held_while_the_write_lock_is_waited_for_stay_bounded(tmp_path):
+    """A round waiting for another process's write lock receives the answers that arrive
+    meanwhile, at each retry (about once a second, for up to --lock-wait): a rank sending
+    RESULTs of --max-message-bytes grew the master by that much each time, without end."""
+    bound = 1 << 20
+    with contextlib.closing(Store.open(tmp_path / "c.db")) as store:
+        master = Master(store, EndlessResults(bound),
+                        MasterConfig(stats_file=None, max_message_bytes=bound))
+        master.lock_waiter = lambda waited: None
+        results: list = []
+        waiting = master._keep_answering(results, [])
+        for i in range(20):
+            waiting(float(i))
+        held = sum(len(m.raw) for m in results)
+        assert bound <= held <= 3 * bound, held
