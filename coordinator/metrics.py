@@ -73,8 +73,10 @@ def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
         add("coordinator_tasks", n, state=state)
     for status, n in sorted(s.results_by_status.items()):
         add("coordinator_results_total", n, status=status)
-    for channel in ("result", "ready"):
-        for reason, n in sorted(st.quarantine.get(channel, {}).items()):
+    # Every channel, as `status --json` counts them (a STOP_ACK forged outside a stop, a
+    # message on a foreign tag too).
+    for channel in sorted(st.quarantine):
+        for reason, n in sorted(st.quarantine[channel].items()):
             add("coordinator_quarantined_messages_total", n, channel=channel, reason=reason)
     add("coordinator_requeues_total", st.requeued)
     add("coordinator_deferrals_total", st.deferred)
@@ -88,7 +90,7 @@ def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
     for window, rate in sorted(s.rates.items()):
         if rate is not None:
             add("coordinator_throughput_tasks_per_second", rate, window=window)
-    add("coordinator_active_ranks", st.tasks.get("active", 0))
+    add("coordinator_active_ranks", st.dispatches)  # (not the tasks: a batch holds many)
     for state, n in sorted(s.ranks.items()):
         add("coordinator_ranks", n, state=state)
     if commits is not None:

@@ -43,6 +43,8 @@ class Stats:
     #: Test cases runs produced that their workers could not send, and in how many results.
     dropped_testcases: int = 0
     dropped_results: int = 0
+    #: Dispatches in flight: the ranks holding one (a batch's is one, whatever its tasks).
+    dispatches: int = 0
 
     def as_json(self) -> dict[str, object]:
         """The stable keys of `coordinator status --json` (documented in docs/running.md)."""
@@ -128,6 +130,7 @@ def read_stats(conn: Reader) -> Stats:
         events=ev,
         dropped_testcases=int(dropped),
         dropped_results=dropped_results,
+        dispatches=conn.exec_driver_sql("SELECT count(*) FROM dispatches").scalar_one(),
     )
 
 

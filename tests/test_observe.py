@@ -106,6 +106,29 @@ def test_the_metrics_file_parses_and_its_counters_equal_status_json(campaign, ca
     assert families["coordinator_commit_duration_seconds"].type == "summary"
 
 
+def test_the_metrics_count_ranks_not_tasks_and_every_quarantine_channel():
+    """`coordinator_active_ranks` was the active tasks (100 for 2 ranks holding batches of
+    50), and the quarantine counter left out the stop_ack and other channels (79 against
+    status's 82)."""
+    from coordinator.metrics import metrics_text
+    from coordinator.progress import Snapshot
+    from store.stats import Stats
+
+    stats = Stats(tasks={"queued": 0, "active": 100, "done": 5, "deferred": 0, "failed": 0},
+                  results=5, quarantine={"result": {"stale": 4}, "ready": {},
+                                         "stop_ack": {"forged": 3}, "other": {"foreign_tag": 2}},
+                  requeued=0, deferred=0, watchdog_timeouts=0, watchdog_recoveries=0,
+                  incarnation=1, schema_revision=None, dispatches=2)
+    text = metrics_text(Snapshot(at=1.0, stats=stats, found=Found(0, 0, None), started_at=0.0,
+                                 rates={}, finite=True), "c.db")
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    quarantined = {(s.labels["channel"], s.labels["reason"]): s.value for s in samples
+                   if s.name == "coordinator_quarantined_messages_total"}
+    assert quarantined == {("result", "stale"): 4, ("stop_ack", "forged"): 3,
+                           ("other", "foreign_tag"): 2}
+    assert [s.value for s in samples if s.name == "coordinator_active_ranks"] == [2]
+
+
 def test_progress_lines_are_plain_and_say_what_the_snapshot_says(campaign):
     seen = read_file(campaign, read_observed)[0]
     now = seen.found.last_at + 12
