@@ -45,6 +45,8 @@ INSTALL_HINT = ("coordinator plot needs matplotlib: install the plot extra, e.g.
 
 _EVENT_LABELS = {
     "quarantine/result": "quarantined RESULTs", "quarantine/ready": "quarantined READYs",
+    "quarantine/stop_ack": "quarantined STOP_ACKs", "quarantine/other": "other messages",
+    "interrupted": "dispatches a master's crash interrupted",
     "requeued": "protocol requeues", "deferred": "protocol deferrals",
     "watchdog": "watchdog timeouts", "worker_recovered": "watchdog recoveries",
     "worker_failed": "worker deaths", "failed": "tasks held as failed",
@@ -99,8 +101,9 @@ def _times(s: PlotSeries, centre: bool = True):
 
 #: The faults chart's panels: what each shows, of `PlotSeries.events`.
 _EVENT_PANELS = (
-    ("quarantined", ("quarantine/result", "quarantine/ready")),
-    ("retries", ("requeued", "deferred", "failed", "task_failed")),
+    ("quarantined", ("quarantine/result", "quarantine/ready", "quarantine/stop_ack",
+                     "quarantine/other")),
+    ("retries", ("requeued", "deferred", "failed", "task_failed", "interrupted")),
     ("ranks", ("watchdog", "worker_recovered", "worker_failed")),
 )
 
@@ -149,12 +152,20 @@ def _cumulative(xs: list[int]) -> list[int]:
     return out
 
 
+def _running_totals(s: PlotSeries, per_bucket: list[int]):
+    """(times, totals): 0 at the span's start, then each bucket's total at its end. (Totals
+    at bucket ends drawn `steps-post` ran a bucket behind: a finished two-bucket campaign
+    showed 0 done, its final total never drawn.)"""
+    import matplotlib.dates as mdates
+    start = mdates.date2num(datetime.fromtimestamp(s.at(0), timezone.utc))
+    return [start, *_times(s, centre=False)], [0, *_cumulative(per_bucket)]
+
+
 def _tasks(ax, s: PlotSeries) -> None:
-    t = _times(s, centre=False)
-    done = _cumulative(s.done)
-    created = _cumulative(s.created)
-    ax.plot(t, done, drawstyle="steps-post", label="done (results committed)", color="tab:green")
-    ax.plot(t, [c - d for c, d in zip(created, done, strict=True)], drawstyle="steps-post",
+    t, done = _running_totals(s, s.done)
+    _, created = _running_totals(s, s.created)
+    ax.plot(t, done, label="done (results committed)", color="tab:green")
+    ax.plot(t, [c - d for c, d in zip(created, done, strict=True)],
             label="not done (queued, in flight or held)", color="tab:orange")
     ax.set_ylabel("tasks")
     ax.set_ylim(bottom=0)
@@ -179,8 +190,7 @@ def _throughput(ax, s: PlotSeries) -> None:
 
 def _testcases(ax, s: PlotSeries) -> None:
     t_end = _times(s, centre=False)
-    ax.plot(t_end, _cumulative(s.testcases), drawstyle="steps-post", color="tab:purple",
-            label="written so far")
+    ax.plot(*_running_totals(s, s.testcases), color="tab:purple", label="written so far")
     ax.set_ylabel("test cases written")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()

@@ -250,7 +250,7 @@ class PlotSeries:
 #: The events a plot shows over time: how a campaign went wrong, when.
 PLOTTED_EVENTS = (EventKind.REQUEUED, EventKind.DEFERRED, EventKind.WATCHDOG,
                   EventKind.WORKER_RECOVERED, EventKind.WORKER_FAILED, EventKind.FAILED,
-                  EventKind.TASK_FAILED)
+                  EventKind.TASK_FAILED, EventKind.INTERRUPTED)
 
 _START = "coalesce(dispatched_at, sent_at, committed_at)"
 
@@ -330,9 +330,10 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
             f"WHERE {COUNTED_KIND_SQL} AND kind IN ({kinds}) GROUP BY kind, b", params):
         events.setdefault(kind, [0] * n)[max(0, min(b, n - 1))] += count
     for channel, b, count in conn.exec_driver_sql(
-            "SELECT channel, CAST((at - :t0) / :w AS INTEGER) AS b, count(*) FROM quarantine "
-            "GROUP BY channel, b", params):
-        events.setdefault(f"quarantine/{channel}", [0] * n)[max(0, min(b, n - 1))] += count
+            # A row stands for its `repeats` messages past a rank's first 100 of a kind.
+            "SELECT channel, CAST((at - :t0) / :w AS INTEGER) AS b, total(repeats) "
+            "FROM quarantine GROUP BY channel, b", params):
+        events.setdefault(f"quarantine/{channel}", [0] * n)[max(0, min(b, n - 1))] += int(count)
     incarnations = [tuple(r) for r in conn.exec_driver_sql(
         f"SELECT incarnation, min(at) FROM events WHERE kind = 'campaign' AND "
         f"{COUNTED_KIND_SQL} GROUP BY incarnation ORDER BY incarnation")]

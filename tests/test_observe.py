@@ -116,7 +116,7 @@ def test_the_metrics_count_ranks_not_tasks_and_every_quarantine_channel():
 
     stats = Stats(tasks={"queued": 0, "active": 100, "done": 5, "deferred": 0, "failed": 0},
                   results=5, quarantine={"result": {"stale": 4}, "ready": {},
-                                         "stop_ack": {"forged": 3}, "other": {"foreign_tag": 2}},
+                                         "stop_ack": {"stale": 3}, "other": {"foreign_tag": 2}},
                   requeued=0, deferred=0, watchdog_timeouts=0, watchdog_recoveries=0,
                   incarnation=1, schema_revision=None, dispatches=2)
     text = metrics_text(Snapshot(at=1.0, stats=stats, found=Found(0, 0, None), started_at=0.0,
@@ -124,7 +124,7 @@ def test_the_metrics_count_ranks_not_tasks_and_every_quarantine_channel():
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     quarantined = {(s.labels["channel"], s.labels["reason"]): s.value for s in samples
                    if s.name == "coordinator_quarantined_messages_total"}
-    assert quarantined == {("result", "stale"): 4, ("stop_ack", "forged"): 3,
+    assert quarantined == {("result", "stale"): 4, ("stop_ack", "stale"): 3,
                            ("other", "foreign_tag"): 2}
     assert [s.value for s in samples if s.name == "coordinator_active_ranks"] == [2]
 
@@ -171,6 +171,23 @@ def test_plot_series_adds_up_to_the_campaigns_rows(campaign):
     [(busy,)] = _rows(campaign, "SELECT total(committed_at - dispatched_at) FROM results")
     assert sum(sum(row) for row in s.busy.values()) == pytest.approx(busy)
     assert sorted(s.busy) == [1, 2, 3] and s.incarnations[0][0] == 1
+
+
+def test_plot_series_counts_a_flood_as_status_does(campaign, tmp_path):
+    """Past a rank's first 100 messages of a kind, a quarantine row counts the rest in its
+    `repeats`: the chart counted rows (19 against status's 68)."""
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    with sqlite3.connect(copy) as c:
+        c.execute("UPDATE quarantine SET repeats = 50 WHERE id = (SELECT min(id) FROM "
+                  "quarantine WHERE channel = 'result')")
+        c.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank, repeats) "
+                  "SELECT max(at), 1, 'stop_ack', 'stale', 1, 3 FROM quarantine")
+    s = read_file(copy, plot_series)[0]
+    stats = read_file(copy, read_stats)[0]
+    assert sum(s.events["quarantine/result"]) == sum(stats.quarantine["result"].values()) == 66
+    assert sum(s.events["quarantine/stop_ack"]) == 3
 
 
 def test_a_batch_counts_its_dispatch_time_once_and_each_of_its_results(tmp_path):
