@@ -9,6 +9,7 @@ end: a stopped process is never reported dead).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import select
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import NoReturn
@@ -41,6 +43,20 @@ def exit_now(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def leave_if_threads_linger(status: int) -> None:
+    """After MPI_Finalize: if a thread that is not a daemon still runs (one a task's callable
+    left), leave now with `status` rather than wait for it at the interpreter's exit, which
+    held a run's end for as long as the thread ran (for ever, for one that never ends).
+    Through C's exit(), not os._exit: MPICH's launcher SIGKILLed the job (exit 9, 3 runs of
+    4) when a rank skipped the C exit handlers after MPI_Finalize. Returns otherwise."""
+    main = threading.main_thread()
+    if not any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not main):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.CDLL(None).exit(status)
 
 
 # -- /proc ------------------------------------------------------------------------------------

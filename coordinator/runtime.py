@@ -10,7 +10,7 @@ import sys
 
 from .config import RunConfig
 from .exits import ExitStatus
-from .processes import exit_now
+from .processes import leave_if_threads_linger
 from .transport import Transport
 from .worker_rank import run_worker_rank
 
@@ -28,7 +28,7 @@ def run(cfg: RunConfig) -> int:
     status = run_worker_rank(cfg, transport)
     # A thread a task's callable left running would hold the interpreter's exit, and with it
     # this rank's MPI_Finalize, which the master's waits on: a thread sleeping 40 s held the
-    # whole run's end 40 s. Everything this rank owed is sent; its exit handlers are the
-    # user's code, not ours.
+    # whole run's end 40 s. So MPI_Finalize now, and then no wait for such a thread.
     transport.finalize()
-    exit_now(status)
+    leave_if_threads_linger(status)
+    return status
