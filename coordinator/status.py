@@ -86,12 +86,12 @@ def status(db: Path, as_json: bool) -> int:
             "parked_ranks": snap.parked,
             "worker_deaths": seen.worker_deaths,
             "oldest_dispatch": None if oldest is None else {
-                "rank": oldest[0], "task_id": oldest[1], "age_s": now - oldest[2]},
+                "rank": oldest[0], "task_id": oldest[1], "age_s": end - oldest[2]},
             "ranks": [{"rank": r.rank, "host": r.host, "pid": r.pid, "state": r.state,
                        "incarnation": r.incarnation, "busy": r.busy,
                        "busy_window_s": r.window_s, "busy_at": r.load_at,
                        "task_id": r.task_id,
-                       "task_age_s": None if r.since is None else now - r.since}
+                       "task_age_s": None if r.since is None else end - r.since}
                       for r in ranks],
         }, indent=2, sort_keys=True))
         return 0
@@ -137,9 +137,10 @@ def status(db: Path, as_json: bool) -> int:
         for task_id, rank, status, detail in failures:
             print(f"  task {task_id} (rank {rank}): {status}: {detail_summary(detail)}")
     if oldest is not None:
+        # (A master that is gone: how long it had been out when it stopped, not a growing age.)
         print(f"oldest active dispatch: task {oldest[1]} on rank {oldest[0]}, "
-              f"{duration(now - oldest[2])}")
-    _print_ranks(ranks, now, s.incarnation)
+              f"{duration(end - oldest[2])}" + ("" if running else " when its master stopped"))
+    _print_ranks(ranks, now, s.incarnation, end)
     print(f"quarantined: {snap.quarantined}; requeued: {s.requeued}; parked ranks: "
           f"{snap.parked}; worker deaths: {seen.worker_deaths}")
     print(stats_text(s), end="")
@@ -152,7 +153,7 @@ def status(db: Path, as_json: bool) -> int:
 RANKS_SHOWN = 32
 
 
-def _print_ranks(ranks: list[RankView], now: float, incarnation: int) -> None:
+def _print_ranks(ranks: list[RankView], now: float, incarnation: int, ages_at: float) -> None:
     current = [r for r in ranks if r.incarnation == incarnation]
     if not current:
         return
@@ -165,7 +166,7 @@ def _print_ranks(ranks: list[RankView], now: float, incarnation: int) -> None:
     for r in current[:RANKS_SHOWN]:
         busy = "-" if r.busy is None else f"{r.busy:.0%}"
         task = "-" if r.task_id is None else str(r.task_id)
-        age = "-" if r.since is None else duration(now - r.since)
+        age = "-" if r.since is None else duration(ages_at - r.since)
         print(f"  {r.rank:>5}  {(r.host or '-')[:16]:<16} {r.state:<8} {busy:>5}  {task:>10}  "
               f"{age}")
     if len(current) > RANKS_SHOWN:
