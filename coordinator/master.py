@@ -863,7 +863,9 @@ class Master:
     def _take_failed(self) -> list[int]:
         """Ranks the runtime reported dead since the last call (ULFM), kept in `_dead`."""
         died = [r for r in self.transport.take_failed() if r != 0]
-        self._dead.update(died)
+        # A rank a posted send could not reach is retired like a dead one, but it is alive
+        # as far as MPI knows: ended with the job (`_stop_workers`), or Finalize waits on it.
+        self._dead.update(r for r in died if r not in self.transport.unreachable)
         return died
 
     def live_workers(self) -> list[int]:

@@ -107,7 +107,10 @@ class TestcaseWriter:
                 continue
             if not self.afl_style:
                 continue  # its name says where a content is: nothing to read
-            st = entry.stat(follow_symlinks=False)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # vanished since the listing: nothing to read
             if (st.st_dev, st.st_ino) in campaign:
                 # The campaign's database (or its -wal, -shm) kept in the queue: reading it
                 # would drop SQLite's POSIX locks on it (store.lock.held_campaign_file).

@@ -56,7 +56,9 @@ def leave_if_threads_linger(status: int) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    ctypes.CDLL(None).exit(status)
+    # PyDLL: the call keeps the GIL, so the lingering threads stay frozen while the C exit
+    # handlers run (through CDLL one wrote hundreds of times after exit() began).
+    ctypes.PyDLL(None).exit(status)
 
 
 # -- /proc ------------------------------------------------------------------------------------
@@ -131,8 +133,9 @@ def kill_command(pgid: int) -> None:
         pass  # group already empty
 
 
-#: The variable each command is started with (`mark_of_command`): its processes, and those it
-#: starts, carry it, even those that leave its process group (a daemon's `setsid`).
+#: The variable each command is started with (its worker's pid and run number): its
+#: processes, and those they start, carry it, even those that leave its process group (a
+#: daemon's `setsid`).
 COMMAND_MARK = "COORDINATOR_COMMAND"
 
 
@@ -385,8 +388,8 @@ def fence(ranks: Collection[int], where: Mapping[int, tuple[str, int, float]],
             found = find_rank_process(rank)
             if found is None:
                 continue
-            refused(rank, pid, f"it said it runs on {host!r:.60}, and its own process is "
-                               f"pid {found} on this host")
+            refused(rank, pid, f"it said it runs on {host!r:.60}; its own process, pid "
+                               f"{found}, runs on this host and is fenced instead")
             pids[rank] = found
             continue
         # A process that started after the rank's last READY has taken a dead rank's pid.

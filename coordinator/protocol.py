@@ -102,6 +102,7 @@ def sanitize_profile_version(value: object) -> str:
 #: and a READY with pid 2**64 - 1 would end the master when it is written).
 MAX_PID = 2**31 - 1
 MAX_HOST_CHARS = 255
+_SPACE = re.compile(r"\s")
 
 
 def ready_problem(msg: Mapping[str, Any], sender: int) -> str | None:
@@ -117,7 +118,7 @@ def ready_problem(msg: Mapping[str, Any], sender: int) -> str | None:
     # (Printed by `coordinator status`: a control character in it would drive the terminal.)
     if host is not None and (not isinstance(host, str) or not host or
                              len(host) > MAX_HOST_CHARS or not host.isprintable()
-                             or any(c.isspace() for c in host)):
+                             or _SPACE.search(host) is not None):
         return f"host {host!r:.60} is not a host name"
     return None
 

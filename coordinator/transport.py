@@ -168,6 +168,8 @@ class Transport:
         self._requests: list[MPI.Request] = []
         self._posted: list[tuple[bytes, int, int]] = []
         self._statuses: list[MPI.Status] = []  # Testsome's, kept for the next call
+        #: Ranks a posted send failed to reach for another reason than their death.
+        self.unreachable: set[int] = set()
 
     # -- failure notification (ULFM) ---------------------------------------------------------
     def _note_failure(self) -> None:
@@ -291,11 +293,10 @@ class Transport:
             return
         while len(self._statuses) < len(self._requests):
             self._statuses.append(MPI.Status())
-        statuses = self._statuses[:len(self._requests)]
         try:
-            done = MPI.Request.Testsome(self._requests, statuses)
+            done = MPI.Request.Testsome(self._requests, self._statuses)
         except MPI.Exception:
-            done = self._settle_failed(statuses)
+            done = self._settle_failed(self._statuses)
         if done is None:  # (every request inactive: none can still be pending)
             done = list(range(len(self._requests)))
         if done:
@@ -318,7 +319,8 @@ class Transport:
                 continue
             if MPI.Get_error_class(error) == ERR_PROC_FAILED:
                 self._note_failure()
-            else:
+            else:  # (alive as far as MPI knows: to be ended with the job, not mourned)
+                self.unreachable.add(self._posted[i][1])
                 self._mark_failed(self._posted[i][1])
         return done
 

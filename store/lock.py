@@ -52,9 +52,10 @@ def lock_campaign(path: str | os.PathLike[str]) -> int:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
         raise DatabaseOpenError(
-            f"{path} cannot be opened for writing ({e.strerror}: a read-only file or "
-            f"filesystem, or an immutable file); a run needs a writable node-local path. "
-            f"`coordinator status --db {path}` reads it as it is") from None
+            f"{path} cannot be opened for writing ({e.strerror}: a read-only file, directory "
+            f"or filesystem, or an immutable file); a run needs a writable node-local path"
+            + (f". `coordinator status --db {path}` reads it as it is"
+               if os.path.exists(path) else "")) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

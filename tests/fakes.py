@@ -64,6 +64,7 @@ class InstantWorkers:
     fault_tolerant = False
     any_failed = False
     rank = 0
+    unreachable: frozenset[int] = frozenset()  # (ranks a posted send failed to reach)
 
     def __init__(self, workers: int = 2):
         self.size = workers + 1

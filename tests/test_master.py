@@ -274,6 +274,28 @@ def test_a_failed_send_is_rewound_exactly_and_the_rank_gets_no_more_work(tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_a_posted_send_failed_to_reach_is_ended_not_mourned(tmp_path):
+    """A posted WORK that fails later, for another reason than the rank's death, reports its
+    rank through `take_failed` like a dead one: the rank was then counted dead, neither
+    stopped nor ended, and MPI_Finalize waited on it (the case of a send failing at once was
+    fixed first; a helper found this one)."""
+    ranks = ScriptedAnswers(2, answered_after(0))
+    answer, told = ranks.send_work, []
+
+    def send_work(data: bytes, dest: int) -> None:
+        if dest == 2 and not told:
+            told.append(dest)  # the WORK left, and failed on the way
+            return
+        answer(data, dest)
+
+    ranks.send_work = send_work
+    ranks.unreachable = frozenset({2})
+    ranks.take_failed = lambda: [told.pop()] if told else []
+    summary = _run_demo_tasks(tmp_path, 4, ranks)
+    assert (summary.committed, summary.unacked_ranks) == (4, [2])
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("silent", ["never-heard", "parked"])
 def test_a_rank_without_a_dispatch_does_not_hold_the_rounds_open(tmp_path, silent):
     """The rounds wait (up to linger_s) only for the ranks holding a dispatch: one parked or

@@ -181,7 +181,8 @@ def test_a_rank_on_this_host_that_names_another_is_fenced_all_the_same(tmp_path,
         master = Master(store, InstantWorkers(), MasterConfig(stats_file=None))
         assert master.fence([2], term_wait_s=0.2) == [2]
         assert worker.wait(timeout=10) == -signal.SIGKILL
-        assert f"its own process is pid {worker.pid} on this host" in capsys.readouterr().err
+        assert f"its own process, pid {worker.pid}, runs on this host and is fenced instead" \
+            in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
