@@ -3,6 +3,7 @@ file, the stats file, `plot` and the views are tested on."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from fakes import InstantWorkers, ready_message
@@ -54,3 +55,12 @@ def finding_campaign(db: Path, tasks: int = 300, workers: int = 3, **config) -> 
             writer=writer).run()
     finally:
         store.close()
+
+
+def copy_of(campaign: Path, tmp_path: Path) -> Path:
+    """A copy of a (module-scoped) campaign file that a test may change: SQLite's backup, so
+    its WAL's commits are in it too."""
+    copy = tmp_path / "copy.db"
+    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)
+    return copy

@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from campaigns import copy_of
 from fakes import InstantWorkers
 
 from coordinator.master import Master, MasterConfig
@@ -85,9 +86,7 @@ def test_query_11_prints_the_stats_text(campaign: Path):
 
 
 def test_query_13_finds_a_token_committed_twice(campaign: Path, tmp_path: Path):
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
         c.execute("UPDATE results SET token = (SELECT token FROM results WHERE task_id = 1) "
                   "WHERE task_id = 2")
@@ -125,9 +124,7 @@ def test_query_13_finds_nothing_wrong_with_batches_done_and_in_flight(tmp_path: 
 def test_query_5_shows_a_late_result_of_a_retired_dispatch(campaign: Path, tmp_path: Path):
     """A RESULT that comes after the watchdog retired its dispatch is `unowned`, with no
     `expected` token: the history found it only through `expected` and left it out."""
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
         c.execute("INSERT INTO quarantine (at, incarnation, channel, reason, rank, token) "
                   "SELECT committed_at + 1, 1, 'result', 'unowned', rank, token FROM results "
@@ -140,9 +137,7 @@ def test_query_5_shows_a_late_result_of_a_retired_dispatch(campaign: Path, tmp_p
 def test_query_5_says_whose_each_event_of_a_batch_is(campaign: Path, tmp_path: Path):
     """A batch's tasks share its token, so a task's history holds its batch-mates' events
     too: six identical `dispatched` rows, with nothing to tell them apart."""
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:  # tasks 8 and 9 went out with task 7, and came back
         c.execute("INSERT INTO events (at, incarnation, kind, rank, token, task_id) "
                   "SELECT dispatched_at - 1, incarnation, 'dispatched', rank, token, t.id "
@@ -171,9 +166,7 @@ def test_the_page_uses_every_view_and_each_runs_on_a_campaign_file(campaign: Pat
 
 
 def test_the_views_show_a_dispatch_in_flight_and_a_held_task(campaign: Path, tmp_path: Path):
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
         c.execute("DELETE FROM results WHERE task_id IN (7, 8)")
         c.execute("UPDATE tasks SET state = 'active' WHERE id = 7")

@@ -10,7 +10,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from campaigns import finding_campaign
+from campaigns import copy_of, finding_campaign
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.cli import main
@@ -176,9 +176,7 @@ def test_plot_series_adds_up_to_the_campaigns_rows(campaign):
 def test_plot_series_counts_a_flood_as_status_does(campaign, tmp_path):
     """Past a rank's first 100 messages of a kind, a quarantine row counts the rest in its
     `repeats`: the chart counted rows (19 against status's 68)."""
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
         c.execute("UPDATE quarantine SET repeats = 50 WHERE id = (SELECT min(id) FROM "
                   "quarantine WHERE channel = 'result')")

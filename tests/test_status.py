@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from campaigns import finding_campaign
+from campaigns import copy_of, finding_campaign
 
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
@@ -83,9 +83,7 @@ def _stats(db: Path):
 
 
 def test_status_of_a_live_dispatch_shows_the_rank_its_task_and_age(campaign, tmp_path, capsys):
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
         # task 7 back in flight on rank 2, recorded 30 s before the master's last observation:
         # its master is gone, so its age is counted to then, not to now (a growing age)
@@ -108,9 +106,7 @@ def test_a_master_killed_between_observations_ran_until_the_last_it_left(campaig
                                                                          capsys):
     """kill -9 leaves no last observation: a 2 s run with 77 results read "ran 0s" and no
     rate. What it left in flight says when it was last alive."""
-    copy = tmp_path / "copy.db"
-    with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
-        src.backup(dst)
+    copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
         (inc,) = c.execute("SELECT incarnation FROM campaign").fetchone()
         (started,) = c.execute("SELECT max(at) FROM events WHERE kind = 'campaign' "
