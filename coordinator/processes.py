@@ -75,6 +75,10 @@ def proc_stat(pid: int) -> list[bytes] | None:
     return stat[stat.rfind(b")") + 2:].split()
 
 
+#: Where `proc_stat` puts a process's start time (proc(5) field 22, in clock ticks since boot).
+_STARTTIME = 22 - 3
+
+
 def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
     """(pid, `proc_stat(pid)`) for every process on this host; nothing without /proc."""
     try:
@@ -98,7 +102,7 @@ def process_started_at(pid: int) -> float | None:
         return None
     if fields is None:
         return None
-    return boot + int(fields[22 - 3]) / os.sysconf("SC_CLK_TCK")  # field 22: start time
+    return boot + int(fields[_STARTTIME]) / os.sysconf("SC_CLK_TCK")
 
 
 def describe_process(pid: int) -> str:
@@ -149,7 +153,7 @@ def kill_marked(mark: str, since_ticks: int = 0) -> int:
     for _ in range(3):  # (one that forked between the look and the kill: the next look)
         found = []
         for pid, fields in proc_stats():
-            if pid == os.getpid() or int(fields[22 - 3]) < since_ticks:
+            if pid == os.getpid() or int(fields[_STARTTIME]) < since_ticks:
                 continue
             try:
                 with open(f"/proc/{pid}/environ", "rb") as f:
@@ -172,7 +176,7 @@ def kill_marked(mark: str, since_ticks: int = 0) -> int:
 def started_ticks(pid: int) -> int:
     """When process `pid` started, in /proc's clock ticks since boot (0 if unknown)."""
     fields = proc_stat(pid)
-    return int(fields[22 - 3]) if fields is not None else 0
+    return int(fields[_STARTTIME]) if fields is not None else 0
 
 
 class RunningCommands:
