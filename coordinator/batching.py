@@ -12,6 +12,10 @@ of tasks, end far apart while the other ranks wait. So the share of the queue on
 takes shrinks as the queue does (guided self-scheduling, Polychronopoulos and Kuck 1987): a
 dispatch holds at most the queued tasks over twice the ranks, though never fewer than the
 tens of milliseconds of tasks that pay for its commit.
+
+A task's run time is its worker's word, so each rank's is kept apart and the size follows the
+median rank: one rank that reports its tasks as instant (or as endless) cannot move every
+rank's batches to the cap (or to one task) while the others tell the truth.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ class AutoBatch:
     #: milliseconds, which says nothing of what a dispatch costs.
     SAMPLES = 64
 
-    task_s: float | None = None      # a task's mean run time, as its worker measured it
     max_s: float = MAX_S
+    _rank_task_s: dict[int, float] = field(default_factory=dict)  # rank -> its tasks' mean
+    _task_s: float | None = None
     _lost: deque[float] = field(default_factory=lambda: deque(maxlen=AutoBatch.SAMPLES))
     _overhead_s: float | None = None
 
@@ -58,10 +63,19 @@ class AutoBatch:
         """A dispatch's deadline covers all its tasks: a batch stays well inside it."""
         return cls(max_s=min(cls.MAX_S, watchdog_s / 4) if watchdog_s > 0 else cls.MAX_S)
 
-    def ran(self, seconds: float) -> None:
-        """One task's run time (a worker's measure, <0 if it had none)."""
+    def ran(self, seconds: float, rank: int = 0) -> None:
+        """One task's run time as `rank` measured it (<0 if it had none)."""
         if seconds >= 0:
-            self.task_s = seconds if self.task_s is None else 0.9 * self.task_s + 0.1 * seconds
+            mean = self._rank_task_s.get(rank)
+            self._rank_task_s[rank] = seconds if mean is None else 0.9 * mean + 0.1 * seconds
+            self._task_s = None
+
+    @property
+    def task_s(self) -> float | None:
+        """A task's mean run time: the median of the ranks' means."""
+        if self._task_s is None and self._rank_task_s:
+            self._task_s = statistics.median(self._rank_task_s.values())
+        return self._task_s
 
     def cycled(self, answer_s: float, ran_s: float, waited_s: float) -> None:
         """One dispatch's rank cycle: WORK sent to RESULT received (`answer_s`), of which its

@@ -624,7 +624,7 @@ class Master:
             tx, task_id if task_id is not None else active.task_id,
             res.testcases) if res.testcases else (0, 0)
         if self.config.batch is None:
-            self._auto.ran(res.duration_s)
+            self._auto.ran(res.duration_s, active.rank)
             # (A run time not known: no overhead can be told from this dispatch.)
             self._ran_s[active.rank] = (self._ran_s.get(active.rank, 0.0) + res.duration_s
                                         if res.duration_s >= 0 else math.inf)

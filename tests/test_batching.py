@@ -104,3 +104,24 @@ def test_a_dispatch_whose_run_time_is_unknown_gives_no_overhead_sample():
     auto = measured(0.05)
     auto.cycled(answer_s=0.3, ran_s=math.inf, waited_s=0.1)
     assert auto.overhead_s is None
+
+
+def test_one_rank_lying_about_its_run_times_moves_no_ranks_batches():
+    """A run time is its worker's word: a rank that reports its tasks as instant would size
+    every rank's batches to the cap, one that reports them as endless to one task. Each
+    rank's mean is kept apart and the size follows the median rank."""
+    honest = measured(0.01)
+    for rank in (1, 2):
+        honest.ran(0.01, rank)
+    for lie in (0.0, 1e-9, 3600.0):
+        auto = AutoBatch()
+        for _ in range(50):
+            auto.ran(0.01, 1)
+            auto.ran(lie, 2)
+            auto.ran(0.01, 3)
+        assert auto.task_s == pytest.approx(0.01)
+        assert auto.size() == honest.size() == 3
+    # With one rank (or two) the median is its word: there is nobody to outvote it.
+    alone = AutoBatch()
+    alone.ran(1e-9, 1)
+    assert alone.size() == MAX_BATCH
