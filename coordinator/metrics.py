@@ -5,6 +5,10 @@ Counters are the campaign's totals, read from the rows they count (the same numb
 `coordinator status --json`), so they survive restarts; names end in `_total`, times are in
 seconds. Every sample carries a `campaign` label (the database file's name), so that several
 campaigns on one node can share a textfile directory.
+
+Every series a campaign can have is in the file from the first write, at 0 until it counts
+something: Prometheus cannot take `rate()` or `increase()` of a series' first appearance, and
+an alert on `coordinator_tasks{state="failed"} > 0` sees no series at all, not a 0, until one.
 """
 
 from __future__ import annotations
@@ -13,9 +17,20 @@ import math
 from pathlib import Path
 
 from store.observe import CommitTimes
+from store.vocabulary import Channel, QuarantineReason, TaskState, WorkerState
 
 from .output import replace_text
 from .progress import Snapshot
+from .wire import RESULT_STATUSES
+
+_R = QuarantineReason
+#: What the gate can refuse on each channel: these series are written from the start.
+_QUARANTINE_SERIES = {
+    Channel.READY: (_R.MISSING, _R.MALFORMED, _R.STALE, _R.UNOWNED, _R.OVERSIZED),
+    Channel.RESULT: (_R.MISSING, _R.MALFORMED, _R.STALE, _R.UNOWNED, _R.PAYLOAD, _R.OVERSIZED),
+    Channel.STOP_ACK: (_R.STALE,),
+    Channel.OTHER: (_R.FOREIGN_TAG,),
+}
 
 _HELP = {
     "coordinator_tasks": ("gauge", "Tasks by state."),
@@ -59,6 +74,10 @@ def _number(v: float) -> str:
     return repr(float(v))
 
 
+def _with_zeros(counted: dict[str, int], known) -> dict[str, int]:
+    return {**{getattr(k, "value", k): 0 for k in known}, **counted}
+
+
 def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
                  commit_peak_s: float = 0.0) -> str:
     samples: dict[str, list[tuple[dict[str, str], float]]] = {name: [] for name in _HELP}
@@ -69,14 +88,17 @@ def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
                 if name.startswith("coordinator_commit_duration_seconds") else name].append(
             ({**labels, "__name__": name}, value))
 
-    for state, n in sorted(st.tasks.items()):
+    for state, n in sorted(_with_zeros(st.tasks, TaskState).items()):
         add("coordinator_tasks", n, state=state)
-    for status, n in sorted(s.results_by_status.items()):
+    for status, n in sorted(_with_zeros(s.results_by_status, RESULT_STATUSES).items()):
         add("coordinator_results_total", n, status=status)
     # Every channel, as `status --json` counts them (a STOP_ACK forged outside a stop, a
     # message on a foreign tag too).
-    for channel in sorted(st.quarantine):
-        for reason, n in sorted(st.quarantine[channel].items()):
+    channels = {c.value: _with_zeros({}, reasons) for c, reasons in _QUARANTINE_SERIES.items()}
+    for channel, counted in st.quarantine.items():
+        channels.setdefault(channel, {}).update(counted)
+    for channel in sorted(channels):
+        for reason, n in sorted(channels[channel].items()):
             add("coordinator_quarantined_messages_total", n, channel=channel, reason=reason)
     add("coordinator_requeues_total", st.requeued)
     add("coordinator_deferrals_total", st.deferred)
@@ -91,7 +113,7 @@ def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
         if rate is not None:
             add("coordinator_throughput_tasks_per_second", rate, window=window)
     add("coordinator_active_ranks", st.dispatches)  # (not the tasks: a batch holds many)
-    for state, n in sorted(s.ranks.items()):
+    for state, n in sorted(_with_zeros(s.ranks, WorkerState).items()):
         add("coordinator_ranks", n, state=state)
     if commits is not None:
         add("coordinator_commit_duration_seconds_count", commits.count)
