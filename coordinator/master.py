@@ -1072,9 +1072,11 @@ class LockWaiter:
 
 
 class RankHealth:
-    """What each rank's messages were: answers the master took, and ones it quarantined. A
-    rank past GARBAGE_AFTER quarantined messages, more than GARBAGE_RATIO times its good
-    ones, sends mostly garbage."""
+    """What each rank's messages were: answers that moved its work on (a current READY or
+    RESULT), and ones the master quarantined. A rank past GARBAGE_AFTER quarantined messages,
+    more than GARBAGE_RATIO times its good ones, sends mostly garbage. An idle READY counts as
+    neither: it costs a rank nothing, so one sent beside every nine pieces of garbage kept a
+    flooding rank from ever being refused."""
 
     GARBAGE_AFTER = 1_000
     GARBAGE_RATIO = 10
@@ -1088,7 +1090,8 @@ class RankHealth:
              results: Sequence[tuple[int, object]]) -> None:
         for rank, status in readies:
             self.heard.add(rank)
-            self._count(rank, status in (ReadyStatus.IDLE, ReadyStatus.CURRENT))
+            if status is not ReadyStatus.IDLE:
+                self._count(rank, status is ReadyStatus.CURRENT)
         for rank, status in results:
             self._count(rank, status is ResultStatus.CURRENT)
 

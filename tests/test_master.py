@@ -597,3 +597,21 @@ def test_answers_held_while_the_write_lock_is_waited_for_stay_bounded(tmp_path):
             waiting(float(i))
         held = sum(len(m.raw) for m in results)
         assert bound <= held <= 3 * bound, held
+
+
+def test_an_idle_ready_beside_the_garbage_does_not_keep_a_flooding_rank_in_work():
+    """A rank's health counts the answers that moved its work on against the garbage. An idle
+    READY costs a rank nothing: counted as good, one beside every nine pieces of garbage kept
+    a flooding rank from ever being refused."""
+    from coordinator.master import RankHealth
+    from coordinator.protocol import ReadyStatus, ResultStatus
+
+    health = RankHealth()
+    for _ in range(RankHealth.GARBAGE_AFTER // 9 + 1):
+        health.note([(2, ReadyStatus.IDLE)], [])
+        health.note([(2, ReadyStatus.MALFORMED)] * 5, [(2, ResultStatus.MALFORMED)] * 4)
+        # Rank 3 sends as much garbage, but runs a task for every nine pieces of it.
+        health.note([(3, ReadyStatus.CURRENT)], [(3, ResultStatus.CURRENT)])
+        health.note([(3, ReadyStatus.MALFORMED)] * 5, [(3, ResultStatus.MALFORMED)] * 4)
+    assert health.garbage_senders() == [2]
+    assert health.counts(2)[1] == 0
