@@ -81,8 +81,12 @@ class Snapshot:
 
     @property
     def eta_s(self) -> float | None:
-        """None once the master is gone, unless nothing is left (0)."""
-        return eta_s(self.tasks, self.rates.get("last_minute") if self.running else None,
+        """None once the master is gone, or while no rank can run anything (all parked by the
+        watchdog, or dead: the last minute's rate says nothing of when they return), unless
+        nothing is left (0)."""
+        working = self.running and (not self.ranks or any(
+            n for state, n in self.ranks.items() if state in ("idle", "busy", "unknown")))
+        return eta_s(self.tasks, self.rates.get("last_minute") if working else None,
                      self.finite)
 
     @property

@@ -197,6 +197,24 @@ def test_rates_are_taken_from_the_latest_sample_old_enough():
     assert eta_s({"queued": 0, "active": 0}, None, True) == 0.0
 
 
+def test_no_eta_while_every_rank_is_parked_or_dead():
+    """The last minute's rate went on giving an ETA after the watchdog had parked every rank:
+    nothing runs until one comes back, so the ETA is unknown."""
+    from coordinator.progress import Snapshot
+    from store.stats import Stats
+
+    stats = Stats(tasks={"queued": 90, "active": 10, "done": 5}, results=5, quarantine={},
+                  requeued=0, deferred=0, watchdog_timeouts=3, watchdog_recoveries=0,
+                  incarnation=1, schema_revision=None, dispatches=0)
+
+    def eta(**ranks: int) -> float | None:
+        return Snapshot(at=1.0, stats=stats, found=Found(0, 0, None), started_at=0.0,
+                        rates={"last_minute": 20.0}, finite=True, ranks=ranks).eta_s
+
+    assert eta(busy=1, parked=2) == eta(idle=3) == eta() == 5.0
+    assert eta(parked=3) is None and eta(parked=2, failed=1) is None
+
+
 def test_plot_series_adds_up_to_the_campaigns_rows(campaign):
     s = read_file(campaign, plot_series)[0]
     assert sum(s.done) == 300 and sum(s.not_ok) == 13 and sum(s.testcases) == 60
