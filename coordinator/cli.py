@@ -209,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
         "kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()))
     fi.add_argument("--inject", action=Once, type=_inject_spec, default=None,
                     metavar="KIND=RATE[,...]",
-                    help="inject faults, each kind independently per task at its rate (0..1)")
+                    help="inject faults, each kind independently per dispatch at its rate (0..1)")
     fi.add_argument("--inject-seed", action=Once, type=int, default=0, metavar="N",
                     help="the same seed reproduces the same faults (default 0)")
     fi.add_argument("--inject-log", action=Once, type=Path, default=None, metavar="DIR",

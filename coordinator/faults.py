@@ -3,8 +3,8 @@ path: the master runs its ordinary code and cannot know it is being tested.
 
     --inject kind=rate[,kind=rate...]   --inject-seed N   --inject-log DIR
 
-Each kind fires independently per task with its rate; the same seed reproduces the same faults
-on the same rank. With --inject-log every injected fault is appended to
+Each kind fires independently per dispatch (a batch draws once) with its rate; the same seed
+reproduces the same faults on the same rank. With --inject-log every injected fault is appended to
 DIR/faults-rank<R>.jsonl (time, kind, token), which tools/fault_campaign.py reads.
 """
 

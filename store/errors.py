@@ -106,9 +106,10 @@ class StoreWriteError(StoreError):
 
     def __init__(self, operation: str, cause: BaseException):
         self.operation, self.cause = operation, cause
-        hint = (" (another process held the campaign's write lock longer than the master waits, "
-                "--lock-wait: a `sqlite3` shell with a transaction open, or another program "
-                "writing to it?)" if "database is locked" in str(cause) else "")
+        hint = (" (another process held the campaign's write lock longer than this command "
+                "waits (a master: --lock-wait; `requeue`, `db upgrade`: 10 s): a `sqlite3` "
+                "shell with a transaction open, or another program writing to it?)"
+                if "database is locked" in str(cause) else "")
         super().__init__(f"database write failed during {operation}: {cause}{hint}")
 
 
