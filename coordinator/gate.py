@@ -36,8 +36,10 @@ from .wire import (
     MAX_COUNT,
     RESULT_STATUSES,
     RETRY_STATUSES,
+    SPLIT_STATUS,
     Undecodable,
     failure_detail,
+    split_detail,
 )
 
 log = logging.getLogger(__name__)
@@ -202,15 +204,14 @@ class Gate:
     def plan_dispatches(self, tx: Tx, idle_ranks: Sequence[int], *,
                         deadline_s: float | None = None,
                         active: dict[int, dsp.ActiveDispatch] | None = None,
-                        batch: int = 1, halves: Mapping[int, tuple[int, int]] | None = None,
-                        spread: bool = False) -> list[dsp.Planned]:
+                        batch: int = 1, spread: bool = False) -> list[dsp.Planned]:
         """Pick queued tasks for idle ranks and record the dispatches (the caller commits the
         transaction, then sends WORK, then reports failed sends: `dispatches.cancel_dispatch`).
         `active`, if given, is kept up to date for the phases that follow.
 
-        `batch`: up to that many tasks per dispatch, in queue order. `halves`: task id ->
-        (half id, size) for the tasks of a failed batch split back (`Recovery.halves`): such a
-        task goes out only with tasks of its own half, at most its size at once. `spread`:
+        `batch`: up to that many tasks per dispatch, in queue order; a task of a broken batch
+        split back goes out in a dispatch of at most its half's size (`tasks.batch_cap`), so
+        a poison task's dispatches halve until it goes alone, across restarts too. `spread`:
         fewer queued tasks than the idle ranks could take are shared out evenly (automatic
         batches: the last tasks of a queue are not all handed to the first idle rank)."""
         picked = task_ops.take_queued(tx, len(idle_ranks) * batch)
@@ -222,17 +223,16 @@ class Gate:
         for rank in idle_ranks:
             if at == len(picked):
                 break
-            if not halves:  # (no failed batch split back: plain slices, no lookup per task)
-                group = picked[at:at + max(batch, 1)]
-                at += len(group)
-            else:
-                half, size = halves.get(picked[at].id, (None, batch))
-                group = [picked[at]]
-                at += 1
-                while (len(group) < min(size, batch) and at < len(picked)
-                       and halves.get(picked[at].id, (None, batch))[0] == half):
-                    group.append(picked[at])
-                    at += 1
+            group = picked[at:at + max(batch, 1)]
+            if any(t.batch_cap for t in group):  # (a broken batch's halves: each within its cap)
+                cap, kept = batch, 0
+                for t in group:
+                    cap = min(cap, t.batch_cap or cap)
+                    if kept >= cap:
+                        break
+                    kept += 1
+                group = group[:kept]
+            at += len(group)
             plan.append(dsp.Planned(rank, group[0], mint_token(self.store.epoch, rank,
                                                                next(self._seq)),
                                     deadline, tuple(group[1:])))
@@ -258,6 +258,13 @@ class Gate:
             status = classify_result(m.body, expected)
             if status is ResultStatus.CURRENT:
                 assert a is not None and isinstance(m.body, Mapping)
+                if a.size > 1 and m.body.get("status") == SPLIT_STATUS:
+                    # The batch ran, but its outcomes are over the bound on one message: no
+                    # refusal, a split (the READY join rolls it back in halves, uncharged).
+                    out.statuses.append((m.rank, status))
+                    dsp.set_invalid_mark(tx, m.rank, a.token,
+                                         "split: " + split_detail(m.body, m.raw))
+                    continue
                 parsed, why = self.validate(m.body, m.raw, a.size)
                 value_json = None
                 if why is None:
@@ -352,8 +359,10 @@ class Gate:
     def sweep(self, tx: Tx) -> list[dsp.Recovery]:
         """R3–R6: roll back every dispatch whose READY and invalid RESULT joined."""
         recovered = []
-        for rank, token in dsp.find_joined(tx):
-            rec = dsp.recover_dispatch(tx, rank, token, reason="invalid result")
+        for rank, token, why in dsp.find_joined(tx):
+            # (A batch too large for one RESULT says so: the split's events say why.)
+            rec = dsp.recover_dispatch(tx, rank, token, reason=why if why.startswith("split:")
+                                       else "invalid result")
             if rec is not None:
                 recovered.append(rec)
         return recovered

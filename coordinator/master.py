@@ -14,7 +14,6 @@ did leave are marked there, so a rollback afterwards is post-send.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import signal
@@ -145,9 +144,6 @@ class Master:
         self._cpu_at_start = 0.0
         self._stop_seq = 0
         self._next_stall_check = 0.0
-        #: Task id -> (half id, size): the tasks of failed batches split back (`_note_halves`).
-        self._halves: dict[int, tuple[int, int]] = {}
-        self._half_ids = itertools.count(1)
         self._auto = AutoBatch.for_watchdog(config.watchdog_s)  # --batch auto's measures
         #: Queued tasks as last counted, less those dispatched since; and when to count again.
         self._queued: int | None = None
@@ -273,7 +269,6 @@ class Master:
                 self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
                 timed_out = self.gate.watchdog(tx)
                 recovered += timed_out
-            self._note_halves(recovered)
             for rec in recovered:  # no answer is awaited from them any more
                 self._expected.forget(rec.rank)
             if new_inputs:
@@ -534,7 +529,6 @@ class Master:
             return []
         planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
                                             or None, active=active, batch=self._batch_size(tx),
-                                            halves=self._halves,
                                             spread=self.config.batch is None)
         if len(planned) < len(self._idle):
             self._may_have_queued = False  # nothing dispatchable left until something changes
@@ -679,15 +673,6 @@ class Master:
             self._queued = task_ops.count_queued(tx)
             self._recount_at = now + max(1.0, 100 * (time.monotonic() - now))
         return self._queued
-
-    def _note_halves(self, recovered: Sequence[dsp.Recovery]) -> None:
-        for rec in recovered:
-            for half in rec.halves or ():
-                if half:
-                    entry = (next(self._half_ids), len(half))
-                    self._halves.update(dict.fromkeys(half, entry))
-        if len(self._halves) > 1_000_000:  # (entries of tasks long done: start again)
-            self._halves.clear()
 
     def _tx(self, operation: str, on_lock_wait: Callable[[float], None] | None = None):
         self.summary.transactions += 1

@@ -8,6 +8,7 @@ typed structs, so a healthy worker cannot send a badly shaped message by acciden
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 RESULT_STATUSES = frozenset({"ok", "error", "timeout"})
 #: The outcomes that are retried instead of committed (the command was killed).
 RETRY_STATUSES = frozenset({"timeout"})
+#: A batch's RESULT that says only this (its token, and why in `detail`): the batch ran, but
+#: its outcomes together are over the master's bound on a message. The master splits it in
+#: halves, none charged, as any broken batch; each half's outcomes come back in a smaller
+#: RESULT. Never an answer to a dispatch of one task (it is then an invalid payload).
+SPLIT_STATUS = "split"
 
 #: The largest count a message may report (what a 32-bit column holds, and far beyond any
 #: real one).
@@ -180,10 +186,17 @@ class _ReadyIn(msgspec.Struct):
 
 
 class _Envelope(msgspec.Struct):
-    """A RESULT as far as its classification needs it: its token. The rest is read only for
-    a current one (`check_result`): a stale one's payload proves nothing (R4)."""
+    """A RESULT as far as its classification needs it: its token, and its status (a batch
+    that asks to be split, `SPLIT_STATUS`). The rest is read only for a current one
+    (`check_result`): a stale one's payload proves nothing (R4)."""
 
     token: Scalar = None
+    #: Left undecoded (a status of any shape is `check_result`'s to refuse): compared whole.
+    status: msgspec.Raw = msgspec.Raw()
+
+
+class _Split(msgspec.Struct):
+    detail: Scalar = None
 
 
 #: The most tasks one dispatch carries (`--batch`; config.MAX_BATCH).
@@ -208,6 +221,8 @@ class _ResultIn(_TaskResultIn, forbid_unknown_fields=True):
 
 _ready_in = msgspec.msgpack.Decoder(_ReadyIn)
 _envelope = msgspec.msgpack.Decoder(_Envelope)
+_split = msgspec.msgpack.Decoder(_Split)
+_SPLIT_RAW = msgspec.msgpack.encode(SPLIT_STATUS)
 _result_in = msgspec.msgpack.Decoder(_ResultIn)
 _testcases = msgspec.msgpack.Decoder(
     list[tuple[Annotated[str, msgspec.Meta(max_length=1024)], bytes]])
@@ -235,9 +250,21 @@ def decode_result(data: bytes | bytearray | memoryview) -> dict[str, Any] | Unde
     """Master side: a RESULT's bytes -> its token (a mapping for the classifier), or
     `Undecodable`; its payload is read by `check_result` if it is current."""
     try:
-        return {"token": _envelope.decode(data).token}
+        head = _envelope.decode(data)
     except _DECODE_ERRORS as e:
         return _why(e)
+    if bytes(head.status) == _SPLIT_RAW:
+        return {"token": head.token, "status": SPLIT_STATUS}
+    return {"token": head.token}
+
+
+def split_detail(body: Mapping[str, Any], raw: bytes | bytearray | None) -> str:
+    """Why a batch's worker asked for a split (its RESULT's `detail`), printable, bounded."""
+    why = body.get("detail")
+    if raw is not None:
+        with contextlib.suppress(*_DECODE_ERRORS):
+            why = _split.decode(raw).detail
+    return why[:300] if isinstance(why, str) else "its outcomes are too large for one message"
 
 
 def oversized(size: int, max_bytes: int) -> Undecodable:

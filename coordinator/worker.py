@@ -31,6 +31,7 @@ from .protocol import is_token
 from .transport import Backoff, MasterGone, SendFailed, Transport
 from .wire import (
     ENCODE_ERRORS,
+    SPLIT_STATUS,
     TAG_STOP,
     Ready,
     Result,
@@ -103,20 +104,36 @@ class Sender:
         """The RESULT as sent. One the master could never accept (a string that is not
         Unicode, from a callable's value or the like; or more bytes than its bound) becomes an
         `error` result saying why: the task's outcome, committed once, instead of a worker
-        that dies on every try or a message quarantined on every retry."""
+        that dies on every try or a message quarantined on every retry. In a batch, only the
+        tasks whose own outcome is such become errors; if the others together are still over
+        the bound, the RESULT asks the master to split the batch (`SPLIT_STATUS`): each of its
+        outcomes would fit a message of its own, and none of them is lost."""
+        data, why = self._encoded(self.result_message(token, outcome))
+        if why is None:
+            return data
+        if not isinstance(outcome, BatchOutcome):
+            return encode(self.result_message(token, _unsent(outcome, why)))
+        kept = []
+        for o in outcome.outcomes:
+            _, own = self._encoded(self.result_message(token, o))
+            kept.append(o if own is None else _unsent(o, own))
+        data, why = self._encoded(self.result_message(token, BatchOutcome(kept)))
+        if why is None:
+            return data
+        if len(kept) > 1:
+            return encode(Result(token=token, status=SPLIT_STATUS, detail=why[:2000]))
+        return encode(self.result_message(token, BatchOutcome([_unsent(kept[0], why)])))
+
+    def _encoded(self, message: Result) -> tuple[bytes, str | None]:
+        """The message's bytes, or why it cannot be sent."""
         try:
-            data = encode(self.result_message(token, outcome))
+            data = encode(message)
         except ENCODE_ERRORS as e:
-            why = f"the result cannot be sent: {type(e).__name__}: {e}"
-        else:
-            if self.max_message_bytes is None or len(data) <= self.max_message_bytes:
-                return data
-            why = (f"the result is {len(data)} bytes, over --max-message-bytes "
-                   f"{self.max_message_bytes}: nothing of it was kept")
-        if isinstance(outcome, BatchOutcome):  # each task's outcome says it
-            return encode(self.result_message(token, BatchOutcome([_unsent(o, why)
-                                                                    for o in outcome.outcomes])))
-        return encode(self.result_message(token, _unsent(outcome, why)))
+            return b"", f"the result cannot be sent: {type(e).__name__}: {e}"
+        if self.max_message_bytes is not None and len(data) > self.max_message_bytes:
+            return b"", (f"the result is {len(data)} bytes, over --max-message-bytes "
+                         f"{self.max_message_bytes}: nothing of it was kept")
+        return data, None
 
     def send_result(self, token: str, outcome: ExecOutcome | BatchOutcome) -> str:
         self.transport.send_result(self.result_bytes(token, outcome))

@@ -517,10 +517,11 @@ def retry_all(tx: Tx, rank: int, token: str, reason: str) -> list[Recovery]:
     return out
 
 
-def find_joined(tx: Tx) -> list[tuple[int, str]]:
-    """R3: the dispatches whose ready mark and invalid mark name the same token, one query."""
+def find_joined(tx: Tx) -> list[tuple[int, str, str]]:
+    """R3: the dispatches whose ready mark and invalid mark name the same token, one query:
+    (rank, token, the invalid mark's reason)."""
     return tx.db.execute(
-        "SELECT rank, token FROM dispatches WHERE ready_at IS NOT NULL "
+        "SELECT rank, token, invalid_reason FROM dispatches WHERE ready_at IS NOT NULL "
         "AND invalid_reason IS NOT NULL ORDER BY rank").fetchall()
 
 
@@ -586,6 +587,13 @@ def _hold_failed(tx: Tx, rank: int | None, token: str, task_id: int, attempts: i
     return ok
 
 
+def half_size(n: int, i: int) -> int:
+    """The size of the half of a broken dispatch of `n` tasks that its `i`-th task goes back
+    in (`tasks.batch_cap`): the first ⌈n/2⌉, the rest ⌊n/2⌋."""
+    half = (n + 1) // 2
+    return half if i < half else n - half
+
+
 def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: str
                 ) -> Recovery:
     """A failed dispatch of several tasks: which of them broke it is not known, so none is
@@ -595,7 +603,7 @@ def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: 
     pos = head_position(tx) - len(task_ids) + 1
     for i, task_id in enumerate(task_ids):
         if not set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED, queue_pos=pos + i,
-                         reason=reason):
+                         reason=reason, batch_cap=half_size(len(task_ids), i)):
             raise FenceError(f"task {task_id} of dispatch {token[:12]} was not active")
     tx.event(EventKind.REQUEUED, rank=rank, token=token, task_id=task_ids[0],
              detail=f"split: {len(task_ids)} tasks back at the head in halves of {half} and "
@@ -655,11 +663,17 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
     for r in rows:  # newest first, each to the head: the oldest ends up first
         taken = _take(tx, r.rank, r.token)
         assert taken is not None
-        # A batch's tasks are never charged: which of them it was is not known.
-        charged = ((earlier_incarnations or r.rank in charged_ranks)
-                   and len(taken.task_ids) == 1)
+        # A batch's tasks are never charged: which of them it was is not known. Where a single
+        # task would be charged (the dispatch may be what ended its worker, or the job), they
+        # go back in halves, as a broken batch does: without ULFM a worker's crash ends the
+        # whole job, and a batch requeued whole at each --resume ended it again for ever.
+        suspect = earlier_incarnations or r.rank in charged_ranks
+        n = len(taken.task_ids)
+        charged = suspect and n == 1
+        split = (f"split: {n} tasks back at the head in halves of {half_size(n, 0)} and "
+                 f"{half_size(n, n - 1)}, none charged") if suspect and n > 1 else None
         tx.event(kind, rank=r.rank, token=r.token, task_id=r.task_id,
-                 detail="worker gone" if charged and not earlier_incarnations else None)
+                 detail="worker gone" if charged and not earlier_incarnations else split)
         pos = head_position(tx) - len(taken.task_ids) + 1
         for i, task_id in enumerate(taken.task_ids):
             if charged:
@@ -671,7 +685,8 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
                                  else "its worker was gone at a stop")
                     continue
             set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED, queue_pos=pos + i,
-                      attempts_delta=int(charged))
+                      attempts_delta=int(charged),
+                      batch_cap=half_size(n, i) if suspect and n > 1 else None)
         back[:0] = taken.task_ids
     if not earlier_incarnations and rows:
         # Only a rank whose READY was seen is idle: the others are still running the task just

@@ -113,6 +113,10 @@ tasks = Table(
     Column("reason", Text, nullable=True),  # why deferred / failed / not admitted
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # The largest dispatch this task may go out in: set to its half's size when a dispatch
+    # of several tasks broke (split in halves, none charged), so that the halving goes on
+    # across restarts; NULL for a task never in a broken batch (revision 0013).
+    Column("batch_cap", Integer, nullable=True),
     _enum_check("state", TaskState),
     CheckConstraint(TOKEN_CHECK.format(c="semantic_id"), name="semantic_id_hex"),
     CheckConstraint("attempts >= 0 AND dispatches >= 0", name="counts"),

@@ -32,6 +32,7 @@ class TaskRecord:
     dispatches: int
     depth: int
     reason: str | None
+    batch_cap: int | None = None  # the largest dispatch it may go out in (a broken batch's half)
 
     def lease_keys(self) -> list[tuple[LeaseKind, str]]:
         """Every side-table reservation a dispatch of this task holds (one lease row each).
@@ -48,7 +49,7 @@ class TaskRecord:
 
 _TASK_COLUMNS = (tasks.c.id, tasks.c.semantic_id, tasks.c.payload, tasks.c.input_hash,
                  tasks.c.state, tasks.c.attempts, tasks.c.dispatches, tasks.c.depth,
-                 tasks.c.reason)
+                 tasks.c.reason, tasks.c.batch_cap)
 
 
 #: `ix_tasks_held`'s condition, for a query SQLite should read that index for (it uses a
@@ -58,7 +59,8 @@ HELD_TERM = text(HELD_STATES_SQL)
 
 def _record(row: Any) -> TaskRecord:
     return TaskRecord(row.id, row.semantic_id, json.loads(row.payload), row.input_hash,
-                      TaskState(row.state), row.attempts, row.dispatches, row.depth, row.reason)
+                      TaskState(row.state), row.attempts, row.dispatches, row.depth, row.reason,
+                      row.batch_cap)
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,9 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
 # which walks every earlier row again for each window: quadratic when many queued tasks wait
 # on a held lease.
 _QUEUED = ("SELECT id, semantic_id, payload, input_hash, state, attempts, dispatches, depth, "
-           "reason, queue_pos FROM tasks INDEXED BY ix_tasks_queue WHERE state = 'queued' "
-           "AND (queue_pos, id) > (?, ?) {} ORDER BY queue_pos, id LIMIT ?")
+           "reason, queue_pos, batch_cap FROM tasks INDEXED BY ix_tasks_queue "
+           "WHERE state = 'queued' AND (queue_pos, id) > (?, ?) {} ORDER BY queue_pos, id "
+           "LIMIT ?")
 _QUEUED_ALL = _QUEUED.format("")
 # While leases are held, rows whose content or target branch is held are skipped in SQL (a
 # cheap pre-filter: the lease check below still decides). 20,000 tasks on one input, which
@@ -190,7 +193,7 @@ def take_queued(tx: Tx, n: int) -> list[TaskRecord]:
                 seen += 1
                 after = (row[9], row[0])
                 rec = TaskRecord(row[0], row[1], _load_payload(row[2]), row[3], queued,
-                                 row[5], row[6], row[7], row[8])
+                                 row[5], row[6], row[7], row[8], row[10])
                 keys = rec.lease_keys()
                 if keys:
                     if any(k in held for k in keys):
@@ -238,7 +241,7 @@ def retry_decision(attempts: int, budget_used: int, policy: RetryPolicy) -> Task
 def set_state(tx: Tx, task_id: int, expected: TaskState, new: TaskState, *,
               queue_pos: int | None = None, reason: str | None = None,
               attempts_delta: int = 0, budget_delta: int = 0,
-              dispatches_delta: int = 0) -> bool:
+              dispatches_delta: int = 0, batch_cap: int | None = None) -> bool:
     """The one fenced task transition: changes the row only if it is in `expected`. A
     transition outside `TASK_TRANSITIONS` is a bug in the caller, refused before any write."""
     if new not in TASK_TRANSITIONS[expected]:
@@ -253,6 +256,8 @@ def set_state(tx: Tx, task_id: int, expected: TaskState, new: TaskState, *,
         values["budget_used"] = tasks.c.budget_used + budget_delta
     if dispatches_delta:
         values["dispatches"] = tasks.c.dispatches + dispatches_delta
+    if batch_cap is not None:
+        values["batch_cap"] = batch_cap
     res = tx.conn.execute(
         update(tasks).where(and_(tasks.c.id == task_id, tasks.c.state == expected.value))
         .values(**values)

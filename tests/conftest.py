@@ -103,11 +103,11 @@ class Farm:
         return {p.rank: p.token for p in self.plan(*ranks, deadline_s=deadline_s, sent=sent)}
 
     def plan(self, *ranks: int, deadline_s: float | None = None, sent: bool = False,
-             batch: int = 1, halves=None, spread: bool = False):
+             batch: int = 1, spread: bool = False):
         """The dispatches planned (`dispatches.Planned`), `batch` tasks each at most."""
         with self.store.transaction() as tx:
             plan = self.gate.plan_dispatches(tx, list(ranks), deadline_s=deadline_s,
-                                             batch=batch, halves=halves, spread=spread)
+                                             batch=batch, spread=spread)
             if sent:
                 mark_sent(tx, [p.token for p in plan])
         return plan

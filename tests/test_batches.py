@@ -12,6 +12,7 @@ from conftest import Farm
 from mpi_jobs import check_conservation, query, run
 
 from store.audit import audit_path
+from store.journal import RetryPolicy
 
 T = "t" * 64
 
@@ -108,12 +109,10 @@ def test_a_poison_task_in_a_batch_of_64_is_isolated_and_only_it_is_charged(db_pa
     farm = Farm(db_path)
     ids = farm.enqueue(*({"data": i} for i in range(n)))
     poison = ids[37]
-    halves: dict[int, tuple[int, int]] = {}
     holding_poison: list[int] = []
-    half_ids = iter(range(1, 10_000))
     farm.ready(1)
     for _ in range(200):
-        plan = farm.plan(1, batch=n, halves=halves, sent=True)
+        plan = farm.plan(1, batch=n, sent=True)
         if not plan:
             break
         [p] = plan
@@ -125,10 +124,7 @@ def test_a_poison_task_in_a_batch_of_64_is_isolated_and_only_it_is_charged(db_pa
         holding_poison.append(len(tasks))
         farm.result_raw(1, {"token": p.token, "status": "ok", "batch": "not a list"})
         farm.ready(1, p.token)
-        for rec in farm.sweep():
-            for half in rec.halves or ():
-                entry = (next(half_ids), len(half))
-                halves.update(dict.fromkeys(half, entry))
+        farm.sweep()
     # 64, 32, 16, 8, 4, 2 fail and are split; then it goes out alone (charged) and again
     # alone after its one requeue, and is deferred.
     assert holding_poison[:7] == [64, 32, 16, 8, 4, 2, 1]
@@ -171,6 +167,87 @@ def test_a_batch_rolled_back_by_rank_and_token_undoes_every_task_it_held(db_path
     assert audit_path(db_path).ok
 
 
+def test_a_batch_whose_outcomes_are_too_large_for_one_result_is_split_not_refused(db_path):
+    """A worker whose batch's outcomes are over the bound on one message says so (`status:
+    split`): the batch goes back in halves, none charged, no message quarantined; each half
+    commits in its own RESULT. The same answer to a dispatch of one task is an invalid
+    payload: one task cannot be split."""
+    from coordinator.wire import SPLIT_STATUS
+
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(6)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=6, sent=True)
+    farm.result_raw(1, {"token": p.token, "status": SPLIT_STATUS,
+                        "detail": "the result is 99999 bytes, over --max-message-bytes 65536"})
+    farm.ready(1, p.token)
+    [rec] = farm.sweep()
+    assert rec.halves == (tuple(ids[:3]), tuple(ids[3:]))
+    assert farm.events()["quarantined"] == 0
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM quarantine").scalar() == 0
+        assert "over --max-message-bytes" in conn.exec_driver_sql(
+            "SELECT detail FROM events WHERE kind = 'requeued'").scalar()
+    sizes = []
+    while plan := farm.plan(1, batch=6, sent=True):
+        [p] = plan
+        sizes.append(len(p.tasks))
+        farm.result_raw(1, batch_result(p.token, [t.id for t in p.tasks]))
+        farm.ready(1, p.token)
+    assert sizes == [3, 3]
+    assert all(states(farm)[t] == ("done", 0, 0) for t in ids)
+    [single] = farm.enqueue({"data": "alone"})
+    [p] = farm.plan(1, batch=6, sent=True)
+    farm.result_raw(1, {"token": p.token, "status": SPLIT_STATUS, "detail": "no"})
+    farm.ready(1, p.token)
+    [one] = farm.sweep()
+    assert one.halves is None and one.attempts == 1 and states(farm)[single][1] == 1
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql(
+            "SELECT channel, reason FROM quarantine").fetchall() == [("result", "payload")]
+    farm.close()
+
+
+def test_a_batch_a_crash_interrupted_goes_back_in_halves_until_its_poison_task_is_alone(
+        db_path):
+    """Without ULFM a worker's crash ends the whole job: the batch it held is interrupted, and
+    `--resume` put it back whole, so the next run dispatched it whole and crashed again, for
+    ever, its poison task never charged. An interrupted batch now goes back in halves that
+    last across restarts (`tasks.batch_cap`): the poison task's dispatches halve, then it
+    alone is charged, once per crash, up to the ceiling; every other task commits once."""
+    n, poison_at = 64, 37
+    farm = Farm(db_path, policy=RetryPolicy(retries=1, max_attempts=3))
+    ids = farm.enqueue(*({"data": i} for i in range(n)))
+    poison = ids[poison_at]
+    holding_poison: list[int] = []
+    for _restart in range(40):
+        farm.ready(1)
+        while plan := farm.plan(1, batch=n, sent=True):
+            [p] = plan
+            tasks = [t.id for t in p.tasks]
+            if poison in tasks:
+                holding_poison.append(len(tasks))
+                break  # the job ends with this dispatch in flight
+            farm.result_raw(1, batch_result(p.token, tasks))
+        else:
+            break  # nothing left to dispatch
+        farm.close()
+        farm = Farm(db_path, resume=True, policy=RetryPolicy(retries=1, max_attempts=3))
+    assert holding_poison == [64, 32, 16, 8, 4, 2, 1, 1, 1], holding_poison
+    got = states(farm)
+    assert got[poison] == ("failed", 3, 0)  # charged once per crash alone, up to the ceiling
+    assert all(got[t] == ("done", 0, 0) for t in ids if t != poison), got
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM results").scalar() == n - 1
+        splits = [r[0] for r in conn.exec_driver_sql(
+            "SELECT detail FROM events WHERE kind = 'interrupted' AND detail LIKE 'split:%' "
+            "ORDER BY id")]
+    assert len(splits) == 6 and splits[0].startswith("split: 64 tasks back at the head in "
+                                                     "halves of 32 and 32")
+    farm.close()
+    assert audit_path(db_path).ok
+
+
 # -- under MPI: a poison task in a batch of 64 ----------------------------------------------
 
 POISON = 37
@@ -208,3 +285,32 @@ def test_a_poison_task_in_a_batch_of_64_is_isolated_and_alone_charged(tmp_path):
     invalid = query(db, "SELECT count(*) FROM quarantine WHERE channel = 'result' "
                         "AND reason = 'payload'")[0][0]
     assert invalid == len(splits) + poison_attempts  # each split's batch, then the task alone
+
+
+WIDE_MODULE = """
+def run(task):
+    return str(task["data"]["n"]) * 10_000  # 10 KB to 20 KB: 16 of them are over 64 KiB
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_a_batch_too_large_for_one_result_commits_every_value_in_smaller_dispatches(tmp_path):
+    """Values that each fit a message but not sixteen together: the batch is split (asked by
+    its worker, never refused) until its halves' RESULTs fit, and every task commits its own
+    value `ok`. Before, all sixteen were committed as `error` results."""
+    mod = tmp_path / "wide.py"
+    mod.write_text(WIDE_MODULE)
+    db = tmp_path / "c.db"
+    done = run(["run", "--db", str(db), "--demo", "32", "--batch", "16", "--callable",
+                f"{mod}:run", "--max-message-bytes", "65536", "--no-progress"], np=2,
+               timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=32)
+    rows = query(db, "SELECT json_extract(t.payload, '$.data.n'), r.status, r.value "
+                     "FROM tasks t JOIN results r ON r.task_id = t.id")
+    assert sorted(rows) == sorted((n, "ok", '"' + str(n) * 10_000 + '"') for n in range(32))
+    assert query(db, "SELECT count(*) FROM quarantine")[0][0] == 0
+    splits = query(db, "SELECT count(*) FROM events WHERE kind = 'requeued' "
+                       "AND detail LIKE 'split:%over --max-message-bytes 65536%'")[0][0]
+    assert splits >= 2  # both batches of 16 (and their halves while still too large)

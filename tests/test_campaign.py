@@ -184,7 +184,8 @@ def test_a_master_starting_under_another_process_s_write_lock_says_why(db_path, 
     error escaped, which the start took for an internal error (exit 5, a traceback)."""
     Store.open(db_path).close()
     with write_lock_held_elsewhere(db_path, monkeypatch), \
-            pytest.raises(StoreWriteError, match="longer than this command waits .a master: --lock-wait"):
+            pytest.raises(StoreWriteError,
+                          match="longer than this command waits .a master: --lock-wait"):
         Store.open(db_path, resume=True)
     Store.open(db_path, resume=True).close()
 

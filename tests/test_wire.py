@@ -132,6 +132,11 @@ def test_a_results_payload_is_read_only_if_it_is_current():
     from coordinator.wire import decode_result
     body = encode({"token": T, "status": "ok", "value": [[]] * 1000, "junk": {"a": [1] * 50}})
     assert decode_result(body) == {"token": T}
+    # A batch's worker asking for a split says so in its status, read undecoded: any other
+    # status, of any shape, is left to `check_result`.
+    assert decode_result(encode({"token": T, "status": "split"})) == {"token": T,
+                                                                     "status": "split"}
+    assert decode_result(encode({"token": T, "status": [[]] * 1000})) == {"token": T}
     res, why = check_result({}, encode(Result(token=T, status="ok", value={"n": 1})))
     assert why is None and res.value == {"n": 1}
     _, why = check_result({}, encode({"token": T, "status": "ok", "duration_s": -1.0}))

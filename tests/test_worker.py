@@ -77,3 +77,36 @@ def test_a_result_the_master_could_not_accept_is_sent_as_an_error(tmp_path, work
     big = decode_inbound(sender.result_bytes("a" * 64, too_big), 4096)
     assert big["status"] == "error" and "over --max-message-bytes 4096" in big["detail"]
     assert big["dropped"] == 5 and big["testcases"] == []  # its 2 and the 3 already dropped
+
+
+def test_a_batch_too_large_for_one_result_asks_for_a_split_and_loses_no_outcome():
+    """A batch of tasks whose values each fit a message but together do not was sent as an
+    `error` for every task: good results committed as failures. Now only a task whose own
+    outcome cannot be sent becomes an error; if the rest are still over the bound, the
+    RESULT asks the master to split the batch, and says why."""
+    from coordinator.executors import BatchOutcome, ExecOutcome
+    from coordinator.wire import SPLIT_STATUS, decode_inbound
+    from coordinator.worker import Sender
+
+    sender = Sender(None, max_message_bytes=4096)
+    token = "a" * 64
+
+    def sent(*outcomes: ExecOutcome) -> dict:
+        return decode_inbound(sender.result_bytes(token, BatchOutcome(list(outcomes))), 4096)
+
+    fits = ExecOutcome("ok", value="x" * 1500)
+    split = sent(fits, fits, fits)
+    assert split["status"] == SPLIT_STATUS and split["token"] == token
+    assert "batch" not in split or split["batch"] is None
+    assert "over --max-message-bytes 4096" in split["detail"]
+    # One task's own outcome cannot be sent: it alone is an error, the others are kept.
+    odd = ExecOutcome("ok", value={"k": "\udcff"})
+    kept = sent(fits, odd)
+    assert [o["status"] for o in kept["batch"]] == ["ok", "error"]
+    assert kept["batch"][0]["value"] == "x" * 1500
+    assert "cannot be sent" in kept["batch"][1]["detail"]
+    too_big = ExecOutcome("ok", value="x" * 5000)
+    alone = sent(too_big, fits)
+    assert [o["status"] for o in alone["batch"]] == ["error", "ok"]
+    # A batch that fits is sent as it is.
+    assert [o["value"] for o in sent(fits, fits)["batch"]] == ["x" * 1500] * 2
