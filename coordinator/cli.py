@@ -173,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
                         "sleeping (yielding the CPU between polls) this long, then sleeps "
                         "between polls (default 50 under Open MPI, 0 under other MPIs)")
     r.add_argument("--max-message-bytes", action=Once, type=int_range(1024), default=64 << 20,
-                   help="larger worker messages are quarantined as oversized (default 64 MiB)")
+                   help="larger worker messages are quarantined as oversized; a batch whose "
+                        "RESULT or WORK would be larger is split (default 64 MiB)")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="--progress: the live display (default when `coordinator run` "
                         "launches itself from a terminal); --no-progress: no progress output "

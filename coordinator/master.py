@@ -552,12 +552,19 @@ class Master:
                 log.error("task %s: its WORK message cannot be built (%s); held as failed",
                           ", ".join(map(str, bad)), why)
                 dsp.refuse_unsendable(tx, p.rank, p.token, why, bad)
-                if active is not None:
-                    active.pop(p.rank, None)
-                self._idle.append(p.rank)
-                self._may_have_queued = True
-                continue
-            plan.append((p, data))
+            else:
+                if not (p.more and len(data) > self.config.max_message_bytes):
+                    plan.append((p, data))
+                    continue
+                # A batch's inputs together (11 of 200 MB: past what one MPI message carries,
+                # and the send failure cost the rank) go in smaller batches; a task alone
+                # goes whatever its size.
+                dsp.split_unsent(tx, p.rank, p.token, f"its WORK is {len(data)} bytes, over "
+                                 f"--max-message-bytes {self.config.max_message_bytes}")
+            if active is not None:
+                active.pop(p.rank, None)
+            self._idle.append(p.rank)
+            self._may_have_queued = True
         return plan
 
     def _send_work(self, p: dsp.Planned, data: bytes) -> None:

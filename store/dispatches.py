@@ -318,6 +318,24 @@ def _rewind(tx: Tx, rank: int, token: str, worker_state: WorkerState, detail: st
     return [t for t in taken.task_ids if t in bad]
 
 
+def split_unsent(tx: Tx, rank: int, token: str, why: str) -> bool:
+    """Pre-send, for a batch whose WORK is too large to send as one message: rewound in place
+    as for a failed send, each task capped to its half (`tasks.batch_cap`), none charged, so
+    the next dispatches carry half as much. The rank stays idle."""
+    taken = _take(tx, rank, token, unsent_only=True)
+    if taken is None:
+        return False
+    n = len(taken.task_ids)
+    for i, task_id in enumerate(taken.task_ids):
+        if not set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED, dispatches_delta=-1,
+                         batch_cap=half_size(n, i)):
+            raise FenceError(f"task {task_id} of dispatch {token[:12]} was not active")
+        tx.event(EventKind.SEND_FAILED, rank=rank, token=token, task_id=task_id,
+                 detail=f"split: {why}")
+    set_workers(tx, [(rank, WorkerState.IDLE)])
+    return True
+
+
 def refuse_unsendable(tx: Tx, rank: int, token: str, why: str,
                       bad: Collection[int] | None = None) -> bool:
     """Pre-send, for a task whose WORK cannot be built (a payload stored by an older version

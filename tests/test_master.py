@@ -615,3 +615,46 @@ def test_an_idle_ready_beside_the_garbage_does_not_keep_a_flooding_rank_in_work(
         health.note([(3, ReadyStatus.MALFORMED)] * 5, [(3, ResultStatus.MALFORMED)] * 4)
     assert health.garbage_senders() == [2]
     assert health.counts(2)[1] == 0
+
+
+class SizedWorks(InstantWorkers):
+    """Instant workers that note each WORK's size and task count."""
+
+    def __init__(self, workers: int):
+        super().__init__(workers)
+        self.works: list[tuple[int, int]] = []
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        from coordinator.wire import decode_work
+        self.works.append((len(data), len(decode_work(data).tasks())))
+        super().send_work(data, dest)
+
+
+def test_a_batch_whose_work_is_over_the_message_bound_goes_in_smaller_batches(tmp_path):
+    """A batch's inputs together may be larger than one message can carry (11 inputs of
+    200 MB: MPI refused the send, and the rank was given up). A batch's WORK over
+    --max-message-bytes is rewound before it leaves, in halves, none charged; a task alone
+    goes whatever its size."""
+    bound = 8192
+    ranks = SizedWorks(2)
+    with contextlib.closing(Store.open(tmp_path / "c.db")) as store:
+        with store.transaction("import") as tx:
+            ids = enqueue_tasks(tx, [NewTask({"path": f"in{i}"}, bytes([i]) * 3000)
+                                     for i in range(16)]
+                                + [NewTask({"path": "huge"}, b"h" * (3 * bound))])
+        summary = Master(store, ranks, MasterConfig(
+            stats_file=None, progress=False, linger_s=0, grace_s=1, stop_wait_s=1, batch=8,
+            max_message_bytes=bound)).run()
+        with store.reading() as conn:
+            done = conn.execute(select(func.count()).select_from(results)).scalar()
+            failed_ranks = conn.exec_driver_sql(
+                "SELECT count(*) FROM workers WHERE state = 'failed'").scalar()
+            attempts = conn.execute(select(func.sum(tasks.c.attempts))).scalar()
+            splits = conn.exec_driver_sql(
+                "SELECT count(*) FROM events WHERE kind = 'send_failed' "
+                "AND detail LIKE 'split: its WORK is % bytes, over --max-message-bytes 8192'"
+            ).scalar()
+    assert summary.committed == done == len(ids) == 17
+    assert failed_ranks == 0 and attempts == 0 and splits > 0
+    assert all(size <= bound for size, n in ranks.works if n > 1), ranks.works
+    assert (max(size for size, _ in ranks.works), 1) in ranks.works  # the huge one, alone
