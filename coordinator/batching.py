@@ -52,9 +52,14 @@ class AutoBatch:
     #: milliseconds, which says nothing of what a dispatch costs.
     SAMPLES = 64
 
+    #: A dispatch's RESULT is meant to take at most this share of --max-message-bytes: a
+    #: batch whose RESULT would not fit is split, and its tasks run again.
+    BYTES_SHARE = 0.5
+
     max_s: float = MAX_S
     _rank_task_s: dict[int, float] = field(default_factory=dict)  # rank -> its tasks' mean
     _task_s: float | None = None
+    _task_bytes: float | None = None  # a task's share of its RESULT, the larger seen lately
     _lost: deque[float] = field(default_factory=lambda: deque(maxlen=AutoBatch.SAMPLES))
     _overhead_s: float | None = None
 
@@ -69,6 +74,30 @@ class AutoBatch:
             mean = self._rank_task_s.get(rank)
             self._rank_task_s[rank] = seconds if mean is None else 0.9 * mean + 0.1 * seconds
             self._task_s = None
+
+    def ran_at_least(self, seconds: float, rank: int = 0) -> None:
+        """`rank`'s tasks took at least this long each (a batch passed its watchdog deadline:
+        it holds no run times, but its deadline over its tasks bounds them from below). When
+        tasks grow from microseconds to 50 ms, the running mean lagged, and the halves of a
+        batch of 734 passed a 4 s deadline one after the other."""
+        mean = self._rank_task_s.get(rank)
+        if mean is None or mean < seconds:
+            self._rank_task_s[rank] = seconds
+            self._task_s = None
+
+    def answered(self, nbytes: int, tasks: int) -> None:
+        """A RESULT of `nbytes` for `tasks` tasks (or, for one that asked for a split, the
+        bound it was over). A larger share counts at once, a smaller one slowly."""
+        per = nbytes / max(tasks, 1)
+        mean = self._task_bytes
+        self._task_bytes = per if mean is None else max(per, 0.9 * mean + 0.1 * per)
+
+    def bytes_cap(self, max_message_bytes: int) -> int:
+        """The most tasks whose RESULT fits BYTES_SHARE of a message, as large as seen."""
+        if not self._task_bytes:
+            return MAX_BATCH
+        return max(1, min(MAX_BATCH, math.floor(max_message_bytes * self.BYTES_SHARE
+                                                / self._task_bytes)))
 
     @property
     def task_s(self) -> float | None:

@@ -79,6 +79,9 @@ class ResultRound:
     statuses: list[tuple[int, ResultStatus]] = field(default_factory=list)
     committed: list[dsp.CommitItem] = field(default_factory=list)
     retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout)
+    #: Each current RESULT's (bytes, tasks it answers); bytes None: a batch too large to
+    #: answer in one message, which asked for a split.
+    sizes: list[tuple[int | None, int]] = field(default_factory=list)
     #: The active dispatches as this phase left them (its commits and retries gone).
     active: dict[int, dsp.ActiveDispatch] | None = None
 
@@ -262,9 +265,12 @@ class Gate:
                     # The batch ran, but its outcomes are over the bound on one message: no
                     # refusal, a split (the READY join rolls it back in halves, uncharged).
                     out.statuses.append((m.rank, status))
+                    out.sizes.append((None, a.size))
                     dsp.set_invalid_mark(tx, m.rank, a.token,
                                          "split: " + split_detail(m.body, m.raw))
                     continue
+                if m.raw is not None:
+                    out.sizes.append((len(m.raw), a.size))
                 parsed, why = self.validate(m.body, m.raw, a.size)
                 value_json = None
                 if why is None:

@@ -284,6 +284,10 @@ class Master:
             self.summary.last_commit_at = time.time()
         for p, data in plan:  # committed: now the WORK may leave
             self._send_work(p, data)
+        for rec in timed_out:
+            if rec.halves is not None and self.config.batch is None:
+                self._auto.ran_at_least(self.config.watchdog_s / sum(map(len, rec.halves)),
+                                        rec.rank)
         for rec in timed_out:  # a hung rank is otherwise silent: all of them, a silent run
             print(f"coordinator: rank {rec.rank} passed its --watchdog deadline "
                   f"({self.config.watchdog_s:g} s); {_what_became(rec)}; "
@@ -378,6 +382,7 @@ class Master:
                 plan.extend(self._plan(tx, ready.active))                # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
             self._health.note(ready.statuses, rr.statuses)
+            self._note_sizes(rr.sizes)
             active, parked = rr.active, ready.parked
             if active is not None:
                 looked_up.update(active)  # (the ranks just planned: their rows are these)
@@ -408,6 +413,7 @@ class Master:
                 active = self._look_up(active, looked_up, late, (), tx)
                 rr = self.gate.apply_results(tx, late, active=active)
                 self._health.note((), rr.statuses)
+                self._note_sizes(rr.sizes)
                 committed += rr.committed
                 retried += rr.retried
         return committed, retried, planned_early
@@ -665,9 +671,17 @@ class Master:
 
     # -- batches ----------------------------------------------------------------------------
     def _batch_size(self, tx: Tx) -> int:
-        if self.config.batch is not None:
-            return self.config.batch
-        return self._auto.size(lambda: self._queued_now(tx), len(self.live_workers()))
+        """--batch N, or auto's size; either way few enough tasks that their RESULT, as large
+        as the RESULTs seen so far, fits a message with room to spare (a batch that does not
+        is split, and its tasks run again)."""
+        n = (self.config.batch if self.config.batch is not None else
+             self._auto.size(lambda: self._queued_now(tx), len(self.live_workers())))
+        return min(n, self._auto.bytes_cap(self.config.max_message_bytes))
+
+    def _note_sizes(self, sizes: Sequence[tuple[int | None, int]]) -> None:
+        for nbytes, tasks in sizes:
+            self._auto.answered(self.config.max_message_bytes if nbytes is None else nbytes,
+                                tasks)
 
     def _queued_now(self, tx: Tx) -> int:
         """The queue's length for `--batch auto`'s guided share: counted at most once a

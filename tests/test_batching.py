@@ -125,3 +125,37 @@ def test_one_rank_lying_about_its_run_times_moves_no_ranks_batches():
     alone = AutoBatch()
     alone.ran(1e-9, 1)
     assert alone.size() == MAX_BATCH
+
+
+def test_batches_stay_small_enough_for_their_result_to_fit_a_message():
+    """A batch whose RESULT would be over --max-message-bytes is split and its tasks run
+    again: the size is also bounded by the RESULTs seen, to half a message. A larger share
+    per task counts at once (a split says the bound was passed), a smaller one slowly."""
+    bound = 64 << 20
+    auto = measured(1e-6)
+    assert auto.bytes_cap(bound) == MAX_BATCH  # nothing seen yet
+    auto.answered(2_000, 10)
+    assert auto.bytes_cap(bound) == MAX_BATCH  # 200 bytes a task: far from the bound
+    auto.answered(200 << 10, 1)  # one task's 200 KiB value
+    assert auto.bytes_cap(bound) == 163  # 32 MiB / 200 KiB
+    auto.answered(bound, 64)     # a batch of 64 asked to be split: over 1 MiB a task
+    assert auto.bytes_cap(bound) == 32
+    for _ in range(100):         # then small again: the cap comes back, slowly
+        auto.answered(1_000, 10)
+    assert auto.bytes_cap(bound) == MAX_BATCH
+
+
+def test_a_batch_past_its_deadline_raises_its_ranks_task_time_at_once():
+    """Tasks that grew from microseconds to 50 ms: the running mean of run times lagged, and
+    batches of hundreds passed a 4 s deadline one after the other. A batch retired by the
+    watchdog bounds its tasks' time from below (its deadline over its tasks)."""
+    auto = AutoBatch.for_watchdog(4.0)
+    for rank in (1, 2, 3):
+        auto.ran(1e-5, rank)
+    assert auto.size() == MAX_BATCH
+    for rank in (1, 2, 3):
+        auto.ran_at_least(4.0 / 734, rank)
+    assert auto.task_s == pytest.approx(4.0 / 734)
+    assert auto.size() * auto.task_s <= 1.0  # within a quarter of the deadline
+    auto.ran_at_least(1e-9, 1)  # a bound below the mean changes nothing
+    assert auto.task_s == pytest.approx(4.0 / 734)
