@@ -754,8 +754,9 @@ class Master:
                   f"answers (--stall-grace)", file=sys.stderr, flush=True)
         elif now - self._stalled_since >= self.config.stall_grace_s:
             print(f"coordinator: no rank could take work for {self.config.stall_grace_s:g} s; "
-                  f"ending the run (the campaign is saved: the watchdog charged and put back "
-                  f"their tasks; continue with --resume once the cause is fixed)",
+                  f"ending the run (the campaign is saved: the watchdog put their tasks back, "
+                  f"a task alone charged, a batch's in halves; continue with --resume once "
+                  f"the cause is fixed)",
                   file=sys.stderr, flush=True)
             self._stop_signal = NO_RANK_CAN_WORK
             self._stop_at = now
@@ -826,7 +827,8 @@ class Master:
             back = dsp.requeue_in_flight(tx, earlier_incarnations=False,
                                          charged_ranks=self._gone_ranks(tx))
         if back:
-            print(f"coordinator: {len(back)} unfinished dispatches returned to the queue",
+            print(f"coordinator: {len(back)} unfinished task{'s' * (len(back) != 1)} "
+                  f"returned to the queue",
                   file=sys.stderr, flush=True)
         self.summary.unacked_ranks = self._stop_workers()
 
