@@ -109,7 +109,9 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
     db_path = Path(path).absolute()
     if not write:
         refuse_empty_file(db_path)
-    fstype = filesystem_type(db_path.parent)
+    # Where the file really is: SQLite follows a link to it and keeps its -wal and -shm there
+    # (a `campaign.db -> /lustre/...` link passed a check of the link's own directory).
+    fstype = filesystem_type(Path(os.path.realpath(db_path)).parent)
     if fstype in NETWORK_FILESYSTEMS:
         raise UnsafeDatabaseError(
             f"{db_path} is on a {fstype} filesystem; SQLite WAL needs a node-local filesystem "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import write_lock_held_elsewhere
@@ -111,6 +112,20 @@ def test_network_filesystem_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr("store.engine.filesystem_type", lambda p: "nfs")
     with pytest.raises(UnsafeDatabaseError, match="node-local"):
         open_engine(tmp_path / "c.db")
+
+
+def test_a_link_to_a_file_on_a_network_filesystem_is_refused(tmp_path, monkeypatch):
+    """SQLite follows a link to the database and keeps its -wal and -shm beside the real
+    file: the check looked at the link's own directory."""
+    shared = tmp_path / "lustre"
+    shared.mkdir()
+    link = tmp_path / "c.db"
+    link.symlink_to(shared / "c.db")
+    monkeypatch.setattr("store.engine.filesystem_type",
+                        lambda p: "lustre" if Path(p) == shared.resolve() else "ext4")
+    with pytest.raises(UnsafeDatabaseError, match="lustre filesystem"):
+        open_engine(link)
+    open_engine(tmp_path / "local.db").dispose()
 
 
 def test_filesystem_type_of_tmp_is_known(tmp_path):
