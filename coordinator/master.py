@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 NO_WORKERS_LEFT = "no workers left"
 #: ... and when no live rank could take work for `stall_grace_s` (every one parked).
 NO_RANK_CAN_WORK = "no rank can take work"
+CAMPAIGN_FILE_LOST = "the campaign file lost its name"
 
 
 _OUTCOME_WORDS = {TaskState.QUEUED: "goes back to the queue", TaskState.DEFERRED: "is deferred",
@@ -131,6 +132,9 @@ class Master:
                          salvage=self._salvage)
         self.summary = Summary()
         self._stop_signal: str | None = None
+        #: What became of the campaign file's name, once it no longer reaches the open file.
+        self.file_lost: str | None = None
+        self._next_name_check = 0.0
         self._stop_at = 0.0
         self._sent: list[tuple[str, float]] = []   # WORK left (token, when): marked next tx
         self._unsent: list[tuple[int, str, str]] = []  # (rank, token, why): compensate pre-send
@@ -764,6 +768,9 @@ class Master:
     # -- stats and progress ----------------------------------------------------------------
     def _periodic(self) -> None:
         now = time.monotonic()
+        if now >= self._next_name_check:
+            self._next_name_check = now + 1.0
+            self._check_the_file_name()
         self._observer.sample_busy(now)
         progress_due, stats_due = self._progress.due(now), now >= self._next_stats
         observe_due = self._observer.due(now)
@@ -778,6 +785,18 @@ class Master:
         if stats_due:
             self._next_stats = now + self.config.stats_interval_s
             self.write_stats(s)
+
+    def _check_the_file_name(self) -> None:
+        """A campaign file removed (a `rm`, a /tmp cleaner) or replaced under the master: it
+        goes on in the file it opened, which no name reaches, and would lose everything at
+        exit. Said at once, and the run stops; its end copies the database out
+        (`Store.close(rescue=True)`)."""
+        if self.file_lost is not None or (lost := self.store.lost_name()) is None:
+            return
+        self.file_lost = lost
+        print(f"coordinator: {lost} while the master ran; stopping (the campaign is copied "
+              f"out whole before the master exits)", file=sys.stderr, flush=True)
+        self.request_stop(CAMPAIGN_FILE_LOST)
 
     def write_stats(self, s: Snapshot | None = None) -> None:
         """The six counters of docs/protocol.md R10, then the progress line's fields."""

@@ -322,7 +322,15 @@ class MasterRank:
         with store.reading() as conn:
             s = read_stats(conn)
             by_status = result_statuses(conn)
-        store.close()
+        # (Asked again here: the name may have gone since the master's last look.)
+        lost = master.file_lost or store.lost_name()
+        saved = store.close(rescue=lost is not None)
+        if lost is not None:
+            _say(f"{lost} while the master ran: the campaign, everything committed in it, was "
+                 f"copied to {saved}" + ("" if saved == Path(cfg.db) else
+                                         " (something else has the name now; the copy is a "
+                                         "whole campaign: move it to a name of its own, then "
+                                         "--resume --db it)"))
         commits = store.commit_times
         elapsed = time.monotonic() - self.started
         t = s.tasks
@@ -339,7 +347,8 @@ class MasterRank:
         # clean).
         stranded = summary.stopped_by_signal == NO_WORKERS_LEFT and bool(
             left or cfg.afl_out is not None)
-        status = (ExitStatus.NO_WORKERS if stranded else
+        status = (ExitStatus.STORE if lost is not None else
+                  ExitStatus.NO_WORKERS if stranded else
                   ExitStatus.STALLED if summary.stopped_by_signal == NO_RANK_CAN_WORK else
                   ExitStatus.OK)
         rate = summary.committed / max(summary.elapsed_s, 1e-9)

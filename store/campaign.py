@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import secrets
+import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from .errors import (
     StoreError,
 )
 from .journal import QuarantineSampler, RetryPolicy, Tx
-from .lock import lock_campaign, release_campaign
+from .lock import SIDE_FILES, lock_campaign, lost_name, release_campaign
 from .observe import CommitTimes
 from .probe import probe
 from .revisions import check_revision, current_revision
@@ -209,7 +210,16 @@ class Store:
         with read_tx(self._connection()) as conn:
             yield conn
 
-    def close(self) -> None:
+    def lost_name(self) -> str | None:
+        """None while the campaign file still has its name; else what became of it (the
+        store goes on in the file it opened, which no name reaches any more)."""
+        return lost_name(self._lock_fd) if self._lock_fd is not None else None
+
+    def close(self, *, rescue: bool = False) -> Path | None:
+        """`rescue`: the campaign file lost its name (`lost_name`): before it closes, and is
+        gone with everything in it, the database is copied out whole (SQLite's backup), and
+        the copy put back at the name if nothing has it now, else beside it. Returns where."""
+        copy = self._copy_out() if rescue and self._lock_fd is not None else None
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -219,12 +229,42 @@ class Store:
             # process's POSIX locks on it, which are SQLite's.
             release_campaign(self._lock_fd)  # releases the campaign to the next master
             self._lock_fd = None
+        return _put_back(copy, Path(self.path)) if copy is not None else None
+
+    def _copy_out(self) -> Path:
+        path = Path(self.path)
+        copy = path.with_name(f"{path.name}.rescue-{os.getpid()}.tmp")
+        raw = self._connection().connection.driver_connection
+        with contextlib.closing(sqlite3.connect(copy)) as dst:
+            raw.backup(dst)
+        return copy
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _put_back(copy: Path, path: Path) -> Path:
+    """The rescued copy at the campaign's name if nothing has the name now, else beside it.
+    The side files still at the name are the lost file's own, which SQLite leaves when its
+    file has gone (no other database can have them: none has the name): removed first, or
+    a -wal would be replayed into the copy."""
+    if not os.path.lexists(path):
+        for side in SIDE_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{path}{side}")
+        try:
+            os.link(copy, path)  # (never over a file that took the name meanwhile)
+        except OSError:
+            pass
+        else:
+            os.unlink(copy)
+            return path
+    kept = path.with_name(f"{path.name}.rescued-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    os.replace(copy, kept)
+    return kept
 
 
 def _no_campaign_yet(conn: Connection) -> bool:

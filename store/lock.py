@@ -93,6 +93,23 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return False
 
 
+def lost_name(fd: int) -> str | None:
+    """Whether the campaign file held by `fd` still has its name: None if so, else what became
+    of it. A `rm` (or a /tmp cleaner, or a `mv` of another file over it) leaves a master
+    writing to a file no name reaches: everything it commits is lost when it closes, and a
+    second master could start on the name meanwhile (the lock is on the old file)."""
+    path = _held.get(fd)
+    if path is None:
+        return None
+    try:
+        named, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return f"{path} was removed"
+    if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+        return f"{path} was replaced by another file"
+    return None
+
+
 def release_campaign(fd: int) -> None:
     """Close the descriptor `lock_campaign` returned (after the database's own connections:
     closing a descriptor of the file drops the process's POSIX locks on it, SQLite's)."""

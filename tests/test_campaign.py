@@ -4,6 +4,7 @@ opening a campaign checks (--resume, the one master's lock, the stored settings)
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 
 import pytest
@@ -255,3 +256,34 @@ def test_a_campaign_without_settings_takes_the_first_resumes(db_path):
         with sqlite3.connect(db_path) as c:
             assert c.execute("SELECT settings FROM campaign").fetchone() == (
                 '{"executor": "python"}',)
+
+
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_store_whose_file_lost_its_name_copies_it_out_whole(db_path, replaced):
+    """A master whose campaign file is removed (or replaced) goes on in the open file, which
+    no name reaches: closed as usual, everything in it was lost. `close(rescue=True)` copies
+    it out first: back at its name (the lost file's -wal and -shm, which SQLite leaves there,
+    removed first), or beside it when something else has the name."""
+    store = Store.open(db_path)
+    with store.transaction("import") as tx:
+        enqueue_tasks(tx, [NewTask({"path": f"x{i}"}) for i in range(10)])
+    assert store.lost_name() is None
+    db_path.unlink()
+    if replaced:
+        db_path.write_text("another file")
+    with store.transaction("import") as tx:  # (still committed, to the file no name reaches)
+        enqueue_tasks(tx, [NewTask({"path": f"y{i}"}) for i in range(5)])
+    became = "replaced by another file" if replaced else "removed"
+    assert store.lost_name() == f"{db_path} was {became}"
+    saved = store.close(rescue=True)
+    assert (saved == db_path) is not replaced
+    with contextlib.closing(sqlite3.connect(saved)) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert db.execute("SELECT count(*) FROM tasks").fetchone() == (15,)
+    if replaced:
+        assert db_path.read_text() == "another file"
+    else:
+        assert sorted(p.name for p in db_path.parent.iterdir()) == [db_path.name]
+        again = Store.open(db_path, resume=True)
+        assert again.incarnation == 2
+        again.close()

@@ -1062,3 +1062,28 @@ def test_a_worker_stopped_while_idle_does_not_stop_the_master_sending_it_work(tm
         kill_job(proc)
     assert done.returncode == 0, done.stderr[-3000:]
     check_conservation(db)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_a_campaign_file_removed_under_the_master_is_copied_back_whole(tmp_path):
+    """`rm campaign.db` (or a /tmp cleaner) while a master ran: it went on in the file no name
+    reached any more, finished with exit 0, and everything was lost at its exit. It now sees
+    the name gone within a second, stops gracefully (in-flight work back to the queue),
+    copies the database back to its name, and exits 3; `--resume` then finishes the
+    campaign with every task committed once."""
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "400", "--demo-work-ms", "20", "--batch", "1",
+            "--no-progress"]
+    job = start(args, np=3)
+    wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 20)
+    db.unlink()
+    done = finish(job, timeout=120)
+    assert done.returncode == ExitStatus.STORE, done.stderr[-3000:]
+    assert f"{db} was removed while the master ran" in done.stderr
+    assert f"was copied to {db}" in done.stderr
+    copied = query(db, "SELECT count(*) FROM results")[0][0]
+    assert copied >= 20 and query(db, "SELECT count(*) FROM dispatches")[0][0] == 0
+    again = run([*args, "--resume"], np=3, timeout=200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_conservation(db, expected_tasks=400)
