@@ -19,7 +19,8 @@ class ExitStatus(enum.IntEnum):
     FAILED = 1
     #: Refused, nothing changed: a bad flag, variable, file or database.
     USAGE = 2
-    #: The storage failed under the run (disk full, I/O error): continue with `--resume`.
+    #: The storage failed under the run (disk full, I/O error, the campaign file removed or
+    #: replaced): continue with `--resume`.
     STORE = 3
     #: The run finished on its own, but a rank never acknowledged STOP and was ended.
     UNACKED = 4
