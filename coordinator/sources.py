@@ -99,6 +99,9 @@ class AflQueueSource:
         #: Entries that are not regular files (symbolic links, pipes, ...) or are files of
         #: the campaign's database: never read.
         self.skipped = 0
+        #: Entries that could not be read (AFL++ writes them 0600: a coordinator running as
+        #: another user reads none of them), retried at every poll, said for the first few.
+        self._cannot_read: set[str] = set()
         self._campaign_files: frozenset[tuple[int, int]] = frozenset()  # (dev, ino), a poll's
 
     @property
@@ -166,6 +169,22 @@ class AflQueueSource:
                       f"retrying", file=sys.stderr, flush=True)
             return None
 
+    #: How many unreadable entries are said, each once (all of them may be: a queue of
+    #: 40,000 entries of another user).
+    SAY_UNREADABLE = 3
+
+    def _say_unreadable(self, path: pathlib.Path, e: OSError) -> None:
+        if path.name in self._cannot_read:
+            return
+        self._cannot_read.add(path.name)
+        n = len(self._cannot_read)
+        if n <= self.SAY_UNREADABLE:
+            print(f"coordinator: AFL queue entry {_as_text(path)} cannot be read: "
+                  f"{e.strerror or e}; retrying at each poll (AFL++ writes its entries "
+                  f"0600: run the coordinator as the fuzzer's user)"
+                  + (" (further unreadable entries are not said)"
+                     if n == self.SAY_UNREADABLE else ""), file=sys.stderr, flush=True)
+
     def _take(
         self, name: str, now: float, still_unsettled: dict[str, tuple[int, int]]
     ) -> NewInput | None:
@@ -174,8 +193,9 @@ class AflQueueSource:
             st = os.lstat(path)  # the entry itself: a symbolic link is never followed
         except FileNotFoundError:
             return None
-        except OSError:
+        except OSError as e:
             still_unsettled[name] = (-1, -1)  # unreadable for now; look again next poll
+            self._say_unreadable(path, e)
             return None
         if not stat.S_ISREG(st.st_mode):
             # A symbolic link (as root, one to /etc/passwd would be read, stored in the
@@ -209,8 +229,9 @@ class AflQueueSource:
             content = _read_regular(path, st)
         except FileNotFoundError:
             return None
-        except OSError:
+        except OSError as e:
             still_unsettled[name] = observed
+            self._say_unreadable(path, e)
             return None
         if content is None:  # replaced by something else since its lstat: look again
             still_unsettled[name] = (-1, -1)
@@ -219,6 +240,7 @@ class AflQueueSource:
             still_unsettled[name] = (len(content), st.st_mtime_ns)  # grew while we read it
             return None
         self._handled.add(name)
+        self._cannot_read.discard(name)
         digest = hashlib.sha256(content).hexdigest()
         if digest in self._seen_hashes:
             return None

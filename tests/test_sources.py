@@ -178,6 +178,29 @@ def test_afl_symlink_loop_and_unreadable_queue_do_not_stop_the_run(tmp_path, que
     assert afl_queue_missing(tmp_path / "afl_out", "other") is None
 
 
+def test_an_unreadable_queue_entry_is_said_not_retried_in_silence(tmp_path, queue,
+                                                                  monkeypatch, capsys):
+    """AFL++ writes its entries 0600: a coordinator running as another user read none of
+    them, retried each at every poll, and said nothing. Each is said once (the first few),
+    still retried, and taken once it can be read."""
+    import coordinator.sources as sources
+    for i in range(5):
+        put(queue, f"id:00000{i}", f"entry {i}".encode())
+    real_read = sources._read_regular
+
+    def denied(path, st):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(sources, "_read_regular", denied)  # root reads anything
+    source = AflQueueSource(tmp_path / "afl_out", "main")
+    assert source.poll() == [] and source.poll() == []
+    err = capsys.readouterr().err
+    assert err.count("cannot be read: Permission denied") == AflQueueSource.SAY_UNREADABLE
+    assert "run the coordinator as the fuzzer's user" in err
+    assert "further unreadable entries are not said" in err
+    monkeypatch.setattr(sources, "_read_regular", real_read)
+    assert names(source.poll()) == [f"id:00000{i}" for i in range(5)]
+
+
 def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
     source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=30)
     fresh = put(queue, "id:000000", b"partial", age_s=0)
