@@ -86,7 +86,8 @@ def requeue(ns: argparse.Namespace) -> int:
     except StoreError as e:
         print(f"coordinator: {e}" + (f" (after {len(done)} tasks were requeued; run it again "
                                      f"for the rest)" if done else ""), file=sys.stderr)
-        return ExitStatus.STORE
+        # (A write that failed is the storage's; a file refused as it is, the command's.)
+        return ExitStatus.STORE if isinstance(e, StoreWriteError) else ExitStatus.USAGE
     finally:
         store.close()
     print(f"requeued {len(done)} task(s)" + (f": {id_list(done)}" if done else ""))

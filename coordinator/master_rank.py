@@ -301,6 +301,12 @@ class MasterRank:
             print(f"coordinator: {e}", file=sys.stderr, flush=True)
             _say("stopped; nothing is lost — fix the storage and continue with --resume")
             return self._end_job(self._record_exit(ExitStatus.STORE))
+        except StoreError as e:
+            # The file changed under the run (its schema, by hand): the round that met it
+            # rolled back.
+            print(f"coordinator: {e}", file=sys.stderr, flush=True)
+            _say("stopped; nothing is lost — continue with --resume once the file is fixed")
+            return self._end_job(self._record_exit(ExitStatus.STORE))
         except OSError as e:
             # Test cases could not be written (disk full, read-only output): the round that
             # wanted them rolled back, so its task runs again after --resume.

@@ -30,8 +30,10 @@ from .readonly import (
     check_sqlite_version,
     damaged,
     is_corrupt,
+    is_schema_changed,
     read_consistently,
     readonly_connector,
+    schema_changed,
 )
 
 T = TypeVar("T")
@@ -188,6 +190,8 @@ def _name_damage(engine: Engine, db_path: Path) -> None:
         if is_corrupt(ctx.original_exception) and not (info.get(WRITING)
                                                         or info.get(RAW_ERRORS)):
             raise damaged(db_path, ctx.original_exception) from None
+        if is_schema_changed(ctx.original_exception):  # (a master's write too: exit 2, not 3)
+            raise schema_changed(db_path, ctx.original_exception) from None
 
 
 def read_pragmas(conn: Connection) -> dict[str, object]:
@@ -263,7 +267,10 @@ def write_tx(conn: Connection, operation: str, *, lock_wait_s: float = 0.0,
             raise  # an invariant the schema enforces: a bug, not a storage fault
         if isinstance(e, sqlite3.IntegrityError):
             raise
-        raise StoreWriteError(operation, getattr(e, "orig", None) or e) from e
+        cause = getattr(e, "orig", None) or e
+        if is_schema_changed(cause):  # not the storage failing: nothing was written
+            raise schema_changed(Path(conn.engine.url.database or ""), cause) from e
+        raise StoreWriteError(operation, cause) from e
     finally:
         conn.info[WRITING] = False
 

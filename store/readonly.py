@@ -176,6 +176,22 @@ def is_corrupt(e: BaseException) -> bool:
     return code & 0xFF == 11 if code is not None else "malformed" in str(e)  # SQLITE_CORRUPT
 
 
+def is_schema_changed(e: BaseException) -> bool:
+    """A table, index, view or column the code's revision defines is not in the file: the
+    schema was changed outside the coordinator (a `DROP INDEX` in a `sqlite3` shell)."""
+    return isinstance(e, sqlite3.OperationalError) and str(e).startswith(
+        ("no such table", "no such index", "no such column", "no such view"))
+
+
+def schema_changed(path: Path, e: BaseException) -> DatabaseOpenError:
+    """What such a file becomes for a command or a start: said, with what to do (a traceback
+    before, and a start said to fix the storage)."""
+    return DatabaseOpenError(
+        f"{path}: its schema is not the one its revision defines ({e}): it was changed outside "
+        f"the coordinator. Restore a copy, or recreate what is missing as docs/sqlite.md's "
+        f"schema shows (`sqlite3 {path} .schema` shows what the file has)")
+
+
 def damaged(path: Path, e: BaseException) -> DatabaseOpenError:
     """What a damaged page read by a command or a start becomes: it says so, and what to do
     (`engine` and `read_file` raise it; a master's write keeps its own outcome)."""
@@ -232,6 +248,8 @@ def read_file(path: str | os.PathLike[str], read: Callable[[Reader], T]
             except sqlite3.DatabaseError as e:
                 if is_corrupt(e):
                     raise damaged(view.named or view.path, e) from None
+                if is_schema_changed(e):
+                    raise schema_changed(view.named or view.path, e) from None
                 raise
             finally:
                 conn.rollback()  # it read; nothing to commit

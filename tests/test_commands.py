@@ -16,6 +16,7 @@ from coordinator.cli import main
 from coordinator.exits import ExitStatus
 from store.campaign import Store
 from store.errors import DatabaseOpenError
+from store.tasks import NewTask, enqueue_tasks
 from store.versioning import head_revision, upgrade
 
 
@@ -295,4 +296,28 @@ def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
         assert "is damaged (database disk image is malformed): restore a copy" in done.stderr
         assert "Traceback" not in done.stderr
     with pytest.raises(DatabaseOpenError, match="is damaged"):
+        Store.open(db, resume=True)
+
+
+def test_a_schema_changed_by_hand_is_named_as_such_by_every_command(tmp_path):
+    """`DROP INDEX ix_tasks_queue` in a `sqlite3` shell made `status` and `check` end in a
+    driver traceback, and a start say "database write failed … fix the storage" (exit 3),
+    while `db upgrade` found nothing to do. Each now says the schema was changed outside the
+    coordinator and what to do (exit 2)."""
+    import sys
+    db = tmp_path / "c.db"
+    store = Store.open(db)
+    with store.transaction("import") as tx:
+        enqueue_tasks(tx, [NewTask({"path": f"x{i}"}) for i in range(3)])
+    store.close()
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("DROP INDEX ix_tasks_queue")
+    for command in (["status"], ["check"], ["requeue", "--state", "deferred"]):
+        done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db", str(db)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == ExitStatus.USAGE, (command, done.stderr[-2000:])
+        assert ("its schema is not the one its revision defines (no such index: "
+                "ix_tasks_queue): it was changed outside the coordinator") in done.stderr
+        assert "Traceback" not in done.stderr
+    with pytest.raises(DatabaseOpenError, match="changed outside the coordinator"):
         Store.open(db, resume=True)
