@@ -89,6 +89,23 @@ def filesystem_type(path: Path) -> str | None:
     return best_type
 
 
+def _why_no_wal(db_path: Path, e: sqlite3.OperationalError) -> str:
+    """The likely cause of a failed switch to WAL mode, by what SQLite said and what the
+    filesystem has left."""
+    if is_busy(e):
+        return ("another process has the file open in a transaction (a `sqlite3` shell?), and "
+                "the switch needs it alone: end that transaction, then start again")
+    try:
+        fs = os.statvfs(db_path.parent)
+    except OSError:
+        fs = None
+    if fs is not None and fs.f_bavail * fs.f_frsize < (1 << 20):
+        return (f"the filesystem holding it is full ({fs.f_bavail * fs.f_frsize} bytes free): "
+                f"free some space, then start again")
+    return ("the file or its directory is probably read-only. Use a writable node-local "
+            "path.")
+
+
 def refuse_empty_file(path: Path) -> None:
     """For commands that only look at (or maintain) an existing campaign: opening an empty
     file, as a start that failed early or a `touch` leaves, would write an SQLite header
@@ -139,9 +156,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
                 mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             except sqlite3.OperationalError as e:
                 raise UnsafeDatabaseError(
-                    f"{db_path}: cannot switch the database to WAL mode ({e}); the file or its "
-                    f"directory is probably read-only. Use a writable node-local path."
-                ) from e
+                    f"{db_path}: cannot switch the database to WAL mode ({e}); "
+                    + _why_no_wal(db_path, e)) from e
             if str(mode).lower() != "wal":
                 raise UnsafeDatabaseError(
                     f"{db_path}: SQLite refused WAL mode (journal_mode is {mode!r}); the file is "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import subprocess
@@ -222,3 +223,26 @@ def test_a_write_stops_once_its_lock_wait_is_over(db_path):
     finally:
         other.close()
     store.close()
+
+
+def test_a_failed_switch_to_wal_says_its_likely_cause(tmp_path, monkeypatch):
+    """Every failed switch to WAL mode was said to be a read-only file: a `sqlite3` reader's
+    open transaction on a file in rollback-journal mode (a `VACUUM INTO` copy), or a full
+    filesystem, sent the user looking for the wrong thing."""
+    from store.engine import _why_no_wal
+    path = tmp_path / "copy.db"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE t (x)")
+        db.commit()
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT * FROM t").fetchall()  # a shared lock held
+        with pytest.raises(UnsafeDatabaseError, match="another process has the file open"):
+            open_engine(path, busy_timeout_ms=50)
+    finally:
+        reader.close()
+    full = os.statvfs_result((4096, 4096, 1000, 0, 0, 100, 0, 0, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda p: full)
+    why = _why_no_wal(path, sqlite3.OperationalError("disk I/O error"))
+    assert why.startswith("the filesystem holding it is full (0 bytes free)")
