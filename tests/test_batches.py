@@ -314,3 +314,50 @@ def test_a_batch_too_large_for_one_result_commits_every_value_in_smaller_dispatc
     splits = query(db, "SELECT count(*) FROM events WHERE kind = 'requeued' "
                        "AND detail LIKE 'split:%over --max-message-bytes 65536%'")[0][0]
     assert splits >= 2  # both batches of 16 (and their halves while still too large)
+
+
+CRASH_MODULE = """
+import os, signal, time
+
+def run(task):
+    n = task["data"]["n"]
+    if n == 13:
+        # Late enough that the other ranks' tasks, all instant, are done when the job ends:
+        # without failure notification a dispatch a crash interrupts counts an attempt, and
+        # which rank crashed cannot be told.
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSEGV)  # the worker dies, and without ULFM, the job
+    return n * n
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(420)
+def test_a_crash_in_a_batch_without_ulfm_is_isolated_across_resumes(tmp_path):
+    """Without ULFM (MPICH; Open MPI without --with-ft ulfm) a worker's crash ends the whole
+    job. The batch that held the crashing task went back whole at each --resume, so every
+    resumed run crashed the same way, for ever, the task never charged (MPICH: 4 resumes, 0
+    done). Its halves are now kept in the file: each resume halves the crashing task's
+    batch until it runs alone, is charged once per crash, and fails at the ceiling; every
+    other task commits once."""
+    mod = tmp_path / "crash.py"
+    mod.write_text(CRASH_MODULE)
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--demo", "32", "--batch", "16", "--callable",
+            f"{mod}:run", "--retries", "1", "--max-attempts", "2", "--no-progress"]
+    runs = [run(args, np=3, ulfm=False, timeout=120)]
+    while runs[-1].returncode != 0 and len(runs) < 12:
+        runs.append(run([*args, "--resume"], np=3, ulfm=False, timeout=120))
+    assert runs[-1].returncode == 0, [r.returncode for r in runs]
+    # 16 -> 8 -> 4 -> 2 -> 1, then charged alone up to the ceiling of 2: 6 crashed runs or
+    # fewer (a crash may also end a run after the crashing task's own batch was split).
+    assert 2 <= len(runs) <= 8, [r.returncode for r in runs]
+    check_conservation(db, expected_tasks=32)
+    rows = dict(((n, state) for n, state in query(
+        db, "SELECT json_extract(payload, '$.data.n'), state FROM tasks")))
+    assert rows.pop(13) == "failed"
+    assert set(rows.values()) == {"done"}
+    assert query(db, "SELECT attempts FROM tasks WHERE json_extract(payload, '$.data.n') = 13"
+                 ) == [(2,)]
+    splits = query(db, "SELECT count(*) FROM events WHERE detail LIKE 'split:%'")[0][0]
+    assert splits >= 4  # 16, 8, 4, 2: each halved, across the restarts
