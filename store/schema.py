@@ -59,8 +59,11 @@ metadata = MetaData(
 
 
 def _enum_check(column: str, enum_cls: type[enum.Enum]) -> CheckConstraint:
-    values = ", ".join(f"'{m.value}'" for m in enum_cls)
-    return CheckConstraint(f"{column} IN ({values})", name=f"{column}_enum")
+    # Comparisons, not `column IN (...)`: SQLite codes a CHECK's IN list of three or more
+    # values as a temporary index built afresh for every row written, 1.7 µs of a 5 µs task
+    # update (revision 0014).
+    values = " OR ".join(f"{column} = '{m.value}'" for m in enum_cls)
+    return CheckConstraint(values, name=f"{column}_enum")
 
 
 TOKEN_CHECK = "length({c}) = 64 AND {c} NOT GLOB '*[^0-9a-f]*'"

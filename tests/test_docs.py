@@ -99,3 +99,11 @@ def test_every_run_option_is_in_the_readme_settings_table():
                   for o in re.findall(r"(--[a-z][a-z0-9-]*)", row.split(" | ")[0])}
     assert options - documented == set(), "run options missing from the README's table"
     assert documented - options == set(), "README table rows for options that do not exist"
+
+
+def test_the_revisions_table_lists_every_revision():
+    """operations.md's table of schema revisions names each one the code ships, in order."""
+    from store.revisions import known_revisions
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("### Schema revisions"):]
+    assert re.findall(r"^\| `(\d{4})` \|", table, re.M) == list(known_revisions())

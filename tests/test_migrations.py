@@ -719,3 +719,63 @@ def test_0012_counts_a_batch_once_in_rank_utilisation_and_goes_back(tmp_path: Pa
             (rank, 3, 10.0, 3.333, 1)]
     _run_alembic(db, "downgrade", "0011")
     assert _dump(db) == before
+
+
+def _plan(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> list[str]:
+    return [row[1] for row in conn.execute(f"EXPLAIN {sql}", params)]
+
+
+def test_0014_writes_the_enum_checks_as_comparisons_and_goes_back(tmp_path: Path):
+    """0014 changes no row, only the CHECK text of six tables: at 0013 moving a task to
+    `done` builds a temporary index (SQLite's code for a CHECK's IN list) for every row; at
+    0014 it builds none, the CHECK still refuses a state that is not one, and a second
+    connection, opened before the upgrade, reads the new text too."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0013")
+    update = "UPDATE tasks SET state = 'done' WHERE id = ?"
+    # No statement cache: EXPLAIN does not look at the schema's version, so a cached EXPLAIN
+    # run again after the schema was read anew would print a program of the freed schema.
+    other = sqlite3.connect(db, cached_statements=0)
+    try:
+        assert "OpenEphemeral" in _plan(other, update, (1,))
+        before = _dump(db)
+        assert versioning.upgrade(db, "0014") == ("0013", "0014")
+        after = _dump(db)
+        assert after["rows"] == {**before["rows"], "alembic_version": [("0014",)]}
+        changed = {o[1] for o, b in zip(after["objects"], before["objects"], strict=True) if o != b}
+        assert changed == {"tasks", "leases", "workers", "quarantine", "events", "imports"}
+        # A statement that reads makes the connection read the schema anew.
+        assert other.execute("SELECT count(*) FROM tasks").fetchone()[0] > 0
+        assert "OpenEphemeral" not in _plan(other, update, (1,))
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"), other:
+            other.execute("UPDATE tasks SET state = 'bogus' WHERE id = 1")
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"), other:
+            other.execute("INSERT INTO leases (token, kind, key) SELECT token, 'bogus', 'k' "
+                          "FROM dispatches")
+    finally:
+        other.close()
+    _run_alembic(db, "downgrade", "0013")
+    assert _dump(db) == before
+
+
+def test_0014_refuses_a_file_whose_checks_were_changed_and_writes_nothing(tmp_path: Path):
+    """A table whose enum CHECK is not in the form 0013 left (edited by hand) stops the
+    revision before anything is rewritten: the file stays at 0013, whole."""
+    db = tmp_path / "edited.db"
+    versioning.upgrade(db, "0013")
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            conn.execute("PRAGMA writable_schema = ON")
+            conn.execute("UPDATE sqlite_master SET sql = replace(sql, 'kind IN (''work'', ', "
+                         "'kind IN (''work'',') WHERE name = 'leases'")
+            version = conn.execute("PRAGMA schema_version").fetchone()[0]
+            conn.execute(f"PRAGMA schema_version = {version + 1}")
+            conn.execute("PRAGMA writable_schema = OFF")
+    finally:
+        conn.close()
+    before = _dump(db)
+    with pytest.raises(StoreWriteError, match="0014.*leases has 0 enum CHECKs"):
+        versioning.upgrade(db)
+    assert _dump(db) == before

@@ -76,14 +76,15 @@ ENUM_COLUMNS = {
 
 
 def enum_checks(path) -> dict[tuple[str, str], set[str]]:
-    """(table, column) -> the values its `column IN (...)` CHECK lists, for every such CHECK in
-    the file's DDL."""
+    """(table, column) -> the values its `column = 'a' OR column = 'b' ...` CHECK lists, for
+    every such CHECK in the file's DDL."""
     found = {}
     for table, (_, parts) in ddl(path).items():
         for part in parts:
-            m = re.fullmatch(r"CONSTRAINT \S+ CHECK \((\w+) IN \((.*)\)\)", part)
+            m = re.fullmatch(r"CONSTRAINT \S+ CHECK \(((\w+) = '[^']*'(?: OR \2 = '[^']*')*)\)",
+                             part)
             if m:
-                found[(table, m.group(1))] = set(re.findall(r"'([^']*)'", m.group(2)))
+                found[(table, m.group(2))] = set(re.findall(r"'([^']*)'", m.group(1)))
     return found
 
 
