@@ -151,26 +151,54 @@ def kill_marked(mark: str, since_ticks: int = 0) -> int:
     needle = f"{COMMAND_MARK}={mark}".encode()
     killed = 0
     for _ in range(3):  # (one that forked between the look and the kill: the next look)
-        found = []
+        found = 0
         for pid, fields in proc_stats():
             if pid == os.getpid() or int(fields[_STARTTIME]) < since_ticks:
                 continue
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = f.read()
-            except OSError:
-                continue
-            if needle in env.split(b"\0"):
-                found.append(pid)
+            with _pinned(pid) as pin:
+                if pin is None:
+                    continue  # gone
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        env = f.read()
+                except OSError:
+                    continue
+                if needle in env.split(b"\0"):
+                    found += 1
+                    killed += _kill_pinned(pid, pin)
         if not found:
             break
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except OSError:
-                pass
     return killed
+
+
+@contextlib.contextmanager
+def _pinned(pid: int) -> Iterator[int | None]:
+    """A pidfd of `pid`, opened before its environment is read: the signal then reaches that
+    process or, if it has ended since, none, never another that got its number in between
+    (-1 where the kernel has no pidfd: the number alone, as before Linux 5.3)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        yield None
+        return
+    except (AttributeError, OSError):
+        yield -1
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _kill_pinned(pid: int, pin: int) -> int:
+    try:
+        if pin >= 0:
+            signal.pidfd_send_signal(pin, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return 1
+    except OSError:
+        return 0
 
 
 def started_ticks(pid: int) -> int:
