@@ -38,7 +38,7 @@ from .processes import (
     started_ticks,
     wait_exit_unreaped,
 )
-from .wire import clip_detail
+from .wire import ENCODE_ERRORS, MAX_TESTCASE_NAME_CHARS, MAX_VALUE_BYTES, clip_detail, encode
 
 __all__ = [
     "CommandExecutor",
@@ -537,6 +537,9 @@ def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
                 "result['testcases'] must map str names to bytes, got "
                 f"{type(name).__name__} -> {type(content).__name__}"
             )
+        if len(name) > MAX_TESTCASE_NAME_CHARS:
+            raise ValueError(f"result['testcases'] has a name of {len(name)} characters, over "
+                             f"the {MAX_TESTCASE_NAME_CHARS} the master takes")
         testcases.append((name, bytes(content)))
     rest = {k: v for k, v in value.items() if k != "testcases"}
     return rest, testcases
@@ -548,6 +551,18 @@ def _as_json(value: Any) -> Any:
         text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"result is not JSON-serialisable: {type(exc).__name__}: {exc}") from None
+    # The master refuses the whole RESULT for a value over its bound; said here, it is the
+    # task's own error, not an invalid RESULT retried until the task is deferred. (A value's
+    # msgpack is at most about twice its JSON text, for lists of floats: only a text over a
+    # quarter of the bound is encoded to be measured.)
+    if len(text) > MAX_VALUE_BYTES // 4:
+        try:
+            size = len(encode(json.loads(text)))
+        except ENCODE_ERRORS:
+            size = 0  # (what cannot be sent is said by the worker's sender)
+        if size > MAX_VALUE_BYTES:
+            raise ValueError(f"result is {size} bytes encoded, over the {MAX_VALUE_BYTES} a "
+                             f"value may have: return bulk output as test cases")
     return json.loads(text)
 
 
@@ -601,7 +616,10 @@ class PythonExecutor:
             result = self.fn(*args)
         # Workers ignore SIGINT, so a KeyboardInterrupt here was raised by the callable itself:
         # like SystemExit, it is the task's failure, not a reason for the worker to stop.
-        except (Exception, SystemExit, KeyboardInterrupt, CallableExited) as exc:
+        # Anything else the call raises too (GeneratorExit, asyncio.CancelledError, a class
+        # of the user's own): a BaseException out of here used to take the rank down. A
+        # teardown signal ends the process itself (`processes.real_exit`), never through here.
+        except BaseException as exc:
             return ExecOutcome(
                 status=STATUS_ERROR,
                 duration_s=time.perf_counter() - started,

@@ -37,12 +37,18 @@ def host_and_pid() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
 
+#: `os._exit` as it was when this module was imported. A task's callable runs with
+#: `os._exit` replaced (`executors.PythonExecutor` makes its call the task's failure), and a
+#: teardown signal handled during that call must still end the process.
+real_exit: Callable[[int], NoReturn] = os._exit
+
+
 def exit_now(status: int) -> NoReturn:
     """Leave at once, without MPI_Finalize (under ULFM it can hang every survivor after a
     rank's death, ompi#11404) and without the interpreter's exit handlers."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    real_exit(status)
 
 
 def leave_if_threads_linger(status: int) -> None:

@@ -55,6 +55,9 @@ MAX_TESTCASES = 1000
 #: objects (up to ~56 bytes each from one byte of msgpack: a 64 MiB "bomb" of empty arrays
 #: takes 4.7 GiB), so it is bounded apart from the message. Bulk output belongs in test cases.
 MAX_VALUE_BYTES = 2 << 20
+#: The longest test-case name (in characters) the master takes: a longer one makes the whole
+#: RESULT invalid, so the python executor refuses it as the task's error.
+MAX_TESTCASE_NAME_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ _split = msgspec.msgpack.Decoder(_Split)
 _SPLIT_RAW = msgspec.msgpack.encode(SPLIT_STATUS)
 _result_in = msgspec.msgpack.Decoder(_ResultIn)
 _testcases = msgspec.msgpack.Decoder(
-    list[tuple[Annotated[str, msgspec.Meta(max_length=1024)], bytes]])
+    list[tuple[Annotated[str, msgspec.Meta(max_length=MAX_TESTCASE_NAME_CHARS)], bytes]])
 _DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError)
 
 

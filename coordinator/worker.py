@@ -25,6 +25,7 @@ from .processes import (
     exit_now,
     host_and_pid,
     kill_running_commands,
+    real_exit,
     teardown_when_safe,
 )
 from .protocol import is_token
@@ -73,7 +74,7 @@ def _leave_now(signum: int) -> None:
     kill_running_commands()
     for d in _scratch:
         shutil.rmtree(d, ignore_errors=True)
-    os._exit(128 + signum)
+    real_exit(128 + signum)  # (not os._exit: a callable's call replaces it)
 
 
 class Sender:

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import msgspec
 import pytest
 
 from coordinator.errors import UsageError
@@ -23,7 +24,14 @@ from coordinator.executors import (
     make_executor,
     output_limits,
 )
-from coordinator.wire import DETAIL_MAX_CHARS, detail_summary, failure_detail
+from coordinator.processes import TEARDOWN_SIGNAL
+from coordinator.wire import (
+    DETAIL_MAX_CHARS,
+    MAX_TESTCASE_NAME_CHARS,
+    MAX_VALUE_BYTES,
+    detail_summary,
+    failure_detail,
+)
 
 # Writes two outputs (named so that name order != creation order) plus things that must be
 # ignored, reports what it saw on stderr, and exits 3 for inputs starting with b"fail".
@@ -437,6 +445,33 @@ TASK_MODULE = textwrap.dedent(
 
     def bad_testcases(task):
         return {"testcases": {"a": "not bytes"}}
+
+    def cancelled(task):
+        import asyncio
+        raise asyncio.CancelledError("from the callable")
+
+    def closes(task):
+        raise GeneratorExit()
+
+    class Custom(BaseException):
+        pass
+
+    def custom(task):
+        raise Custom("a BaseException of its own")
+
+    def sized(task):
+        return {"blob": "x" * task["n"]}
+
+    def floats(task):
+        return [0.0] * task["n"]
+
+    def long_name(task):
+        return {"testcases": {"n" * task["n"]: b"found"}}
+
+    def sleeps(task):
+        import time
+        time.sleep(task["s"])
+        return "woke"
     """
 )
 
@@ -500,6 +535,67 @@ def test_python_exception_becomes_an_error_outcome(task_file, workdir):
     out = PythonExecutor(f"{task_file}:interrupts").run({"data": 1}, None, workdir)
     assert out.status == "error"
     assert out.detail == "KeyboardInterrupt: from the callable"
+
+
+@pytest.mark.parametrize(("function", "detail"), [
+    ("cancelled", "CancelledError: from the callable"),
+    ("closes", "GeneratorExit: "),
+    ("custom", "Custom: a BaseException of its own")])
+def test_any_base_exception_of_the_callable_is_the_tasks_error(task_file, workdir, function,
+                                                                detail):
+    """asyncio.CancelledError, GeneratorExit or a BaseException class of the user's own went
+    past the executor and the worker's task loop and took the rank out of the job (in a
+    batch, its halves then took the next ranks)."""
+    out = PythonExecutor(f"{task_file}:{function}").run({"data": 1}, None, workdir)
+    assert (out.status, out.detail) == ("error", detail)
+
+
+TEARDOWN_DURING_A_CALL = textwrap.dedent("""\
+    import os, signal, sys, threading
+    from coordinator.executors import PythonExecutor
+    from coordinator.processes import TEARDOWN_SIGNAL
+    from coordinator.worker import torn_down
+    signal.signal(TEARDOWN_SIGNAL, torn_down)
+    threading.Timer(0.3, os.kill, (os.getpid(), TEARDOWN_SIGNAL)).start()
+    out = PythonExecutor(sys.argv[1]).run({"s": 20}, None, sys.argv[2])
+    print("stayed:", out.status, out.detail)
+""")
+
+
+def test_a_teardown_signal_during_a_call_ends_the_worker(task_file, workdir):
+    """The master's teardown signal (it gave up on the rank) arrived while a callable ran:
+    the handler's os._exit was the callable's replacement, so the worker reported the task
+    as an error ("the callable called os._exit(140)") and went on until the fence's
+    SIGKILL."""
+    probe = python_probe(TEARDOWN_DURING_A_CALL, f"{task_file}:sleeps", str(workdir))
+    assert probe.returncode == 128 + TEARDOWN_SIGNAL, (probe.stdout, probe.stderr)
+    assert probe.stdout == ""
+
+
+def test_a_value_over_the_masters_bound_is_the_tasks_error(task_file, workdir):
+    """The master refuses a whole RESULT whose value is over MAX_VALUE_BYTES: sent, it was an
+    invalid RESULT (its batch split, the task retried, then deferred, each --resume again).
+    Refused by the executor, it is the task's error, said once."""
+    ok = PythonExecutor(f"{task_file}:sized").run({"n": MAX_VALUE_BYTES - 100}, None, workdir)
+    assert ok.status == "ok", ok.detail
+    over = PythonExecutor(f"{task_file}:sized").run({"n": MAX_VALUE_BYTES}, None, workdir)
+    assert over.status == "error"
+    size = len(msgspec.msgpack.encode({"blob": "x" * MAX_VALUE_BYTES}))  # as the master counts
+    assert over.detail == (f"result is {size} bytes encoded, over the "
+                           f"{MAX_VALUE_BYTES} a value may have: return bulk output as test "
+                           f"cases")
+    # Floats take 9 bytes of msgpack and 5 of JSON text ("0.0, "): measured, not guessed.
+    n = MAX_VALUE_BYTES // 9 + 1
+    assert PythonExecutor(f"{task_file}:floats").run({"n": n}, None, workdir).status == "error"
+
+
+def test_a_test_case_name_over_the_masters_bound_is_the_tasks_error(task_file, workdir):
+    ex = PythonExecutor(f"{task_file}:long_name")
+    assert ex.run({"n": MAX_TESTCASE_NAME_CHARS}, None, workdir).status == "ok"
+    out = ex.run({"n": MAX_TESTCASE_NAME_CHARS + 1}, None, workdir)
+    assert (out.status, out.detail) == ("error", (
+        f"result['testcases'] has a name of {MAX_TESTCASE_NAME_CHARS + 1} characters, over "
+        f"the {MAX_TESTCASE_NAME_CHARS} the master takes"))
 
 
 def test_python_os_exit_is_the_tasks_failure_and_the_worker_stays(task_file, workdir):
