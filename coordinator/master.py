@@ -139,6 +139,10 @@ class Master:
         self._sent: list[tuple[str, float]] = []   # WORK left (token, when): marked next tx
         self._unsent: list[tuple[int, str, str]] = []  # (rank, token, why): compensate pre-send
         self._failed_ranks: set[int] = set()
+        # Parked ranks that echoed their retired token this round (they were slow, not hung),
+        # and whether the operator was told what that means.
+        self._unparked: list[int] = []
+        self._told_unparked = False
         self._idle: list[int] = []
         self._may_have_queued = True
         self._next_source = 0.0
@@ -297,7 +301,21 @@ class Master:
                   f"({self.config.watchdog_s:g} s); {_what_became(rec)}; "
                   + ("the rank had answered READY and gets new work" if rec.ready_seen else
                      "the rank gets no work until it answers"), file=sys.stderr, flush=True)
+        self._tell_unparked()
         return bool(readies or plan or results)
+
+    def _tell_unparked(self) -> None:
+        """Once a run, when a parked rank first comes back: it was slow, not hung. (With
+        tasks longer than the deadline every dispatch goes this way, and each retirement is
+        said on its own.)"""
+        if self._unparked and not self._told_unparked:
+            self._told_unparked = True
+            print(f"coordinator: rank {self._unparked[0]} answered the dispatch the watchdog "
+                  f"retired: it was slower than --watchdog ({self.config.watchdog_s:g} s), not "
+                  f"hung, and gets work again; what it sent was not kept (the task is retried, "
+                  f"then deferred). If tasks or batches run this long, raise --watchdog (0 "
+                  f"disables it)", file=sys.stderr, flush=True)
+        self._unparked = []
 
     def _retire_dead(self, tx: Tx, ranks: list[int], why: str = "died",
                      detail: str = "worker process died") -> list[dsp.Recovery]:
@@ -378,6 +396,7 @@ class Master:
         while True:
             any_ready = any_ready or bool(readies)
             ready = self.gate.apply_ready(tx, readies, active=active, parked=parked)  # 1 READY
+            self._unparked += ready.recovered_workers
             # Only an idle READY (or a parked rank's) frees a rank here; a current READY just
             # sets its mark, so without one the idle set cannot have grown: no query for it.
             if dispatching and (self._idle or ready.recovered_workers
@@ -1023,9 +1042,10 @@ class Master:
                 progressed = True
                 began = time.monotonic()
                 with self._tx("drain during stop") as tx:  # late messages: quarantined
-                    self.gate.apply_ready(tx, readies)
+                    self._unparked += self.gate.apply_ready(tx, readies).recovered_workers
                     self.gate.apply_results(tx, results)
                     self._note_strays(tx)
+                self._tell_unparked()
                 # The master's own time, a wait for another process's write lock (a shell, a
                 # backup) included, is not the workers': they still get all of --stop-wait to
                 # acknowledge (a lock held through the stop once used it up, and ranks that

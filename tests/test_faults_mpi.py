@@ -598,6 +598,9 @@ def test_a_worker_stopped_by_sigstop_is_parked_and_recovered_after_sigcont(tmp_p
     assert quarantine_rows(db) == [("result", "unowned", rank, token, None, None)]
     assert query(db, "SELECT rank, token FROM events WHERE kind = 'worker_recovered'") == \
         [(rank, token)]
+    # The operator is told what the rank's return means (slower than --watchdog, not hung).
+    assert err.count(f"rank {rank} answered the dispatch the watchdog retired: it was slower "
+                     f"than --watchdog (2 s), not hung") == 1, err[-3000:]
     assert query(db, "SELECT DISTINCT state FROM workers") == [("stopped",)]
     assert event_tokens(db, "requeued") == [token]
     assert_each_task_committed_once(db, n)
