@@ -145,7 +145,7 @@ class Gate:
                  validate: Callable[[Mapping[str, Any], Any, int], tuple[Any, str | None]]
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
-                 salvage: Callable[[Tx, dsp.ActiveDispatch, Any], int] | None = None):
+                 salvage: Callable[..., int] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept."""
         self.store = store
@@ -304,11 +304,8 @@ class Gate:
                 if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
-                    kept = self.salvage(tx, a, parsed) if self.salvage is not None else 0
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
-                                         reason=str(_status_of(parsed)) + (
-                                             f" ({kept} test case{'s' * (kept != 1)} kept)"
-                                             if kept else ""),
+                                         reason=self._salvaged(tx, a, parsed),
                                          worker_state=WorkerState.BUSY)
                     out.retried.append(m.rank)
                     del active[m.rank]
@@ -343,19 +340,32 @@ class Gate:
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             return f"value is not JSON-serialisable: {e}"[:300]
         retry = [_status_of(o) in RETRY_STATUSES for o in batch]
-        failed = [t for t, r in zip(task_ids, retry, strict=True) if r]
+        # What each failed run wrote before it was killed is kept, as for a task on its own.
+        failed = {t: self._salvaged(tx, a, o, t)
+                  for t, o, r in zip(task_ids, batch, retry, strict=True) if r}
         if len(failed) == len(task_ids):
-            dsp.retry_all(tx, a.rank, a.token, str(_status_of(batch[0])))
+            dsp.retry_all(tx, a.rank, a.token, failed)
             out.retried.append(a.rank)
             return None
         rows: Iterable[tuple[int, Any, str | None]] = zip(task_ids, batch, values, strict=True)
         if failed:  # before the commits, which end the dispatch
-            dsp.end_without_result(tx, a.rank, a.token, failed, "timeout")
+            dsp.end_without_result(tx, a.rank, a.token, failed)
             out.retried.append(a.rank)
             rows = [row for row, r in zip(rows, retry, strict=True) if not r]
         commit = self.commit
         out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
         return None
+
+    def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any,
+                  task_id: int | None = None) -> str:
+        """A run that is retried (`timeout`): the test cases it wrote kept, and the reason
+        its retry is recorded with."""
+        kept = 0
+        if self.salvage is not None:
+            kept = (self.salvage(tx, a, outcome) if task_id is None
+                    else self.salvage(tx, a, outcome, task_id))
+        return str(_status_of(outcome)) + (
+            f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
 
     def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:
         for m in strays:

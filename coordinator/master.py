@@ -661,10 +661,13 @@ class Master:
         return dsp.CommitItem(active.rank, active.token, task_id, res.status, value_json,
                               written, created, failure_detail(res), res.dropped)
 
-    def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result) -> int:
-        """A timed-out run is retried, but the test cases it wrote before it was killed are
-        real (SymCC writes each as it finds it, and its own helper keeps them): kept."""
-        return self._keep_testcases(tx, active.task_id, res.testcases)[0]
+    def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
+                 task_id: int | None = None) -> int:
+        """A timed-out run (or one task's of a batch, `task_id`) is retried, but the test
+        cases it wrote before it was killed are real (SymCC writes each as it finds it, and
+        its own helper keeps them): kept."""
+        return self._keep_testcases(tx, task_id if task_id is not None else active.task_id,
+                                    res.testcases)[0]
 
     def _keep_testcases(self, tx: Tx, task_id: int,
                         testcases: Sequence[tuple[str, bytes]]) -> tuple[int, int]:

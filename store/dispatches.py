@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import sqlite3
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -498,17 +498,18 @@ def _write_batch_commits(tx: Tx, pending: _Pending,
                      for (rank, _), (ready, _) in by_token.items()])
 
 
-def end_without_result(tx: Tx, rank: int, token: str, task_ids: Sequence[int],
-                       reason: str) -> list[Recovery]:
-    """Tasks of a batch dispatch whose own run failed (a `timeout`) while the others commit:
-    each is retried on its own, charged as a single task's failure, its dispatch recorded by
-    its `dispatched` event (the committed ones' record is their result row)."""
+def end_without_result(tx: Tx, rank: int, token: str,
+                       reasons: Mapping[int, str]) -> list[Recovery]:
+    """Tasks of a batch dispatch whose own run failed (a `timeout`) while the others commit,
+    each with the reason its retry is recorded with: each is retried on its own, charged as
+    a single task's failure, its dispatch recorded by its `dispatched` event (the committed
+    ones' record is their result row)."""
     times = tx.db.execute("SELECT created_at, incarnation FROM dispatches WHERE rank = ? AND "
                           "token = ?", (rank, token)).fetchone()
     if times is None:
         raise FenceError(f"rank {rank} token {token[:12]} is not current")
     out = []
-    for task_id in task_ids:
+    for task_id, reason in reasons.items():
         tx.db.execute("DELETE FROM leases WHERE token = ? AND kind = 'work' AND key = ?",
                       (token, str(task_id)))
         tx.event(EventKind.DISPATCHED, rank=rank, token=token, task_id=task_id, at=times[0],
@@ -519,14 +520,15 @@ def end_without_result(tx: Tx, rank: int, token: str, task_ids: Sequence[int],
     return out
 
 
-def retry_all(tx: Tx, rank: int, token: str, reason: str) -> list[Recovery]:
+def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]) -> list[Recovery]:
     """A batch dispatch all of whose tasks' runs failed on their own (`timeout`): it ends,
-    and each task is retried, charged as a single task's failure."""
+    and each task is retried, charged as a single task's failure (`reasons`: each one's)."""
     taken = _take(tx, rank, token)
     if taken is None:
         return []
     out = []
     for task_id in taken.task_ids:
+        reason = reasons[task_id]
         tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
                  detail=reason)
         out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False))

@@ -244,6 +244,42 @@ def test_a_timed_out_run_is_retried_and_its_test_cases_are_kept(tmp_path):
     assert "kept" not in details[1]  # the retry found the same one: nothing new to keep
 
 
+BATCH_SLOW_TARGET = textwrap.dedent("""\
+    import os, sys, time
+    data = open(sys.argv[1], "rb").read()
+    if data == b"FAST":
+        sys.exit(0)
+    with open(os.path.join(os.environ["SYMCC_OUTPUT_DIR"], "000000"), "wb") as f:
+        f.write(data + b"-found-before-the-timeout")
+    time.sleep(600)  # killed at the timeout
+    """)
+
+
+def test_a_timed_out_run_in_a_batch_keeps_its_test_cases(tmp_path):
+    """As on its own: in a batch, the test cases a run wrote before its timeout were thrown
+    away (only the single-task path kept them)."""
+    target = tmp_path / "slow.py"
+    target.write_text(BATCH_SLOW_TARGET)
+    lines = []
+    for name, data in (("fast", b"FAST"), ("slow", b"SLOW")):
+        seed = tmp_path / name
+        seed.write_bytes(data)
+        lines.append(json.dumps({"path": str(seed), "input_file": str(seed)}))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(lines) + "\n")
+    db, out = tmp_path / "c.db", tmp_path / "out"
+    done = run(["run", "--db", str(db), "--tasks", str(tasks), "--out", str(out),
+                "--batch", "2", "--timeout", "1", "--retries", "0", "--max-attempts", "1",
+                "--no-feedback", "--no-progress", "--", sys.executable, str(target), "@@"],
+               np=2, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_conservation(db, expected_tasks=2)
+    assert [p.read_bytes() for p in out.iterdir()] == [b"SLOW-found-before-the-timeout"]
+    assert query(db, "SELECT count(*) FROM results") == [(1,)]
+    assert query(db, "SELECT detail FROM events WHERE kind = 'task_failed'") == [
+        ("timeout (1 test case kept)",)]
+
+
 def test_afl_queue_filled_while_running(tmp_path):
     target = write_target(tmp_path)
     afl = tmp_path / "afl_out"
