@@ -45,6 +45,10 @@ from .wire import (
 log = logging.getLogger(__name__)
 
 
+#: How the invalid mark of a batch whose worker asked for a split begins (`sweep` reads it).
+SPLIT_MARK = "split: "
+
+
 @dataclass(frozen=True)
 class Inbound:
     rank: int
@@ -267,7 +271,7 @@ class Gate:
                     out.statuses.append((m.rank, status))
                     out.sizes.append((None, a.size))
                     dsp.set_invalid_mark(tx, m.rank, a.token,
-                                         "split: " + split_detail(m.body, m.raw))
+                                         SPLIT_MARK + split_detail(m.body, m.raw))
                     continue
                 if m.raw is not None:
                     out.sizes.append((len(m.raw), a.size))
@@ -376,9 +380,10 @@ class Gate:
         """R3–R6: roll back every dispatch whose READY and invalid RESULT joined."""
         recovered = []
         for rank, token, why in dsp.find_joined(tx):
-            # (A batch too large for one RESULT says so: the split's events say why.)
-            rec = dsp.recover_dispatch(tx, rank, token, reason=why if why.startswith("split:")
-                                       else "invalid result")
+            # A batch too large for one RESULT, which its worker asked to split: no failure.
+            asked = why.startswith(SPLIT_MARK)
+            rec = dsp.recover_dispatch(tx, rank, token, reason=why if asked else "invalid result",
+                                       cause=EventKind.SPLIT if asked else EventKind.RECOVERED)
             if rec is not None:
                 recovered.append(rec)
         return recovered

@@ -614,18 +614,19 @@ def half_size(n: int, i: int) -> int:
     return half if i < half else n - half
 
 
-def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: str
-                ) -> Recovery:
+def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: str,
+                kind: EventKind = EventKind.REQUEUED) -> Recovery:
     """A failed dispatch of several tasks: which of them broke it is not known, so none is
     charged. They go back to the head of the queue, in order, as two halves (`Recovery.
-    halves`), each to be dispatched again in a dispatch of at most its own size."""
+    halves`), each to be dispatched again in a dispatch of at most its own size. `kind`:
+    the event that says so (`split` for a batch whose worker asked for it: no failure)."""
     half = (len(task_ids) + 1) // 2
     pos = head_position(tx) - len(task_ids) + 1
     for i, task_id in enumerate(task_ids):
         if not set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED, queue_pos=pos + i,
                          reason=reason, batch_cap=half_size(len(task_ids), i)):
             raise FenceError(f"task {task_id} of dispatch {token[:12]} was not active")
-    tx.event(EventKind.REQUEUED, rank=rank, token=token, task_id=task_ids[0],
+    tx.event(kind, rank=rank, token=token, task_id=task_ids[0],
              detail=f"split: {len(task_ids)} tasks back at the head in halves of {half} and "
                     f"{len(task_ids) - half}, none charged ({reason})")
     return Recovery(rank, token, task_ids[0], TaskState.QUEUED, 0,
@@ -644,11 +645,15 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     if row is None:
         return None
     detail = reason or cause.value
-    # Whether the rank's READY was seen decides if it is free now or parked (post-mortems ask).
-    tx.event(cause, rank=rank, token=token, task_id=row[0],
-             detail=f"{detail} ({'READY seen' if row[2] is not None else 'no READY'})")
+    asked = cause is EventKind.SPLIT and len(row.task_ids) > 1  # (its one event says it all)
+    if not asked:
+        # Whether the rank's READY was seen decides if it is free now or parked (post-mortems
+        # ask).
+        tx.event(cause, rank=rank, token=token, task_id=row[0],
+                 detail=f"{detail} ({'READY seen' if row[2] is not None else 'no READY'})")
     if len(row.task_ids) > 1:
-        rec = _split_back(tx, rank, token, row.task_ids, detail)
+        rec = _split_back(tx, rank, token, row.task_ids, detail,
+                          EventKind.SPLIT if asked else EventKind.REQUEUED)
     else:
         rec = _apply_retry(tx, rank, token, row[0], detail,
                            protocol=cause is not EventKind.TASK_FAILED)

@@ -103,6 +103,9 @@ class EventKind(str, enum.Enum):
     WORKER_RECOVERED = "worker_recovered"  # a parked rank echoed its retired token
     WORKER_FAILED = "worker_failed"  # the runtime reported the rank dead; its work recovered
     MANUAL_REQUEUE = "manual_requeue"
+    # A batch whose results were too large for one RESULT, rolled back in halves at its
+    # worker's request (revision 0014): no failure, none charged, not a protocol requeue.
+    SPLIT = "split"
 
 
 #: The events that retire a dispatch without its result (a rollback, a requeue at a stop or a
@@ -110,7 +113,7 @@ class EventKind(str, enum.Enum):
 #: be a commit from the wrong dispatch (`store.audit` reads this).
 ROLLBACK_EVENTS = (EventKind.RECOVERED, EventKind.WATCHDOG, EventKind.INTERRUPTED,
                    EventKind.STOP_REQUEUED, EventKind.TASK_FAILED, EventKind.SEND_FAILED,
-                   EventKind.WORKER_FAILED)
+                   EventKind.WORKER_FAILED, EventKind.SPLIT)
 
 
 #: The held states, as literal SQL: a query must repeat this very term for SQLite to read

@@ -726,7 +726,8 @@ def _plan(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> list[str]:
 
 
 def test_0014_writes_the_enum_checks_as_comparisons_and_goes_back(tmp_path: Path):
-    """0014 changes no row, only the CHECK text of six tables: at 0013 moving a task to
+    """0014 changes no row, only the CHECK text of six tables (and one kind more for events,
+    `split`, which its downgrade writes back as `recovered`): at 0013 moving a task to
     `done` builds a temporary index (SQLite's code for a CHECK's IN list) for every row; at
     0014 it builds none, the CHECK still refuses a state that is not one, and a second
     connection, opened before the upgrade, reads the new text too."""
@@ -753,9 +754,16 @@ def test_0014_writes_the_enum_checks_as_comparisons_and_goes_back(tmp_path: Path
         with pytest.raises(sqlite3.IntegrityError, match="CHECK"), other:
             other.execute("INSERT INTO leases (token, kind, key) SELECT token, 'bogus', 'k' "
                           "FROM dispatches")
+        with other:  # the kind 0014 adds
+            split = other.execute("INSERT INTO events (at, incarnation, kind) "
+                                  "VALUES (0, 1, 'split')").lastrowid
     finally:
         other.close()
     _run_alembic(db, "downgrade", "0013")
+    with sqlite3.connect(db) as conn:  # ... goes back as the rollback it is
+        assert conn.execute("SELECT kind FROM events WHERE id = ?", (split,)).fetchall() == [
+            ("recovered",)]
+        conn.execute("DELETE FROM events WHERE id = ?", (split,))
     assert _dump(db) == before
 
 
