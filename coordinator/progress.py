@@ -28,8 +28,14 @@ def rate_over(samples: Sequence[Sample], now: float, done: int,
     """Tasks done per second over the last `window` seconds (None: since the first sample,
     the incarnation's start): from the latest sample at least that old, or from the first one
     if the incarnation is younger. None when less than `MIN_SPAN_S` separates them."""
-    if not samples:
+    if not samples or done < samples[-1].done:
         return None
+    # `done` falls when results are discarded (`coordinator requeue --state error`, safe
+    # while a master runs): across the fall the difference would read as a negative rate
+    # (and a negative ETA). Only the samples since the last fall are compared.
+    falls = [i for i in range(1, len(samples)) if samples[i].done < samples[i - 1].done]
+    if falls:
+        samples = samples[falls[-1]:]
     ref = samples[0]
     if window is not None:
         for s in samples:
@@ -54,7 +60,7 @@ def eta_s(tasks: dict[str, int], rate: float | None, finite: bool) -> float | No
         return None
     if left == 0:
         return 0.0
-    return left / rate if rate else None
+    return left / rate if rate is not None and rate > 0 else None
 
 
 @dataclass(frozen=True)

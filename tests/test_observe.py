@@ -197,6 +197,17 @@ def test_rates_are_taken_from_the_latest_sample_old_enough():
     assert eta_s({"queued": 0, "active": 0}, None, True) == 0.0
 
 
+def test_a_fall_of_done_gives_no_negative_rate_nor_eta():
+    """`coordinator requeue --state error` on a running campaign discards results: the done
+    count fell, and the rates (differences of it) read -5.26/s, the ETA -1d23h13m."""
+    samples = [Sample(0.0, 0, 0), Sample(30.0, 3000, 0), Sample(60.0, 2000, 0),
+               Sample(90.0, 2500, 0)]
+    assert rate_over(samples, 120.0, 3000, 60.0) == pytest.approx((3000 - 2000) / 60)
+    assert rate_over(samples, 120.0, 3000, None) == pytest.approx((3000 - 2000) / 60)
+    assert rate_over(samples, 120.0, 2400, 60.0) is None  # fell since the last sample
+    assert eta_s({"queued": 10}, -5.0, True) is None and eta_s({"queued": 10}, 0.0, True) is None
+
+
 def test_no_eta_while_every_rank_is_parked_or_dead():
     """The last minute's rate went on giving an ETA after the watchdog had parked every rank:
     nothing runs until one comes back, so the ETA is unknown."""
