@@ -144,7 +144,8 @@ class MasterRank:
             note=f"master pid={self.pid} host={self.host} ranks={self.transport.size}",
             settings=campaign_settings(cfg),
             check_settings=lambda stored: self.notes.extend(check_resume(cfg, stored)),
-            lock_wait_s=cfg.lock_wait_s, on_lock_wait=LockWaiter(cfg.db, cfg.lock_wait_s))
+            lock_wait_s=cfg.lock_wait_s, on_lock_wait=LockWaiter(cfg.db, cfg.lock_wait_s),
+            ranks=self.transport.size)
         if initial is not None:
             self._import(initial)
         self.master = self._make_master(sources, writer)

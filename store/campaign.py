@@ -82,8 +82,10 @@ class Store:
              check_settings: Callable[[Mapping[str, Any] | None], None] | None = None,
              lock_wait_s: float = 0.0,
              on_lock_wait: Callable[[float], None] | None = None,
+             ranks: int | None = None,
              ) -> Store:
-        """Open (creating if new) and start a new incarnation.
+        """Open (creating if new) and start a new incarnation (of a job of `ranks` ranks, the
+        master's included, if given: rows of ranks past them are dropped at a resume).
 
         `settings` (JSON-able) are stored with a new campaign; on resume the stored ones go to
         `check_settings`, whose exception refuses the start before anything is written. A
@@ -139,7 +141,7 @@ class Store:
                 detail = "resume" if resume else "new"
                 tx.event(EventKind.CAMPAIGN, detail=f"{detail} {note}" if note else detail)
                 if resume:
-                    forget_incarnation(tx)
+                    forget_incarnation(tx, ranks)
                     interrupted = requeue_in_flight(tx, earlier_incarnations=True)
                     reclaimed, refused = task_ops.reclaim_deferred(tx, available)
                     report = ResumeReport(interrupted, reclaimed, refused)

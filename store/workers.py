@@ -65,8 +65,13 @@ def idle_ranks(tx: Tx) -> list[int]:
         "(SELECT 1 FROM dispatches d WHERE d.rank = w.rank) ORDER BY w.rank")]
 
 
-def forget_incarnation(tx: Tx) -> None:
-    """A new incarnation talks to new processes: nothing known about ranks carries over."""
+def forget_incarnation(tx: Tx, ranks: int | None = None) -> None:
+    """A new incarnation talks to new processes: nothing known about ranks carries over.
+    `ranks`: the new job's size. The rows of ranks it does not have (a resume with fewer)
+    are dropped: kept, they were shown for ever as ranks yet to be heard from, counted as
+    `unknown` ranks in the metrics, and as ranks that could still work in the ETA's test."""
+    if ranks is not None:
+        tx.db.execute("DELETE FROM workers WHERE rank >= ?", (ranks,))
     tx.conn.execute(update(workers).values(state=WorkerState.UNKNOWN.value, parked_token=None,
                                            incarnation=tx.incarnation))
 

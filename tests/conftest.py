@@ -75,8 +75,10 @@ class Farm:
     transition it makes is checked against `TASK_TRANSITIONS` when it closes."""
 
     def __init__(self, path: Path, *, resume: bool = False, policy: RetryPolicy | None = None,
-                 available=None):
+                 available=None, ranks: int | None = None):
         kwargs = {} if available is None else {"available": available}
+        if ranks is not None:
+            kwargs["ranks"] = ranks
         self.path = path
         if path.exists():  # (a restart: what its recovery does is logged too)
             log_task_transitions(path)

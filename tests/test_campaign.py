@@ -102,6 +102,21 @@ def test_dispatches_of_a_dead_incarnation_are_requeued_on_resume(db_path):
     farm.close()
 
 
+def test_a_resume_with_fewer_ranks_forgets_the_ranks_it_lacks(db_path):
+    """A job of 4 ranks, resumed with 3: rank 3's row stayed, stamped with the new
+    incarnation, and `status`, the metrics and the ETA counted it as a rank yet to be heard
+    from, for ever."""
+    farm = Farm(db_path, ranks=4)
+    for rank in (1, 2, 3):
+        farm.ready(rank, "")
+    farm.close()
+    farm = Farm(db_path, resume=True, ranks=3)
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT rank, state FROM workers ORDER BY rank").fetchall(
+        ) == [(1, "unknown"), (2, "unknown")]
+    farm.close()
+
+
 def test_retry_budget_survives_a_restart(db_path):
     farm = Farm(db_path)
     [tid] = farm.enqueue({"data": 1})
