@@ -39,6 +39,7 @@ from .wire import (
     Stop,
     TaskResult,
     Work,
+    clip_detail,
     decode_stop,
     decode_work,
     encode,
@@ -90,11 +91,11 @@ class Sender:
         # The token is the authoritative one from WORK: nothing in the outcome can set it.
         batch = ([TaskResult(status=o.status, value=o.value, testcases=list(o.testcases),
                              returncode=o.returncode, duration_s=o.duration_s,
-                             detail=o.detail[-2000:], dropped=o.dropped)
+                             detail=clip_detail(o.detail), dropped=o.dropped)
                   for o in outcome.outcomes] if isinstance(outcome, BatchOutcome) else None)
         return Result(token=token, status=outcome.status, value=outcome.value,
                       testcases=list(outcome.testcases), returncode=outcome.returncode,
-                      duration_s=outcome.duration_s, detail=outcome.detail[-2000:],
+                      duration_s=outcome.duration_s, detail=clip_detail(outcome.detail),
                       dropped=outcome.dropped, batch=batch)
 
     def ready_message(self, completed: str) -> Ready:
@@ -122,7 +123,7 @@ class Sender:
         if why is None:
             return data
         if len(kept) > 1:
-            return encode(Result(token=token, status=SPLIT_STATUS, detail=why[:2000]))
+            return encode(Result(token=token, status=SPLIT_STATUS, detail=clip_detail(why)))
         return encode(self.result_message(token, BatchOutcome([_unsent(kept[0], why)])))
 
     def _encoded(self, message: Result) -> tuple[bytes, str | None]:
@@ -149,7 +150,7 @@ def _unsent(outcome: ExecOutcome, why: str) -> ExecOutcome:
     timeout stays one, without its outputs: the master retries it as before)."""
     return ExecOutcome(status="timeout" if outcome.status == "timeout" else "error",
                        returncode=outcome.returncode, duration_s=outcome.duration_s,
-                       detail=why[:2000], dropped=outcome.dropped + len(outcome.testcases))
+                       detail=clip_detail(why), dropped=outcome.dropped + len(outcome.testcases))
 
 
 def run_work(executor: Executor, work: Work, scratch: Path) -> ExecOutcome | BatchOutcome:

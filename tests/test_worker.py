@@ -110,3 +110,16 @@ def test_a_batch_too_large_for_one_result_asks_for_a_split_and_loses_no_outcome(
     assert [o["status"] for o in alone["batch"]] == ["error", "ok"]
     # A batch that fits is sent as it is.
     assert [o["value"] for o in sent(fits, fits)["batch"]] == ["x" * 1500] * 2
+
+
+def test_a_long_explanation_keeps_its_first_line_the_exception():
+    """The worker kept the last 2,000 characters of a run's explanation: a long traceback
+    lost its first line, the exception itself. Its first line and tail are kept now, as the
+    master keeps them."""
+    from coordinator.executors import ExecOutcome
+    from coordinator.wire import DETAIL_MAX_CHARS
+    from coordinator.worker import Sender
+    detail = "RuntimeError: the cause\n" + "".join(f"  frame {i}\n" for i in range(400))
+    sent = Sender(None).result_message("a" * 64, ExecOutcome("error", detail=detail))
+    assert sent.detail.startswith("RuntimeError: the cause\n…\n")
+    assert sent.detail.endswith("frame 399\n") and len(sent.detail) <= DETAIL_MAX_CHARS
