@@ -32,7 +32,7 @@ from store.errors import StoreError
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, TaskState, WorkerState
 from store.semantic import content_hash
-from store.stats import stats_text
+from store.stats import REFUSED_DETAIL, stats_text
 from store.workers import (
     idle_ranks,
     parked_detail,
@@ -940,7 +940,7 @@ class Master:
             recovered += self._retire_dead(
                 tx, [rank], why=f"is refused: {bad} of its {bad + good} messages were "
                                 f"quarantined; it gets no more work",
-                detail=f"refused: {bad} of its {bad + good} messages were quarantined")
+                detail=f"{REFUSED_DETAIL}{bad} of its {bad + good} messages were quarantined")
         return recovered
 
     def _lost_due(self, now: float) -> bool:

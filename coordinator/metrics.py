@@ -42,6 +42,8 @@ _HELP = {
     "coordinator_watchdog_timeouts_total": ("counter", "Dispatches retired past their deadline."),
     "coordinator_watchdog_recoveries_total": ("counter", "Parked ranks back in service."),
     "coordinator_worker_deaths_total": ("counter", "Ranks the MPI runtime reported dead."),
+    "coordinator_refused_ranks_total": (
+        "counter", "Ranks given no more work: most of what they sent was quarantined."),
     "coordinator_testcases_written_total": ("counter", "Test cases written by committed results."),
     "coordinator_testcases_dropped_total": (
         "counter", "Test cases runs produced that their workers could not send."),
@@ -104,7 +106,8 @@ def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
     add("coordinator_deferrals_total", st.deferred)
     add("coordinator_watchdog_timeouts_total", st.watchdog_timeouts)
     add("coordinator_watchdog_recoveries_total", st.watchdog_recoveries)
-    add("coordinator_worker_deaths_total", st.events.get("worker_failed", 0))
+    add("coordinator_worker_deaths_total", st.worker_deaths)
+    add("coordinator_refused_ranks_total", st.refused_ranks)
     add("coordinator_testcases_written_total", s.found.testcases)
     add("coordinator_testcases_dropped_total", st.dropped_testcases)
     if s.found.last_at is not None:

@@ -85,6 +85,7 @@ def status(db: Path, as_json: bool) -> int:
             "quarantined": snap.quarantined,
             "parked_ranks": snap.parked,
             "worker_deaths": seen.worker_deaths,
+            "refused_ranks": s.refused_ranks,
             "oldest_dispatch": None if oldest is None else {
                 "rank": oldest[0], "task_id": oldest[1], "age_s": end - oldest[2]},
             "ranks": [{"rank": r.rank, "host": r.host, "pid": r.pid, "state": r.state,
@@ -142,7 +143,8 @@ def status(db: Path, as_json: bool) -> int:
               f"{duration(end - oldest[2])}" + ("" if running else " when its master stopped"))
     _print_ranks(ranks, now, s.incarnation, end)
     print(f"quarantined: {snap.quarantined}; requeued: {s.requeued}; parked ranks: "
-          f"{snap.parked}; worker deaths: {seen.worker_deaths}")
+          f"{snap.parked}; worker deaths: {seen.worker_deaths}"
+          + (f"; refused ranks: {s.refused_ranks}" if s.refused_ranks else ""))
     print(stats_text(s), end="")
     if (other := other_messages_text(s)) is not None:
         print(other)

@@ -207,7 +207,7 @@ class Observed:
 
     @property
     def worker_deaths(self) -> int:
-        return self.stats.events.get(EventKind.WORKER_FAILED.value, 0)
+        return self.stats.worker_deaths
 
 
 def read_observed(conn: Connection) -> Observed:

@@ -45,6 +45,14 @@ class Stats:
     dropped_results: int = 0
     #: Dispatches in flight: the ranks holding one (a batch's is one, whatever its tasks).
     dispatches: int = 0
+    #: Of the `worker_failed` events, the ranks the master refused (most of what they sent
+    #: was quarantined), not dead.
+    refused_ranks: int = 0
+
+    @property
+    def worker_deaths(self) -> int:
+        """Ranks the MPI runtime reported dead (the refused ones apart)."""
+        return self.events.get(EventKind.WORKER_FAILED.value, 0) - self.refused_ranks
 
     def as_json(self) -> dict[str, object]:
         """The stable keys of `coordinator status --json` (documented in docs/running.md)."""
@@ -68,6 +76,10 @@ class Stats:
 #: progress reads it every half second: 127 of 250 ms at a million tasks). The condition is the
 #: partial index's own text, so SQLite reads `ix_events_counted_kind` and never the per-task rows.
 _COUNT_EVENTS = f"SELECT kind, count(*) FROM events WHERE {COUNTED_KIND_SQL} GROUP BY kind"
+#: A refused rank's event (`Master._refuse_garbage_ranks`): its detail says so.
+REFUSED_DETAIL = "refused: "
+_COUNT_REFUSED = (f"SELECT count(*) FROM events WHERE {COUNTED_KIND_SQL} AND "
+                  f"kind = 'worker_failed' AND detail LIKE '{REFUSED_DETAIL}%'")
 #: A row stands for `repeats` messages (revision 0009; one each before).
 _COUNT_QUARANTINE = ("SELECT channel, reason, sum(repeats) FROM quarantine "
                      "GROUP BY channel, reason")
@@ -131,6 +143,8 @@ def read_stats(conn: Reader) -> Stats:
         dropped_testcases=int(dropped),
         dropped_results=dropped_results,
         dispatches=conn.exec_driver_sql("SELECT count(*) FROM dispatches").scalar_one(),
+        refused_ranks=(conn.exec_driver_sql(_COUNT_REFUSED).scalar_one()
+                       if ev.get(EventKind.WORKER_FAILED.value) else 0),
     )
 
 

@@ -15,7 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from mpi_jobs import MPIEXEC, check_conservation, finish, mpi_kind, query, start
+from mpi_jobs import (
+    MPIEXEC,
+    check_conservation,
+    finish,
+    mpi_kind,
+    query,
+    start,
+    status_json,
+)
 
 from coordinator.exits import ExitStatus
 from coordinator.launcher import mpiexec_flags
@@ -192,6 +200,9 @@ def test_a_rank_sending_mostly_garbage_is_refused_and_its_rows_stay_few(tmp_path
     assert 20_000 <= sum(m for _, m in q.values()) <= 20_001, q
     assert sum(n for n, _ in q.values()) <= 300  # 100 per rank, channel and reason at most
     assert query(db, "SELECT state FROM workers WHERE rank = 1") == [("failed",)]
+    # Refused, not dead: the metrics and `status` counted it among the worker deaths.
+    seen = status_json(db)
+    assert (seen["worker_deaths"], seen["refused_ranks"]) == (0, 1)
 
 
 def test_forged_stop_acks_are_counted_not_printed(tmp_path):

@@ -40,7 +40,7 @@ def test_status_json_keeps_its_keys_and_adds_the_campaigns_figures(campaign, cap
            "master", "dropped_testcases", "dropped_results"}
     new = {"now", "campaign_created_at", "campaign_age_s", "incarnation_started_at",
            "incarnation_run_s", "source", "rate", "eta_s", "testcases", "quarantined",
-           "parked_ranks", "worker_deaths", "oldest_dispatch", "ranks"}
+           "parked_ranks", "worker_deaths", "refused_ranks", "oldest_dispatch", "ranks"}
     assert old | new == set(got)
     [(written, finding, last)] = _rows(campaign, "SELECT sum(testcases), count(*), "
                                                  "max(committed_at) FROM results "
