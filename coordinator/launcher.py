@@ -98,6 +98,10 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
     if ns.progress is None and sys.stderr.isatty():
         # Under mpiexec a rank's stderr is a pipe: decide here, where the terminal is.
         rest.insert(1, "--progress")
+    elif ns.progress and not sys.stderr.isatty():
+        print("coordinator: --progress with stderr not a terminal writes the live display's "
+              "frames into it, 4 a second; --no-progress --progress-interval S gives plain "
+              "lines", file=sys.stderr, flush=True)
     _remove_orphaned_launch_dirs(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=LAUNCH_DIR_PREFIX) as d:
         (Path(d) / LAUNCHER_PID).write_text(f"{os.getpid()}\n")
@@ -105,7 +109,7 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
         rest[1:1] = ["--master-pid-file", str(pid_file)]
         cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
                "coordinator", *rest]
-        return _supervise(cmd, pid_file, ns.start_timeout)
+        return _supervise(cmd, pid_file, ns.start_timeout, cfg.metrics_file)
 
 
 #: Seconds a self-launched job may take to reach the master's start (its pid file is written
@@ -144,7 +148,8 @@ PR_SET_PDEATHSIG = 1
 FORCE_AFTER = 3
 
 
-def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> int:
+def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0,
+               metrics_file: Path | None = None) -> int:
     """Run the job in a session of its own and turn a stop request into a signal to the master.
 
     A terminal's Ctrl-C goes to its foreground process group. If that held `mpiexec`, Open
@@ -242,6 +247,14 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0) -> in
               "or another rank was killed: see the output above); the campaign is saved: run "
               "the same command again with --resume (tasks already imported are not added "
               "twice)", file=sys.stderr, flush=True)
+        if metrics_file is not None:
+            # The master's last write said it ran: an alert on it must see the end.
+            from .metrics import mark_stopped
+            try:
+                mark_stopped(metrics_file)
+            except OSError as e:
+                print(f"coordinator: cannot mark the metrics file {metrics_file} stopped: "
+                      f"{e.strerror or e}", file=sys.stderr, flush=True)
         return code or 1
     return code
 

@@ -14,6 +14,7 @@ an alert on `coordinator_tasks{state="failed"} > 0` sees no series at all, not a
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from store.observe import CommitTimes
@@ -147,3 +148,21 @@ def write_metrics(path: Path, text: str) -> None:
     """Replaced whole: node_exporter reads the old file or the new one, never half of one.
     The temporary name ends in `.tmp`, which the textfile collector does not read."""
     replace_text(path, text)
+
+
+_RUNNING = re.compile(r"^(coordinator_running\{[^}]*\}) 1$", re.M)
+
+
+def mark_stopped(path: Path) -> bool:
+    """The file of a master that was killed (it never wrote its last one): its
+    `coordinator_running` set to 0, the rest as the master last wrote it (at its
+    `coordinator_metrics_timestamp_seconds`). False if there was nothing to mark."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    new = _RUNNING.sub(r"\1 0", text)
+    if new == text:
+        return False
+    write_metrics(path, new)
+    return True

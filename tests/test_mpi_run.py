@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -900,6 +901,29 @@ def test_a_self_launched_run_whose_master_is_killed_does_not_exit_0(tmp_path):
     assert proc.returncode != 0, err[-3000:]
     assert "ended before the master recorded its status" in err, err[-3000:]
     assert "run the same command again with --resume" in err
+
+
+@pytest.mark.timeout(200)
+def test_the_metrics_file_of_a_killed_master_says_it_no_longer_runs(tmp_path):
+    """A master killed (kill -9, the OOM killer) never writes its last metrics file: it kept
+    `coordinator_running 1` for ever, and an alert on it never fired. The launcher marks it."""
+    db, prom = tmp_path / "c.db", tmp_path / "c.prom"
+    proc = self_launch(db, "--demo", "3000", "--demo-work-ms", "20", "--metrics-file",
+                       str(prom))
+    try:
+        deadline = time.monotonic() + 120
+        while not (prom.exists() and re.search(r"^coordinator_running\{.*\} 1$",
+                                                prom.read_text(), re.M)):
+            assert time.monotonic() < deadline, "no metrics file of a running master"
+            time.sleep(0.1)
+        os.kill(master_pid(db), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        end_launch(proc, db)
+    assert proc.returncode != 0, err[-3000:]
+    text = prom.read_text()
+    assert re.search(r"^coordinator_running\{.*\} 0$", text, re.M), text
+    assert re.search(r"^coordinator_tasks\{.*state=\"done\"\} \d+$", text, re.M), text
 
 
 def ctrl_c_with_fake_mpiexec(tmp_path, body: str, setup: str = "") -> tuple[int, str, Path]:
