@@ -787,3 +787,34 @@ def test_0014_refuses_a_file_whose_checks_were_changed_and_writes_nothing(tmp_pa
     with pytest.raises(StoreWriteError, match="0014.*leases has 0 enum CHECKs"):
         versioning.upgrade(db)
     assert _dump(db) == before
+
+
+def test_0015_shows_a_batchs_events_in_each_of_its_tasks_history_and_goes_back(tmp_path):
+    """Before 0015 the history of every task of a batch but the first lacked the batch in
+    flight (its later tasks are held by `work` leases) and the batch's rollback (its events
+    carry the first task's id)."""
+    from conftest import Farm
+
+    db = tmp_path / "batch.db"
+    farm = Farm(db)
+    first, second, third = farm.enqueue(*({"data": i} for i in range(3)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=3, sent=True)
+    history = "SELECT what FROM task_history WHERE task_id = ? ORDER BY at, src, seq"
+
+    def seen(task: int) -> list[str]:
+        with sqlite3.connect(db) as conn:
+            return [w for (w,) in conn.execute(history, (task,))]
+
+    assert seen(third) == ["enqueued", "dispatched (in flight)"]
+    farm.result_raw(1, {"token": p.token, "status": "ok", "batch": "not a list"})
+    farm.ready(1, p.token)
+    farm.sweep()
+    farm.close()
+    for task in (first, second, third):
+        assert seen(task) == ["enqueued", "dispatched", "quarantined result/payload",
+                              "invalid", "recovered", "requeued"], (task, seen(task))
+    _run_alembic(db, "downgrade", "0014")
+    assert "recovered" not in seen(third)  # (0010's view)
+    versioning.upgrade(db)
+    assert "recovered" in seen(third)

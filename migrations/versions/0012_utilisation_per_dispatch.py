@@ -18,10 +18,9 @@ No row changes; only the view is replaced.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from alembic import op
+
+from migrations.shipped import shipped_view
 
 revision = '0012'
 down_revision = '0011'
@@ -57,16 +56,6 @@ LEFT JOIN workers w ON w.rank = per.rank AND w.incarnation = per.inc
 ORDER BY per.inc, per.rank"""
 
 
-def _shipped_in_0010() -> str:
-    """0010's own definition (its file, which never changes once shipped)."""
-    path = Path(__file__).with_name("0010_observe.py")
-    spec = importlib.util.spec_from_file_location("_revision_0010", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.VIEWS["rank_utilisation"]
-
-
 def upgrade() -> None:
     op.execute("DROP VIEW IF EXISTS rank_utilisation")
     op.execute(f"CREATE VIEW rank_utilisation AS {RANK_UTILISATION.strip()}")
@@ -74,4 +63,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("DROP VIEW IF EXISTS rank_utilisation")
-    op.execute(f"CREATE VIEW rank_utilisation AS {_shipped_in_0010().strip()}")
+    shipped = shipped_view("0010_observe.py", "rank_utilisation")
+    op.execute(f"CREATE VIEW rank_utilisation AS {shipped.strip()}")
