@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -273,7 +274,8 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
     starts = [t for t in (created_at, first_r, first_t) if t is not None]
     ends = [t for t in (last_r, last_e, last_d, last_o, now if last_d is not None else None)
             if t is not None]
-    t0 = min(starts) if starts else 0.0
+    # (A file with no campaign yet, made by `db upgrade`: its axis starts now, not in 1970.)
+    t0 = min(starts) if starts else (now if now is not None else time.time())
     t1 = max(ends + [t0])
     span = max(t1 - t0, 1e-9)
     width = float(next((w for w in _WIDTHS if span / w <= MAX_BUCKETS), _WIDTHS[-1]))

@@ -236,6 +236,19 @@ def test_plot_series_adds_up_to_the_campaigns_rows(campaign):
     assert sorted(s.busy) == [1, 2, 3] and s.incarnations[0][0] == 1
 
 
+def test_the_plot_of_a_file_with_no_campaign_yet_starts_now(tmp_path):
+    """A file `db upgrade` made holds no campaign: its plot's axis began in 1970."""
+    import time
+
+    from store.versioning import upgrade
+
+    path = tmp_path / "empty.db"
+    upgrade(path)
+    before = time.time()
+    s = read_file(path, plot_series)[0]
+    assert before - 3600 <= s.t0 <= time.time() and sum(s.done) == 0
+
+
 def test_plot_series_counts_a_flood_as_status_does(campaign, tmp_path):
     """Past a rank's first 100 messages of a kind, a quarantine row counts the rest in its
     `repeats`: the chart counted rows (19 against status's 68)."""
