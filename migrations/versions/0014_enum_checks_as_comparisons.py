@@ -79,11 +79,12 @@ def _rewrite(pattern: re.Pattern[str], replace) -> None:
         conn.exec_driver_sql(f"PRAGMA schema_version = {int(version) + 1}")
     finally:
         conn.exec_driver_sql("PRAGMA writable_schema = OFF")
-    # The new text must parse and every row must satisfy it: SQLite checks both here.
-    problems = [r[0] for r in conn.exec_driver_sql("PRAGMA quick_check")]
-    if problems != ["ok"]:
-        raise sqlite3.DatabaseError(f"revision 0014: the rewritten schema fails quick_check: "
-                                    f"{problems}")
+    # The new text must parse: the next statement on each table reads the schema anew (and
+    # fails, rolling all of this back, if it does not). The rows need no check: each
+    # condition is its old one, written otherwise (and `split` only added), where a
+    # `quick_check` would read the whole file (6 s for a million tasks).
+    for table in new:
+        conn.exec_driver_sql(f"SELECT 1 FROM {table} LIMIT 1").all()
 
 
 def upgrade() -> None:
