@@ -179,12 +179,35 @@ def resolve_program(program: str) -> str:
             raise UsageError(f"command {program!r}: no such file ({path})")
         if not os.access(path, os.X_OK):
             raise UsageError(f"command {program!r} is not executable (chmod +x {path})")
+        _refuse_a_script_without_interpreter(program, path)
         return path
     found = shutil.which(program)
     if found is None:
         raise UsageError(f"command {program!r} is not on PATH (give its path, e.g. "
                          f"./{program})")
+    _refuse_a_script_without_interpreter(program, found)
     return os.path.abspath(found)
+
+
+def _refuse_a_script_without_interpreter(program: str, path: str) -> None:
+    """A text file without a `#!` line: a shell runs it, but the kernel cannot (ENOEXEC), so
+    every task failed with "Exec format error", each committed as its `error` result. Only
+    text is refused: a binary format other than ELF may be one binfmt_misc runs."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return  # (executable but unreadable: exec may still work)
+    if not head or head.startswith((b"#!", b"\x7fELF")) or b"\0" in head:
+        return
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # (not just a character cut at the end of the read)
+            return
+    raise UsageError(f"command {program!r} ({path}) is a script without a `#!` line: it "
+                     f"cannot be executed (Exec format error); make its first line e.g. "
+                     f"`#!/bin/sh`, or name its interpreter: -- sh {program} @@")
 
 
 class CommandExecutor:

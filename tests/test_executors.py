@@ -201,6 +201,25 @@ def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, m
         CommandExecutor([""], timeout_s=1)
 
 
+def test_a_script_without_an_interpreter_line_is_refused_when_built(tmp_path, workdir,
+                                                                   monkeypatch):
+    """`printf 'echo hi' > t; chmod +x t` passed every check, then each task failed with
+    "Exec format error", committed as its error result, and the run exited 0."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "noshebang").write_text("echo hi\n")
+    (tmp_path / "noshebang").chmod(0o755)
+    with pytest.raises(UsageError, match="is a script without a `#!` line"):
+        CommandExecutor(["./noshebang", "@@"], timeout_s=1)
+    # What the kernel runs stays accepted: a script with one, an ELF binary, and a binary
+    # format binfmt_misc may know (not text).
+    (tmp_path / "other").write_bytes(b"MZ\x90\x00\x03\x00" + bytes(range(256)))
+    (tmp_path / "other").chmod(0o755)
+    CommandExecutor(["./other", "@@"], timeout_s=1)
+    elf = os.path.realpath(sys.executable)
+    assert CommandExecutor([elf, "@@"], timeout_s=1).argv[0] == elf
+    assert CommandExecutor(["sh", "-c", "true"], timeout_s=1).argv[0] == shutil.which("sh")
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
