@@ -94,6 +94,10 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
         print("coordinator: no mpiexec found; install the project (it brings Open MPI) or "
               "start the job with your MPI's mpiexec", file=sys.stderr)
         return ExitStatus.USAGE
+    why = _session_dir_unusable()
+    if why is not None:
+        print(f"coordinator: {why}", file=sys.stderr)
+        return ExitStatus.USAGE
     rest = _strip_launch_options(args)
     if ns.progress is None and sys.stderr.isatty():
         # Under mpiexec a rank's stderr is a pipe: decide here, where the terminal is.
@@ -110,6 +114,32 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
         cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
                "coordinator", *rest]
         return _supervise(cmd, pid_file, ns.start_timeout, cfg.metrics_file)
+
+
+#: The least free space the launch's temporary directory needs: Open MPI's session directory
+#: there takes a few hundred KiB.
+SESSION_DIR_MIN_FREE = 4 << 20
+
+
+def _session_dir_unusable() -> str | None:
+    """Why Open MPI cannot make its session directory in TMPDIR (/tmp without it), if it
+    cannot: an unwritable or full one made mpiexec exit 213, the status of a known start-up
+    race of its launcher, so the launch was made twice and reported as that race. (Python's
+    own temporary files would silently go elsewhere.)"""
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    named = f"TMPDIR={tmp}" if os.environ.get("TMPDIR") else tmp
+    if not os.path.isdir(tmp):
+        return f"{named} is not a directory: MPI makes its session files there (set TMPDIR)"
+    if not os.access(tmp, os.W_OK | os.X_OK):
+        return f"{named} is not writable: MPI makes its session files there (set TMPDIR)"
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        return None
+    if free < SESSION_DIR_MIN_FREE:
+        return (f"{named} has {free >> 10} KiB free: MPI makes its session files there "
+                f"(free some space, or set TMPDIR)")
+    return None
 
 
 #: Seconds a self-launched job may take to reach the master's start (its pid file is written
@@ -256,7 +286,9 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0,
                 print(f"coordinator: cannot mark the metrics file {metrics_file} stopped: "
                       f"{e.strerror or e}", file=sys.stderr, flush=True)
         return code or 1
-    return code
+    # The master never started: whatever mpiexec's own status was (213, 230, ...; 2 or 130
+    # would read as another of the table's meanings), the launch failed.
+    return ExitStatus.FAILED
 
 
 

@@ -66,10 +66,31 @@ def test_a_launch_that_open_mpis_launcher_failed_is_made_once_more(tmp_path):
     assert "status 213 before the master started; launching once more" in once.stderr
     assert launches.read_text().count("launch") == 2
     always = launch(5)
-    assert always.returncode == 213, always.stderr
+    # Its own status is said; the run's is the table's (213 is not one of its meanings).
+    assert always.returncode == ExitStatus.FAILED, always.stderr
     assert always.stderr.count("launching once more") == 1
     assert "exited with status 213 before the master started" in always.stderr
     assert launches.read_text().count("launch") == 2
+
+
+def test_a_tmpdir_mpi_cannot_use_is_refused_before_the_launch(tmp_path):
+    """Open MPI makes its session directory in TMPDIR: one it could not use made mpiexec exit
+    213, which the launcher took for its launcher's start-up race (launched twice, said so,
+    exit 213)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMI"))}
+    for tmp in (tmp_path / "missing", tmp_path / "a-file"):
+        if tmp.name == "a-file":
+            tmp.write_text("")
+        got = subprocess.run([sys.executable, "-m", "coordinator", "run", "--db",
+                              str(tmp_path / "c.db"), "--no-progress", "--demo", "3"],
+                             capture_output=True, text=True, timeout=120, check=False,
+                             env={**env, "TMPDIR": str(tmp)})
+        assert got.returncode == ExitStatus.USAGE, got.stderr
+        assert got.stderr == (f"coordinator: TMPDIR={tmp} is not a directory: MPI makes its "
+                              f"session files there (set TMPDIR)\n")
+        assert not (tmp_path / "c.db").exists()
 
 
 def test_a_killed_launchers_directory_is_removed_by_the_next_launch(tmp_path):
