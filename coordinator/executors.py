@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
-from .config import EXECUTOR_KINDS, RunConfig
+from .config import EXECUTOR_KINDS, MAX_TIMEOUT_S, RunConfig
 from .errors import UsageError
 from .processes import (
     COMMAND_MARK,
@@ -237,8 +237,11 @@ class CommandExecutor:
                              "e.g. ['./target', '@@']")
         if not all(isinstance(a, str) for a in argv):
             raise UsageError(f"command argv must be a list of strings, got {list(argv)!r}")
-        if not timeout_s > 0:
-            raise UsageError(f"command timeout must be > 0 seconds, got {timeout_s!r}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            # (An inherited SYMCC_TIMEOUT meets this check alone when a --resume takes the
+            # campaign's command over: past the bound every run failed on its worker.)
+            raise UsageError(f"the command's timeout (--timeout or SYMCC_TIMEOUT) must be > 0 "
+                             f"and at most {MAX_TIMEOUT_S:,.0f} seconds, got {timeout_s:g}")
         for name, limit in (
             ("max_files", max_files),
             ("max_file_bytes", max_file_bytes),

@@ -47,6 +47,24 @@ def test_a_resume_without_the_executor_takes_the_campaigns_own_and_says_so(tmp_p
     assert other.notes == [] and other.cfg.callable_spec == f"{spec}:solve"
 
 
+def test_a_resume_taking_the_command_over_checks_an_inherited_timeout(tmp_path, monkeypatch):
+    """The command left out, an inherited SYMCC_TIMEOUT was checked as for a demo run (any
+    value >= 0): 5e6 passed, and every remaining task failed on its worker ("timeout is too
+    large"), each committed as its error result, exit 0."""
+    db = tmp_path / "c.db"
+    target = tmp_path / "t.sh"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    first = config(db, "--tasks", str(tmp_path / "t.jsonl"), "--", str(target), "@@")
+    _stored_campaign(db, campaign_settings(first))
+    monkeypatch.setenv("SYMCC_TIMEOUT", "5e6")
+    with pytest.raises(UsageError, match=r"the command's timeout \(--timeout or SYMCC_TIMEOUT\)"
+                                         r" must be > 0 and at most 1,000,000 seconds, got 5e"):
+        check_run(config(db, "--resume"))
+    monkeypatch.setenv("SYMCC_TIMEOUT", "60")
+    assert check_run(config(db, "--resume")).cfg.executor == "command"
+
+
 def test_a_resume_of_an_afl_campaign_without_its_queue_watches_the_stored_one(tmp_path):
     db = tmp_path / "c.db"
     (tmp_path / "afl" / "main" / "queue").mkdir(parents=True)
