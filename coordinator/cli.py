@@ -29,7 +29,7 @@ from .config import (
     start_wait,
     timeout_seconds,
 )
-from .errors import UsageError
+from .errors import UsageError, refusing_os_errors
 from .exits import ExitStatus
 from .fault_spec import KINDS, InjectSpecError, parse_inject
 from .launcher import START_TIMEOUT_S, self_launch, under_mpi_launcher
@@ -303,29 +303,36 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if ns.cmd == "run":
-            cfg = resolve_run(ns)
+            with refusing_os_errors():
+                cfg = resolve_run(ns)
             if not under_mpi_launcher():
                 return self_launch(ns, args, cfg)
             from .runtime import run
             return run(cfg)
-        if ns.cmd == "status":
-            from .status import status
-            try:
-                return status(ns.db, ns.json)
-            except BrokenPipeError:  # `status | head`: the reader had enough
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                return ExitStatus.OK
-        if ns.cmd == "plot":
-            from .plot import plot
-            return plot(ns.db, ns.outdir)
-        from . import commands
-        if ns.cmd == "check":
-            return commands.check(ns.db, ns.json)
-        if ns.cmd == "requeue":
-            return commands.requeue(ns)
-        if ns.cmd == "db":
-            return commands.db_upgrade(ns.db)
+        with refusing_os_errors():
+            return _command(ns)
     except UsageError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
+
+
+def _command(ns: argparse.Namespace) -> int:
+    """The commands that read (or, `requeue` and `db upgrade`, write) a campaign file."""
+    if ns.cmd == "status":
+        from .status import status
+        try:
+            return status(ns.db, ns.json)
+        except BrokenPipeError:  # `status | head`: the reader had enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return ExitStatus.OK
+    if ns.cmd == "plot":
+        from .plot import plot
+        return plot(ns.db, ns.outdir)
+    from . import commands
+    if ns.cmd == "check":
+        return commands.check(ns.db, ns.json)
+    if ns.cmd == "requeue":
+        return commands.requeue(ns)
+    if ns.cmd == "db":
+        return commands.db_upgrade(ns.db)
     return ExitStatus.USAGE

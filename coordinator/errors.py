@@ -9,6 +9,9 @@ with its traceback and `ExitStatus.INTERNAL`. Errors of the campaign file are th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class CoordinatorError(Exception):
     """Root of every error the coordinator raises on purpose."""
@@ -16,3 +19,17 @@ class CoordinatorError(Exception):
 
 class UsageError(CoordinatorError):
     """A setting, file or command line the user gave cannot be used; the message names it."""
+
+
+@contextlib.contextmanager
+def refusing_os_errors() -> Iterator[None]:
+    """An OSError of the system (a path the user cannot search, a name too long, a file
+    that vanished) as a one-line refusal (UsageError: exit 2), not a traceback. Not a
+    broken pipe: `... | head` had enough, which is no error of the command's."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        what = e.strerror or str(e)
+        raise UsageError(f"{e.filename}: {what}" if e.filename else what) from None

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .config import RunConfig, exit_status_path
-from .errors import UsageError
+from .errors import UsageError, refusing_os_errors
 from .exits import ExitStatus, signalled
 from .processes import process_exists
 
@@ -81,7 +81,8 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
 
     from .preflight import check_run
     try:
-        check_run(cfg)
+        with refusing_os_errors():
+            check_run(cfg)
     except (StoreError, UsageError) as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE

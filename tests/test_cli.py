@@ -62,3 +62,22 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["run", "--demo", "3", "--no-progress"], ["status"],
+                                     ["check"], ["requeue", "--state", "failed"],
+                                     ["plot", "charts"]])
+def test_a_path_the_system_refuses_is_one_line_not_a_traceback(tmp_path, command):
+    """A name over 255 bytes (or, for a user who is not root, a directory they cannot
+    search): Path.exists() and the like raise, and every command printed a traceback, exit
+    1. A refusal now: one line naming the path and why, exit 2."""
+    import subprocess
+    import sys
+
+    db = tmp_path / ("a" * 300 + ".db")
+    got = subprocess.run([sys.executable, "-m", "coordinator", *command[:1], "--db", str(db),
+                          *command[1:]], capture_output=True, text=True, timeout=120,
+                         check=False, cwd=tmp_path)
+    assert got.returncode == ExitStatus.USAGE, got.stderr
+    assert "Traceback" not in got.stderr and "File name too long" in got.stderr
+    assert got.stderr.count("\n") == 1, got.stderr
