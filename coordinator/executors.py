@@ -32,6 +32,7 @@ from .errors import UsageError
 from .processes import (
     COMMAND_MARK,
     MPI_JOB_VARIABLES,
+    die_with_parent,
     kill_command,
     kill_marked,
     running_commands,
@@ -336,6 +337,7 @@ class CommandExecutor:
                 env=self._environment(input_path, out_dir, mark),
                 start_new_session=True,
                 close_fds=True,
+                preexec_fn=die_with_parent,  # (no library is loaded in the child)
             )
         except OSError as exc:
             running_commands.spawned(None)

@@ -43,6 +43,25 @@ def host_and_pid() -> tuple[str, int]:
 real_exit: Callable[[int], NoReturn] = os._exit
 
 
+PR_SET_PDEATHSIG = 1
+# Resolved here, in the parent: the child of a fork in a process with threads (a worker's MPI
+# threads) must not load a library (the loader's lock may be held by a thread that is gone).
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # (not Linux)
+    _prctl = None
+
+
+def die_with_parent() -> None:
+    """In a command's child process, before its exec: SIGKILL when the worker that started it
+    ends. A worker ended by SIGKILL (three Ctrl-C, a killed launcher, mpiexec ending the job)
+    cannot end its command, which runs in a session of its own: it was left running, a hung
+    target for ever, with nothing to enforce --timeout. (A process the command starts itself
+    is not covered.)"""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def exit_now(status: int) -> NoReturn:
     """Leave at once, without MPI_Finalize (under ULFM it can hang every survivor after a
     rank's death, ompi#11404) and without the interpreter's exit handlers."""

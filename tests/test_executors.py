@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -284,6 +286,43 @@ DAEMONIZING_TARGET = textwrap.dedent(
         time.sleep(0.01)
     """
 )
+
+
+RUN_A_HANGING_COMMAND = textwrap.dedent("""\
+    import sys
+    from coordinator.executors import CommandExecutor
+    CommandExecutor([sys.executable, sys.argv[1], sys.argv[2]], timeout_s=600).run(
+        {}, b"x", sys.argv[3])
+""")
+
+
+def test_a_command_ends_with_its_worker_killed_by_sigkill(tmp_path, workdir):
+    """A worker ended by SIGKILL (three Ctrl-C, a killed launcher, mpiexec ending the job)
+    could not end its command, in a session of its own: the target ran on, past --timeout,
+    for ever if it hung."""
+    target = write_script(tmp_path, "hang.py", HANGING_TARGET)
+    pids = tmp_path / "pids"
+    worker = subprocess.Popen([sys.executable, "-c", RUN_A_HANGING_COMMAND, target, str(pids),
+                               str(workdir)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and pids.read_text()):
+            assert time.monotonic() < deadline, "the target never started"
+            time.sleep(0.02)
+        command = int(pids.read_text().split()[0])
+        assert not _gone(command)
+        worker.kill()
+        worker.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not _gone(command) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _gone(command), f"the command {command} outlived its worker"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        for pid in (pids.read_text().split() if pids.exists() else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def test_a_process_that_leaves_the_targets_group_is_ended_with_it(tmp_path, workdir):
