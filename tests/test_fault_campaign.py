@@ -279,6 +279,37 @@ def test_checker_reports_a_commit_whose_result_never_left(campaign, tmp_path):
     assert r["wrong_commits"] == 1 and r["faults"] == {"result_drop": 1}
 
 
+def test_checker_fails_the_trial_on_any_violation_of_the_audit(campaign):
+    """`coordinator check` found "1 of its 2 dispatches without a record", and the trial
+    passed: that check, a lease of no dispatch and the foreign keys fed no counter the
+    verdict read."""
+    db, _, good = campaign
+    assert not fc.trial_failed(_check(db))
+    _write(db, "UPDATE tasks SET dispatches = dispatches + 1 WHERE id = "
+               "(SELECT task_id FROM results WHERE token = ?)", params=(good,))
+    r = _check(db)
+    assert r["audit_violations"] == 1 and fc.trial_failed(r)
+
+
+def test_checker_reports_a_task_committed_twice_as_two_rows(campaign):
+    """A second done task of the same n, with its result and its `enqueued` event, passed
+    `coordinator check` (it is a consistent task of its own) and the harness."""
+    db, _, good = campaign
+    _write(db, "INSERT INTO tasks (semantic_id, payload, state, dispatches, queue_pos, "
+               "created_at, updated_at) SELECT ?, json_set(payload, '$.dup', 1), 'done', 1, "
+               "queue_pos, created_at, updated_at FROM tasks WHERE id = (SELECT task_id "
+               "FROM results WHERE token = ?)", params=("e" * 64, good))
+    _write(db, "INSERT INTO events (at, incarnation, kind, task_id) SELECT 0, 1, 'enqueued', "
+               "max(id) FROM tasks")
+    _write(db, "INSERT INTO results (task_id, token, rank, incarnation, committed_at, status, "
+               "value, dispatched_at) SELECT (SELECT max(id) FROM tasks), ?, rank, "
+               "incarnation, committed_at + 1, status, value, dispatched_at FROM results "
+               "WHERE token = ?", params=("f" * 64, good))
+    r = _check(db)
+    assert (r["extra_tasks"], r["duplicate_commits"]) == (1, 1) and fc.trial_failed(r)
+    assert any("task rows past the campaign's" in p for p in r["problems"])
+
+
 def test_checker_reports_leftover_dispatch_rows(campaign):
     db, _, _ = campaign
     _write(db, "INSERT INTO dispatches (token, rank, task_id, incarnation, created_at) "

@@ -986,6 +986,7 @@ def check_campaign(db: Path, expected_tasks: int, *, complete: bool = True,
     r: dict[str, Any] = {
         "tasks_lost": 0, "wrong_commits": 0, "duplicate_commits": 0, "integrity_ok": True,
         "leftover_rows": 0, "stats_mismatches": 0, "fk_violations": 0, "problems": [],
+        "audit_violations": 0, "extra_tasks": 0,
         "tasks": 0, "states": {}, "results": 0, "dispatches_sum": 0, "recovered_tasks": 0,
         "recovered_done": 0, "faults": {}, "torn_log_lines": 0, "latency": {},
         "latency_overall": [], "events": {}, "incarnation": 0,
@@ -1071,6 +1072,9 @@ def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
         elif v.check in (Check.TOKEN_ENDED_WITHOUT_RESULT, Check.TOKEN_RETIRED):
             # Said above; counted once per token, with the harness's own findings.
             wrong.setdefault(v.token or "", [])
+    # Every violation fails the trial, counted above or not (a dispatch without its record,
+    # a lease of no dispatch, a foreign key: none of the counters above takes them).
+    r["audit_violations"] = len(report.violations)
     if not r["integrity_ok"]:
         return r  # the audit read no rows of a damaged file; nor does the harness
 
@@ -1081,6 +1085,18 @@ def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
     missing = sorted(set(range(expected)) - present)
     if missing:
         problems.append(f"{len(missing)} of the {expected} tasks have no row (n={missing[:10]})")
+    # ... and none has more than one, nor is one the campaign never had: the same work
+    # enqueued twice, or committed twice as two task rows, which no store rule refuses.
+    extra = q("SELECT json_extract(payload, '$.data.n') AS n, count(*) FROM tasks GROUP BY n "
+              "HAVING count(*) > 1 OR n IS NULL OR n NOT BETWEEN 0 AND ?", expected - 1)
+    if extra:
+        r["extra_tasks"] = sum(c - (0 <= (n if isinstance(n, int) else -1) < expected)
+                               for n, c in extra)
+        problems.append(f"{r['extra_tasks']} task rows past the campaign's {expected} "
+                        f"(n, rows: {extra[:10]})")
+        dup += sum(c - 1 for (c,) in q(
+            "SELECT count(*) FROM tasks t JOIN results r ON r.task_id = t.id "
+            "GROUP BY json_extract(t.payload, '$.data.n') HAVING count(*) > 1"))
     if complete:
         unfinished = q("SELECT id, state FROM tasks WHERE state IN ('queued', 'active')")
         if unfinished:
@@ -1424,7 +1440,8 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
         "command": shlex.join(first),
         **{k: check[k] for k in ("tasks_lost", "wrong_commits", "duplicate_commits",
                                  "integrity_ok", "leftover_rows", "stats_mismatches",
-                                 "fk_violations", "problems", "tasks", "states", "results",
+                                 "fk_violations", "audit_violations", "extra_tasks",
+                                 "problems", "tasks", "states", "results",
                                  "dispatches_sum", "recovered_tasks", "recovered_done",
                                  "torn_log_lines", "latency_overall", "events",
                                  "incarnation")},
@@ -1456,6 +1473,7 @@ def unusual_exits(t: dict[str, Any]) -> list[int | None]:
 def trial_failed(t: dict[str, Any]) -> bool:
     return bool(t["tasks_lost"] or t["wrong_commits"] or t["duplicate_commits"]
                 or not t["integrity_ok"] or t["leftover_rows"] or t["stats_mismatches"]
+                or t.get("audit_violations") or t.get("extra_tasks")
                 or t.get("kind_problems"))
 
 
