@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -276,9 +278,15 @@ def _moment(text: str) -> float:
     """A point in time for `requeue --since`: seconds since the epoch, or ISO 8601 (UTC
     unless it names its offset)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         pass
+    else:
+        if math.isfinite(value):
+            return value
+        # (nan and inf matched no time at all: the command requeued nothing, exit 0)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time (ISO 8601, e.g. "
+                                         f"2026-12-01T14:00, or seconds since the epoch)")
     try:
         when = datetime.datetime.fromisoformat(text)
     except ValueError:
@@ -303,10 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if ns.cmd == "run":
+            if not under_mpi_launcher():
+                try:
+                    with refusing_os_errors():
+                        cfg = resolve_run(ns)
+                    return self_launch(ns, args, cfg)
+                except KeyboardInterrupt:
+                    # Before the launch (from it on, the launcher handles Ctrl-C itself): the
+                    # checks so far only read.
+                    print("coordinator: interrupted before the launch; nothing was changed",
+                          file=sys.stderr)
+                    return 128 + signal.SIGINT
             with refusing_os_errors():
                 cfg = resolve_run(ns)
-            if not under_mpi_launcher():
-                return self_launch(ns, args, cfg)
             from .runtime import run
             return run(cfg)
         with refusing_os_errors():

@@ -17,6 +17,15 @@ def test_requeue_ids_sqlite_cannot_hold_are_usage_errors(value, capsys):
     assert ended.value.code == ExitStatus.USAGE and "--id" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "yesterday"])
+def test_requeue_since_that_is_no_time_is_a_usage_error(value, capsys):
+    """`--since nan` (or 1e400, which is inf) was taken: it matched nothing, and `requeue`
+    said it requeued no task, exit 0."""
+    with pytest.raises(SystemExit) as ended:
+        _parser().parse_args(["requeue", "--db", "c.db", f"--since={value}"])
+    assert ended.value.code == ExitStatus.USAGE and "is not a time" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "1001", "many", "1.5"])
 def test_a_batch_size_outside_1_to_1000_or_auto_is_a_usage_error(value, capsys):
     with pytest.raises(SystemExit) as ended:
