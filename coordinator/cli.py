@@ -311,19 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if ns.cmd == "run":
-            if not under_mpi_launcher():
-                try:
-                    with refusing_os_errors():
-                        cfg = resolve_run(ns)
+            try:
+                with refusing_os_errors():
+                    cfg = resolve_run(ns)
+                if not under_mpi_launcher():
                     return self_launch(ns, args, cfg)
-                except KeyboardInterrupt:
-                    # Before the launch (from it on, the launcher handles Ctrl-C itself): the
-                    # checks so far only read.
-                    print("coordinator: interrupted before the launch; nothing was changed",
-                          file=sys.stderr)
-                    return 128 + signal.SIGINT
-            with refusing_os_errors():
-                cfg = resolve_run(ns)
+            except KeyboardInterrupt:
+                if under_mpi_launcher():
+                    raise
+                # Before the launch (from it on, the launcher handles Ctrl-C itself): the
+                # checks so far only read.
+                print("coordinator: interrupted before the launch; nothing was changed",
+                      file=sys.stderr)
+                return 128 + signal.SIGINT
             from .runtime import run
             return run(cfg)
         with refusing_os_errors():

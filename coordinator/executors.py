@@ -583,15 +583,16 @@ def _as_json(value: Any) -> Any:
     # task's own error, not an invalid RESULT retried until the task is deferred. (A value's
     # msgpack is at most about twice its JSON text, for lists of floats: only a text over a
     # quarter of the bound is encoded to be measured.)
+    loaded = json.loads(text)
     if len(text) > MAX_VALUE_BYTES // 4:
         try:
-            size = len(encode(json.loads(text)))
+            size = len(encode(loaded))
         except ENCODE_ERRORS:
             size = 0  # (what cannot be sent is said by the worker's sender)
         if size > MAX_VALUE_BYTES:
             raise ValueError(f"result is {size} bytes encoded, over the {MAX_VALUE_BYTES} a "
                              f"value may have: return bulk output as test cases")
-    return json.loads(text)
+    return loaded
 
 
 class CallableExited(BaseException):

@@ -149,7 +149,7 @@ class Gate:
                  validate: Callable[[Mapping[str, Any], Any, int], tuple[Any, str | None]]
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
-                 salvage: Callable[..., int] | None = None):
+                 salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept."""
         self.store = store
@@ -309,7 +309,7 @@ class Gate:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
-                                         reason=self._salvaged(tx, a, parsed),
+                                         reason=self._salvaged(tx, a, parsed, a.task_id),
                                          worker_state=WorkerState.BUSY)
                     out.retried.append(m.rank)
                     del active[m.rank]
@@ -360,14 +360,10 @@ class Gate:
         out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
         return None
 
-    def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any,
-                  task_id: int | None = None) -> str:
-        """A run that is retried (`timeout`): the test cases it wrote kept, and the reason
-        its retry is recorded with."""
-        kept = 0
-        if self.salvage is not None:
-            kept = (self.salvage(tx, a, outcome) if task_id is None
-                    else self.salvage(tx, a, outcome, task_id))
+    def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int) -> str:
+        """A run of `task_id` that is retried (`timeout`): the test cases it wrote kept, and
+        the reason its retry is recorded with."""
+        kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
         return str(_status_of(outcome)) + (
             f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -19,7 +18,7 @@ from pathlib import Path
 from .config import RunConfig, exit_status_path
 from .errors import UsageError, refusing_os_errors
 from .exits import ExitStatus, signalled
-from .processes import process_exists
+from .processes import parent_death_signal, process_exists
 
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK",
                   "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -169,11 +168,7 @@ def _end_with_parent() -> None:
     """In the launched mpiexec: SIGTERM when the launcher dies. Its own session keeps the
     terminal's Ctrl-C away from it, but also a kill of the launcher's process group (a CI
     cancel, `timeout -s KILL`), which would otherwise leave the job running unattended."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-PR_SET_PDEATHSIG = 1
+    parent_death_signal(signal.SIGTERM)
 
 #: Ctrl-C presses (or SIGTERMs to the launcher) after which the job is ended at once.
 FORCE_AFTER = 3

@@ -308,7 +308,9 @@ class Master:
         """Once a run, when a parked rank first comes back: it was slow, not hung. (With
         tasks longer than the deadline every dispatch goes this way, and each retirement is
         said on its own.)"""
-        if self._unparked and not self._told_unparked:
+        if not self._unparked:
+            return
+        if not self._told_unparked:
             self._told_unparked = True
             print(f"coordinator: rank {self._unparked[0]} answered the dispatch the watchdog "
                   f"retired: it was slower than --watchdog ({self.config.watchdog_s:g} s), not "
@@ -661,13 +663,11 @@ class Master:
         return dsp.CommitItem(active.rank, active.token, task_id, res.status, value_json,
                               written, created, failure_detail(res), res.dropped)
 
-    def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result,
-                 task_id: int | None = None) -> int:
-        """A timed-out run (or one task's of a batch, `task_id`) is retried, but the test
-        cases it wrote before it was killed are real (SymCC writes each as it finds it, and
-        its own helper keeps them): kept."""
-        return self._keep_testcases(tx, task_id if task_id is not None else active.task_id,
-                                    res.testcases)[0]
+    def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result, task_id: int) -> int:
+        """A timed-out run of `task_id` (the dispatch's, or one of its batch's) is retried,
+        but the test cases it wrote before it was killed are real (SymCC writes each as it
+        finds it, and its own helper keeps them): kept."""
+        return self._keep_testcases(tx, task_id, res.testcases)[0]
 
     def _keep_testcases(self, tx: Tx, task_id: int,
                         testcases: Sequence[tuple[str, bytes]]) -> tuple[int, int]:

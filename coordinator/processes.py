@@ -52,14 +52,19 @@ except (OSError, AttributeError):  # (not Linux)
     _prctl = None
 
 
+def parent_death_signal(sig: int) -> None:
+    """In a child between its fork and its exec: `sig` when its parent ends (Linux)."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
 def die_with_parent() -> None:
     """In a command's child process, before its exec: SIGKILL when the worker that started it
     ends. A worker ended by SIGKILL (three Ctrl-C, a killed launcher, mpiexec ending the job)
     cannot end its command, which runs in a session of its own: it was left running, a hung
     target for ever, with nothing to enforce --timeout. (A process the command starts itself
     is not covered.)"""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    parent_death_signal(signal.SIGKILL)
 
 
 def exit_now(status: int) -> NoReturn:
