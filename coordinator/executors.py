@@ -39,7 +39,14 @@ from .processes import (
     started_ticks,
     wait_exit_unreaped,
 )
-from .wire import ENCODE_ERRORS, MAX_TESTCASE_NAME_CHARS, MAX_VALUE_BYTES, clip_detail, encode
+from .wire import (
+    ENCODE_ERRORS,
+    MAX_TESTCASE_NAME_CHARS,
+    MAX_VALUE_BYTES,
+    NOT_RUN_STATUS,
+    clip_detail,
+    encode,
+)
 
 __all__ = [
     "CommandExecutor",
@@ -51,18 +58,27 @@ __all__ = [
     "collatz_steps",
     "demo_digest",
     "make_executor",
+    "not_run",
 ]
 
 STATUS_OK = "ok"
 STATUS_TIMEOUT = "timeout"
 STATUS_ERROR = "error"
+STATUS_NOT_RUN = NOT_RUN_STATUS  # the host could not run it: retried, never its result
+
+def not_run(what: str, exc: OSError) -> ExecOutcome:
+    """A task this host could not run. The first line of its detail is the retry's reason,
+    which `status` counts by its text: the error's name there, and its file only below."""
+    return ExecOutcome(status=STATUS_NOT_RUN,
+                       detail=clip_detail(f"{what}: {exc.strerror or type(exc).__name__}\n{exc}"))
+
 
 # Enough of a crashing target's stderr to see the reason, small enough for one RESULT message.
 DETAIL_MAX_BYTES = 2048
 
 @dataclass
 class ExecOutcome:
-    status: str  # "ok" | "timeout" | "error" (exception / nonzero exit / bad input)
+    status: str  # "ok" | "timeout" | "error" (exception / nonzero exit / bad input) | "not_run"
     value: Any = None  # JSON-serialisable result (python/demo executors); None for command
     testcases: list[tuple[str, bytes]] = field(default_factory=list)  # (basename, content)
     returncode: int | None = None
@@ -266,12 +282,14 @@ class CommandExecutor:
             input_path = self._materialise_input(task, input_bytes, workdir)
             out_dir = workdir / "out"
             out_dir.mkdir(exist_ok=True)
-        except (OSError, ValueError) as exc:
+        except ValueError as exc:  # the task's input is gone: its own outcome
             return ExecOutcome(
                 status=STATUS_ERROR,
                 duration_s=time.perf_counter() - started,
                 detail=clip_detail(f"cannot materialise input: {exc}"),
             )
+        except OSError as exc:  # a disk that cannot take it (full, read-only) fails any task
+            return not_run("cannot materialise input", exc)
         outcome = self._execute(input_path, out_dir, workdir)
         outcome.testcases, outcome.dropped, dropped_note = self._collect(out_dir)
         outcome.detail = _join_detail(outcome.detail, dropped_note)
@@ -322,8 +340,7 @@ class CommandExecutor:
             # Closed in the `finally` below, after the child has it (it may not be opened at all).
             stdin_file = None if self.uses_file_arg else open(input_path, "rb")  # noqa: SIM115
         except OSError as exc:
-            return ExecOutcome(status=STATUS_ERROR,
-                               detail=clip_detail(f"cannot open input for stdin: {exc}"))
+            return not_run("cannot open input for stdin", exc)
         self._runs += 1
         mark = f"{os.getpid()}.{self._runs}"  # (unique on this host while the worker lives)
         running_commands.spawning = True
@@ -340,9 +357,11 @@ class CommandExecutor:
                 preexec_fn=die_with_parent,  # (no library is loaded in the child)
             )
         except OSError as exc:
+            # The program was checked at the start and the task is only its input: no process
+            # to be had (EAGAIN, ENOMEM), a program replaced or removed since (ETXTBSY,
+            # ENOENT) is this host's failure, not the task's outcome.
             running_commands.spawned(None)
-            return ExecOutcome(status=STATUS_ERROR,
-                               detail=clip_detail(f"cannot start {argv[0]!r}: {exc}"))
+            return not_run(f"cannot start {argv[0]!r}", exc)
         except BaseException:
             running_commands.spawned(None)
             raise

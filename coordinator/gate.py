@@ -34,6 +34,7 @@ from .protocol import (
 )
 from .wire import (
     MAX_COUNT,
+    NOT_RUN_STATUS,
     RESULT_STATUSES,
     RETRY_STATUSES,
     SPLIT_STATUS,
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: How the invalid mark of a batch whose worker asked for a split begins (`sweep` reads it).
 SPLIT_MARK = "split: "
+#: How much of a `not_run` answer's detail its task's retry reason keeps.
+NOT_RUN_REASON_CHARS = 240
 
 
 @dataclass(frozen=True)
@@ -361,11 +364,16 @@ class Gate:
         return None
 
     def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int) -> str:
-        """A run of `task_id` that is retried (`timeout`): the test cases it wrote kept, and
-        the reason its retry is recorded with."""
+        """A run of `task_id` that is retried (`timeout`, `not_run`): the test cases it wrote
+        kept, and the reason its retry is recorded with (for a task its host could not run,
+        what failed: the operator has a host to fix)."""
+        status = str(_status_of(outcome))
+        if status == NOT_RUN_STATUS:
+            detail = _get(outcome, "detail")
+            first = detail.strip().partition("\n")[0] if isinstance(detail, str) else ""
+            return f"{status} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
         kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
-        return str(_status_of(outcome)) + (
-            f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
+        return status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
 
     def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:
         for m in strays:

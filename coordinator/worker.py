@@ -15,12 +15,14 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
-from .executors import BatchOutcome, ExecOutcome, Executor
+from .executors import BatchOutcome, ExecOutcome, Executor, not_run
 from .processes import (
     exit_now,
     host_and_pid,
@@ -32,6 +34,7 @@ from .protocol import is_token
 from .transport import Backoff, MasterGone, SendFailed, Transport
 from .wire import (
     ENCODE_ERRORS,
+    NOT_RUN_STATUS,
     SPLIT_STATUS,
     TAG_STOP,
     Ready,
@@ -153,6 +156,33 @@ def _unsent(outcome: ExecOutcome, why: str) -> ExecOutcome:
                        detail=clip_detail(why), dropped=outcome.dropped + len(outcome.testcases))
 
 
+class HostFailures:
+    """A rank whose host cannot run tasks (its disk full, no process to be had) answers
+    `not_run` at once, and would take the whole queue to the retry policy in seconds, faster
+    than any healthy rank takes it. After such an answer the worker waits before its READY,
+    doubling up to `PAUSE_CAP_S` while its host keeps failing: the other ranks get the
+    retries. A task that runs (whatever its outcome) ends the pause."""
+
+    FIRST_PAUSE_S = 0.25
+    #: Below --grace's default (10 s): a stop still finds the rank's READY in time.
+    PAUSE_CAP_S = 4.0
+
+    def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.sleep = sleep
+        self.streak = 0
+
+    def pause(self, outcome: ExecOutcome | BatchOutcome) -> float:
+        """Sleeps as this answer calls for; returns how long."""
+        runs = outcome.outcomes if isinstance(outcome, BatchOutcome) else [outcome]
+        if any(o.status != NOT_RUN_STATUS for o in runs):
+            self.streak = 0
+            return 0.0
+        wait = min(self.FIRST_PAUSE_S * 2 ** self.streak, self.PAUSE_CAP_S)
+        self.streak += 1
+        self.sleep(wait)
+        return wait
+
+
 def run_work(executor: Executor, work: Work, scratch: Path) -> ExecOutcome | BatchOutcome:
     """The dispatch's task, or each of a batch's in order."""
     if work.batch is None:
@@ -165,7 +195,10 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
     # Creating and removing a directory costs more than a no-op task itself: only executors
     # that leave files get a fresh one.
     fresh = getattr(executor, "needs_workdir", True)
-    workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch)) if fresh else scratch
+    try:
+        workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch)) if fresh else scratch
+    except OSError as e:  # this host's disk, not the task: retried, and the rank lives on
+        return not_run("cannot make the task's directory", e)
     try:
         return executor.run(task, input_bytes, workdir)
     except Exception as e:  # the task failed, not the worker: report it as data
@@ -219,6 +252,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
                                         dir=scratch))
     _scratch.append(scratch_dir)
     backoff = Backoff(fast_cap=WAIT_CAP_S, cap=WAIT_CAP_S, yield_window=spin_s)
+    host_failed = HostFailures()
     completed = ""  # R1: empty in the first READY
     last_completed = ""
     try:
@@ -251,6 +285,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
                 continue
             outcome = run_work(executor, work, scratch_dir)
             completed = sender.send_result(work.token, outcome)
+            host_failed.pause(outcome)
             sender.send_ready(completed)
             last_completed, completed = completed, ""
     finally:

@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import os
 import sqlite3
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -248,3 +249,20 @@ def workdir(tmp_path: Path) -> Path:
     path = tmp_path / "work"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 1 MiB filesystem of its own (tmpfs; needs root and a kernel that lets it mount):
+    a disk that fills up for real."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                          capture_output=True, text=True, timeout=30, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30,
+                       check=False)

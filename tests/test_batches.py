@@ -88,6 +88,21 @@ def test_a_task_of_a_batch_whose_run_timed_out_is_retried_while_the_others_commi
     assert audit_path(db_path).ok, audit_path(db_path).text()
 
 
+def test_a_task_of_a_batch_its_host_could_not_run_is_retried_while_the_others_commit(db_path):
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(3)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=3)
+    answer = batch_result(p.token, ids)
+    answer["batch"][2].update(status="not_run", detail="cannot start 't': [Errno 11] again")
+    assert len(farm.result_raw(1, answer).committed) == 2
+    assert states(farm)[ids[2]][0] == "queued"
+    with farm.store.reading() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM results").scalar() == 2
+    farm.close()
+    assert audit_path(db_path).ok, audit_path(db_path).text()
+
+
 def test_a_result_that_answers_fewer_tasks_than_the_batch_holds_is_invalid(db_path):
     farm = Farm(db_path)
     ids = farm.enqueue(*({"data": i} for i in range(3)))

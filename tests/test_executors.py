@@ -168,15 +168,31 @@ def test_command_missing_input_is_an_outcome_not_an_exception(tmp_path, workdir)
     assert ex.run({}, None, workdir).status == "error"
 
 
-def test_command_program_gone_after_the_start(tmp_path, workdir):
+def test_command_program_gone_after_the_start_is_the_hosts_failure_not_the_tasks(
+        tmp_path, workdir):
+    """Retried (`not_run`), never committed as the task's error: the task is only an input."""
     target = tmp_path / "target"
     target.write_text("#!/bin/sh\n")
     target.chmod(0o755)
     ex = CommandExecutor([str(target), "@@"], timeout_s=30)
     target.unlink()
     out = ex.run({}, b"x", workdir)
-    assert out.status == "error"
-    assert "cannot start" in out.detail
+    assert out.status == "not_run"
+    assert "cannot start" in out.detail and "No such file" in out.detail
+
+
+def test_an_input_the_hosts_full_disk_cannot_take_is_not_run_a_missing_one_is_an_error(
+        tmp_path, tiny_fs):
+    target = write_script(tmp_path, "target.py", TARGET)
+    ex = CommandExecutor([sys.executable, target, "@@"], timeout_s=30)
+    with contextlib.suppress(OSError), open(tiny_fs / "filler", "wb") as f:
+        while True:  # the disk filled for real
+            f.write(b"\0" * 65536)
+    out = ex.run({}, b"x" * 200_000, tiny_fs)
+    assert out.status == "not_run", out
+    assert "No space left on device" in out.detail
+    # The task's own input gone: its outcome, whatever the disk.
+    assert ex.run({"path": str(tmp_path / "gone")}, None, tmp_path).status == "error"
 
 
 def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, monkeypatch):

@@ -254,6 +254,29 @@ def test_a_timeout_result_sends_the_task_to_the_retry_policy(tmp_path: Path):
         farm.close()
 
 
+def test_a_task_its_host_could_not_run_is_retried_with_what_failed_not_committed(tmp_path):
+    """`not_run` (the worker's disk full, no process to be had): never the task's result; the
+    retry policy takes it, and its reason names the rank and what failed."""
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    try:
+        [tid] = farm.enqueue({"path": "/seeds/one"})
+        farm.ready(1)
+        token = farm.dispatch(1, sent=True)[1]
+        farm.result_raw(1, {"token": token, "status": "not_run", "detail":
+                            "cannot materialise input: [Errno 28] No space left on device\nx"})
+        farm.ready(1, token)
+        s = farm.state()
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]
+        assert s["results"] == [] and s["quarantine"] == []
+        with farm.store.reading() as conn:
+            [(why,)] = conn.exec_driver_sql(
+                "SELECT detail FROM events WHERE kind = 'task_failed'").fetchall()
+        assert why == ("not_run on rank 1: cannot materialise input: [Errno 28] No space left "
+                       "on device (no READY)")
+    finally:
+        farm.close()
+
+
 # -- READY classification against the store ----------------------------------------------
 
 def test_ready_statuses_and_their_effects(db_path):

@@ -211,6 +211,40 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     assert status_json(db)["results_by_status"] == {"ok": 6}
 
 
+def test_a_program_its_hosts_cannot_start_defers_its_tasks_and_resume_runs_them(tmp_path):
+    """A target that can no longer be started (its exec bit lost, as a rebuild in place can
+    leave it) is the hosts' failure, not the tasks': no task is committed as an error; each
+    goes to the retry policy (deferred at once with --retries 0), and once the program is back,
+    `--resume` runs each exactly once."""
+    prog = tmp_path / "target"
+    prog.write_text('#!/bin/sh\n[ -e "$0.once" ] || { touch "$0.once"; chmod a-x "$0"; }\n')
+    prog.chmod(0o755)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    for i in range(5):
+        (seeds / f"s{i}").write_bytes(b"%d" % i)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"path": "{seeds / f"s{i}"}"}}\n' for i in range(5)))
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--tasks", str(tasks), "--retries", "0", "--no-feedback",
+            "--no-progress"]
+    done = run([*args, "--", str(prog), "@@"], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=5)
+    by_state = dict(query(db, "SELECT state, count(*) FROM tasks GROUP BY state"))
+    assert by_state.get("done", 0) >= 1 and by_state["deferred"] == 5 - by_state["done"]
+    assert query(db, "SELECT count(*) FROM results WHERE status != 'ok'") == [(0,)]
+    reasons = [r for (r,) in query(db, "SELECT DISTINCT reason FROM tasks WHERE "
+                                       "state = 'deferred'")]
+    assert reasons and all(re.fullmatch(r"not_run on rank \d: cannot start '.*target': "
+                                        r"Permission denied", r) for r in reasons), reasons
+    prog.chmod(0o755)
+    again = run([*args, "--resume", "--", str(prog), "@@"], timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_conservation(db, expected_tasks=5)
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 5)]
+
+
 SLOW_TARGET = textwrap.dedent("""\
     import os, sys, time
     data = open(sys.argv[1], "rb").read()
@@ -508,23 +542,6 @@ def test_sigterm_to_every_rank_lets_running_commands_finish_in_the_grace_period(
     assert query(db, "SELECT count(*) FROM events WHERE kind = 'stop_requeued'") == [(0,)]
     assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
     assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
-
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 1 MiB filesystem of its own (tmpfs; needs root and a kernel that lets it mount):
-    room for a new campaign, not for the tasks file below."""
-    where = tmp_path / "tiny"
-    where.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
-                          capture_output=True, text=True, timeout=30, check=False)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30,
-                       check=False)
 
 
 def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_path, tiny_fs):

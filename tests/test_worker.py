@@ -123,3 +123,30 @@ def test_a_long_explanation_keeps_its_first_line_the_exception():
     sent = Sender(None).result_message("a" * 64, ExecOutcome("error", detail=detail))
     assert sent.detail.startswith("RuntimeError: the cause\n…\n")
     assert sent.detail.endswith("frame 399\n") and len(sent.detail) <= DETAIL_MAX_CHARS
+
+
+def test_a_scratch_directory_gone_from_under_the_worker_is_not_run_and_the_rank_lives(
+        tmp_path):
+    """`$TMPDIR` cleaned under a long campaign: the task's directory cannot be made. Before,
+    the OSError left `run_task` and took the rank with it."""
+    from coordinator.worker import run_task
+    gone = tmp_path / "gone"
+    ex = CommandExecutor(["/bin/true"], timeout_s=5)
+    out = run_task(ex, {"data": 1}, b"x", gone)
+    assert out.status == "not_run"
+    assert "cannot make the task's directory" in out.detail
+
+
+def test_a_host_that_keeps_failing_pauses_its_ready_longer_each_time_until_a_task_runs():
+    from coordinator.executors import BatchOutcome, ExecOutcome
+    from coordinator.worker import HostFailures
+    slept: list[float] = []
+    pauses = HostFailures(sleep=slept.append)
+    not_run, ran = ExecOutcome("not_run"), ExecOutcome("error")
+    for _ in range(7):
+        pauses.pause(not_run)
+    assert slept == [0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert pauses.pause(BatchOutcome([not_run, ran])) == 0.0  # part of it ran
+    assert pauses.pause(BatchOutcome([not_run, not_run])) == 0.25  # and the streak starts over
+    assert pauses.pause(ran) == 0.0 and pauses.pause(not_run) == 0.25
+    assert HostFailures.PAUSE_CAP_S < 10  # within --grace's default: a stop finds its READY
