@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -94,7 +95,7 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
         print("coordinator: no mpiexec found; install the project (it brings Open MPI) or "
               "start the job with your MPI's mpiexec", file=sys.stderr)
         return ExitStatus.USAGE
-    why = _session_dir_unusable()
+    why = _session_dir_unusable() or _home_unset()
     if why is not None:
         print(f"coordinator: {why}", file=sys.stderr)
         return ExitStatus.USAGE
@@ -139,6 +140,22 @@ def _session_dir_unusable() -> str | None:
     if free < SESSION_DIR_MIN_FREE:
         return (f"{named} has {free >> 10} KiB free: MPI makes its session files there "
                 f"(free some space, or set TMPDIR)")
+    return None
+
+
+def _home_unset() -> str | None:
+    """Open MPI reads HOME at its start and fails without it ("Unable to get the user home
+    directory", exit 1: a cron job, `env -i`, some schedulers). Without HOME the launch gets
+    the user's home from the password database; why it cannot, if it cannot."""
+    if os.environ.get("HOME"):
+        return None
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        home = ""
+    if not home or not os.path.isdir(home):
+        return "HOME is not set, and this user has no home directory: MPI needs one (set HOME)"
+    os.environ["HOME"] = home  # the launched job's, and so every local rank's
     return None
 
 

@@ -217,3 +217,18 @@ def test_a_wait_for_a_file_of_the_job_relaunches_it_once_its_launcher_failed(tmp
     job('echo "the job said why" >&2; exit 3')
     with pytest.raises(AssertionError, match="the job said why"):
         mpi_jobs.wait_for_path(tmp_path / "never", timeout=20)
+
+
+def test_without_home_the_launch_takes_the_users_or_says_to_set_it(monkeypatch, tmp_path):
+    import pwd
+
+    from coordinator import launcher
+    monkeypatch.delenv("HOME", raising=False)
+    home = str(tmp_path)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: type("E", (), {"pw_dir": home}))
+    assert launcher._home_unset() is None and os.environ["HOME"] == str(tmp_path)
+    monkeypatch.delenv("HOME")
+    home = str(tmp_path / "gone")
+    assert launcher._home_unset() == ("HOME is not set, and this user has no home directory: "
+                                      "MPI needs one (set HOME)")
+    assert "HOME" not in os.environ

@@ -795,11 +795,12 @@ def test_every_worker_runs_the_program_the_master_resolved(tmp_path):
     assert query(db, "SELECT status, sum(testcases) FROM results GROUP BY status") == [("ok", 1)]
 
 
-def self_launch(db, *args: str, np: int = 3) -> subprocess.Popen:
+def self_launch(db, *args: str, np: int = 3, unset: tuple[str, ...] = ()) -> subprocess.Popen:
     """`coordinator run` outside mpiexec, as a user types it, in a session of its own (the
-    test plays the terminal)."""
+    test plays the terminal); without the variables `unset` names."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMI", "PMIX", "HYDRA", "MPI_LOCAL"))}
+           if not k.startswith(("OMPI_COMM_WORLD", "PMI", "PMIX", "HYDRA", "MPI_LOCAL"))
+           and k not in unset}
     return subprocess.Popen(
         [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--no-progress",
          "--np", str(np), *args],
@@ -807,11 +808,12 @@ def self_launch(db, *args: str, np: int = 3) -> subprocess.Popen:
         start_new_session=True)
 
 
-def self_run(db, *args: str, np: int = 3, timeout: float = 120) -> Done:
+def self_run(db, *args: str, np: int = 3, timeout: float = 120,
+             unset: tuple[str, ...] = ()) -> Done:
     """`self_launch` to its end. A test of the master's own exit status uses it: without ULFM
     the master ends the ranks it cannot stop before MPI_Abort, and a bare `mpiexec` then
     reports the first of them to end (MPICH: 9 or 140), not the master's status."""
-    proc = self_launch(db, *args, np=np)
+    proc = self_launch(db, *args, np=np, unset=unset)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -886,6 +888,16 @@ def test_ctrl_c_on_a_self_launched_run_stops_it_gracefully(tmp_path):
     assert query(db, "SELECT count(*) FROM tasks WHERE state = 'active'") == [(0,)]
     assert query(db, "SELECT DISTINCT state FROM workers") == [("stopped",)]
     check_conservation(db, expected_tasks=3000)
+
+
+def test_a_self_launched_run_without_home_runs(tmp_path):
+    """Open MPI fails at its start without HOME ("Unable to get the user home directory",
+    exit 1), as a cron job or `env -i` starts it: the launch takes the user's home from the
+    password database."""
+    db = tmp_path / "c.db"
+    done = self_run(db, "--demo", "20", unset=("HOME",))
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=20)
 
 
 @pytest.mark.timeout(150)
