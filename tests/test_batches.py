@@ -71,34 +71,22 @@ def test_a_fixed_batch_size_is_not_spread(db_path):
     farm.close()
 
 
-def test_a_task_of_a_batch_whose_run_timed_out_is_retried_while_the_others_commit(db_path):
+@pytest.mark.parametrize("failed", [{"status": "timeout"},
+                                    {"status": "not_run", "detail": "cannot start 't': again"}])
+def test_a_task_of_a_batch_whose_run_failed_is_retried_while_the_others_commit(db_path, failed):
+    """A `timeout` (killed), or a `not_run` (its host could not start it): that task only."""
     farm = Farm(db_path)
     ids = farm.enqueue(*({"data": i} for i in range(4)))
     farm.ready(1)
     [p] = farm.plan(1, batch=4)
     answer = batch_result(p.token, ids)
-    answer["batch"][1]["status"] = "timeout"
+    answer["batch"][1].update(failed)
     round_ = farm.result_raw(1, answer)
     assert len(round_.committed) == 3
     with farm.store.reading() as conn:
         done = [r[0] for r in conn.exec_driver_sql("SELECT task_id FROM results ORDER BY 1")]
     assert done == [ids[0], ids[2], ids[3]]
     assert states(farm)[ids[1]][0] == "queued"  # back for another run, on its own
-    farm.close()
-    assert audit_path(db_path).ok, audit_path(db_path).text()
-
-
-def test_a_task_of_a_batch_its_host_could_not_run_is_retried_while_the_others_commit(db_path):
-    farm = Farm(db_path)
-    ids = farm.enqueue(*({"data": i} for i in range(3)))
-    farm.ready(1)
-    [p] = farm.plan(1, batch=3)
-    answer = batch_result(p.token, ids)
-    answer["batch"][2].update(status="not_run", detail="cannot start 't': [Errno 11] again")
-    assert len(farm.result_raw(1, answer).committed) == 2
-    assert states(farm)[ids[2]][0] == "queued"
-    with farm.store.reading() as conn:
-        assert conn.exec_driver_sql("SELECT count(*) FROM results").scalar() == 2
     farm.close()
     assert audit_path(db_path).ok, audit_path(db_path).text()
 
