@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import logging
 import math
-import os
 import signal
 import sys
 from pathlib import Path
@@ -31,7 +31,7 @@ from .config import (
     start_wait,
     timeout_seconds,
 )
-from .errors import UsageError, refusing_os_errors
+from .errors import UsageError, reader_may_leave, refusing_os_errors
 from .exits import ExitStatus
 from .fault_spec import KINDS, InjectSpecError, parse_inject
 from .launcher import START_TIMEOUT_S, self_launch, under_mpi_launcher
@@ -307,6 +307,11 @@ def _inject_spec(text: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    for stream in (sys.stdout, sys.stderr):
+        # A path the file system holds as bytes that are not UTF-8 is said as those bytes,
+        # not a UnicodeEncodeError traceback from the line that names it.
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="surrogateescape")
     ns = _parser().parse_args(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -337,11 +342,9 @@ def _command(ns: argparse.Namespace) -> int:
     """The commands that read (or, `requeue` and `db upgrade`, write) a campaign file."""
     if ns.cmd == "status":
         from .status import status
-        try:
+        with reader_may_leave():  # `status | head`: the reader had enough
             return status(ns.db, ns.json)
-        except BrokenPipeError:  # `status | head`: the reader had enough
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return ExitStatus.OK
+        return ExitStatus.OK
     if ns.cmd == "plot":
         from .plot import plot
         return plot(ns.db, ns.outdir)

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from store.audit import audit_path
+from store.audit import AuditReport, audit_path
 from store.campaign import Store
 from store.errors import StoreError, StoreWriteError
 from store.lock import campaign_locked
@@ -20,6 +20,7 @@ from store.schema import TaskState
 from store.tasks import REQUEUE_CHUNK, requeue_error_results, requeue_tasks
 from store.versioning import upgrade
 
+from .errors import reader_may_leave
 from .exits import ExitStatus
 
 
@@ -31,6 +32,12 @@ def check(db: Path, as_json: bool) -> int:
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
+    with reader_may_leave():
+        _say_check(db, report, as_json)
+    return ExitStatus.OK if report.ok else ExitStatus.FAILED
+
+
+def _say_check(db: Path, report: AuditReport, as_json: bool) -> None:
     if as_json:
         print(json.dumps({
             "ok": report.ok, "revision": report.revision, "head": report.head,
@@ -39,7 +46,7 @@ def check(db: Path, as_json: bool) -> int:
                            for v in report.violations],
             "skipped": [c.value for c in report.skipped], "notes": report.notes,
         }, indent=2, sort_keys=True))
-        return ExitStatus.OK if report.ok else ExitStatus.FAILED
+        return
     if report.ok:
         tasks = sum(report.stats.tasks.values()) if report.stats is not None else 0
         skipped = f"; {len(report.skipped)} checks not run on it" if report.skipped else ""
@@ -48,7 +55,6 @@ def check(db: Path, as_json: bool) -> int:
         print(f"{db}: {v.kind.value}: {v.message}")
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
-    return ExitStatus.OK if report.ok else ExitStatus.FAILED
 
 
 def requeue(ns: argparse.Namespace) -> int:
@@ -90,7 +96,8 @@ def requeue(ns: argparse.Namespace) -> int:
         return ExitStatus.STORE if isinstance(e, StoreWriteError) else ExitStatus.USAGE
     finally:
         store.close()
-    print(f"requeued {len(done)} task(s)" + (f": {id_list(done)}" if done else ""))
+    with reader_may_leave():  # (committed: whoever reads it, the requeue is done)
+        print(f"requeued {len(done)} task(s)" + (f": {id_list(done)}" if done else ""))
     left = sorted(set(ns.ids or ()) - set(done))
     if left:
         wanted = {"all": "failed or deferred", "error": "done with a result that is not ok"}

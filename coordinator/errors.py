@@ -10,6 +10,8 @@ with its traceback and `ExitStatus.INTERNAL`. Errors of the campaign file are th
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 
 
@@ -33,3 +35,15 @@ def refusing_os_errors() -> Iterator[None]:
     except OSError as e:
         what = e.strerror or str(e)
         raise UsageError(f"{e.filename}: {what}" if e.filename else what) from None
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Output to a pipe whose reader had enough (`check | head`, a script that read the
+    first line): the rest is dropped, without a traceback, and the command's own status
+    stands (a requeue that committed said exit 1 before)."""
+    try:
+        yield
+    except BrokenPipeError:
+        # Python's recipe: its buffered stdout is flushed again at exit, now into nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -69,6 +69,7 @@ def status(db: Path, as_json: bool) -> int:
         print(json.dumps({
             **s.as_json(), "results_by_status": by_status, "master": master,
             "now": now,
+            "view": {"mode": view.mode, "note": view.note()},
             "campaign_created_at": times.created_at,
             "campaign_age_s": None if times.created_at is None else now - times.created_at,
             "incarnation_started_at": times.incarnation_started_at,

@@ -7,8 +7,11 @@ Light enough for the checks `coordinator run` makes before it launches MPI and f
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sqlite3
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +58,14 @@ class ReadOnlyView:
       `unchanged()` tells afterwards whether something wrote it meanwhile (a master that
       started), in which case what was read may be torn.
     - `immutable`: a WAL file whose `-shm` cannot be created (a read-only directory or
-      medium): read as immutable. Commits still in its `-wal` are not seen, so the view may
-      be stale if a master is live; `note()` says so.
+      medium), with no `-wal` beside it: read as immutable. The view may be stale if a
+      master is live; `note()` says so.
+    - `copy`: the same, with a `-wal` beside it. SQLite reads a `-wal` only through a
+      `-shm`; read as immutable, the campaign's latest commits (all of them, for a file
+      whose every commit is still in its `-wal`) were not seen, and `status` and `check`
+      answered for an older or an empty campaign. The file and its `-wal` are copied to a
+      temporary directory and read there, whole (no master can be writing a file whose
+      `-shm` cannot be made); `note()` says so.
     """
 
     path: Path      # the file itself (a symbolic link's target)
@@ -65,13 +74,16 @@ class ReadOnlyView:
     stamp: tuple[int, ...] | None = None  # the file's stat when opened (`at rest` only)
     named: Path | None = None  # the path as given (absolute), for messages
 
+    copied_to: Path | None = None  # `copy`: the directory read
+
     SHARED = "shared"
     AT_REST = "at rest"
     IMMUTABLE = "immutable"
+    COPY = "copy"
 
     @property
     def immutable(self) -> bool:
-        return self.mode != self.SHARED
+        return self.mode in (self.AT_REST, self.IMMUTABLE)
 
     def unchanged(self) -> bool:
         """Whether the file is as it was when opened (always true for `shared`, whose reads
@@ -79,13 +91,15 @@ class ReadOnlyView:
         return self.stamp is None or _file_stamp(self.path) == self.stamp
 
     def note(self) -> str | None:
+        if self.mode == self.COPY:
+            return (f"read from a copy in {self.copied_to}: SQLite cannot create "
+                    f"{self.path.name}-shm beside it (read-only directory or medium), and "
+                    f"reads the {self.wal_bytes} bytes of its -wal only through one")
         if self.mode != self.IMMUTABLE:
             return None
-        unseen = (f"; the {self.wal_bytes} bytes of its -wal (commits not yet copied into "
-                  f"the file) are not read" if self.wal_bytes else "")
         return (f"opened as immutable: SQLite cannot create {self.path.name}-shm beside it "
                 f"(read-only directory or medium), so the view may be stale if a master is "
-                f"live{unseen}")
+                f"live")
 
 
 def _file_stamp(path: Path) -> tuple[int, ...] | None:
@@ -140,6 +154,8 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
         # SQLITE_CANTOPEN / SQLITE_READONLY: the -shm a WAL reader shares cannot be made.
         if not (wal and mode == ReadOnlyView.SHARED and code in (8, 14)):
             raise cannot_open(db_path, e) from e
+        if wal_file.exists():
+            return _read_a_copy(db_path, real, wal_file)
         mode = ReadOnlyView.IMMUTABLE
         connect = _connector(db_path, immutable=True)
         try:
@@ -150,9 +166,36 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
                                  stamp if mode == ReadOnlyView.AT_REST else None, db_path)
 
 
+def _read_a_copy(db_path: Path, real: Path, wal_file: Path
+                 ) -> tuple[Callable[[], sqlite3.Connection], ReadOnlyView]:
+    """A WAL file and its `-wal` where no `-shm` can be made, read from a copy of both in a
+    temporary directory (removed at exit), where SQLite makes one (`ReadOnlyView.COPY`)."""
+    where = Path(tempfile.mkdtemp(prefix="coordinator-read-"))
+    atexit.register(shutil.rmtree, where, True)
+    copy = where / real.name
+    try:
+        shutil.copyfile(real, copy)
+        shutil.copyfile(wal_file, copy.with_name(copy.name + "-wal"))
+    except OSError as e:
+        shutil.rmtree(where, ignore_errors=True)
+        raise DatabaseOpenError(
+            f"{db_path}: its -wal holds commits that SQLite reads only through a -shm, which "
+            f"cannot be made beside it (read-only directory or medium), and a copy to read "
+            f"in {where.parent} failed ({e.strerror or e}): copy {real.name} and "
+            f"{real.name}-wal to a writable directory and read the copy") from None
+    wal_bytes = copy.with_name(copy.name + "-wal").stat().st_size
+    connect = _connector(copy, immutable=False)
+    try:
+        connect().close()
+    except sqlite3.Error as e:
+        raise cannot_open(db_path, e) from e
+    return connect, ReadOnlyView(real, ReadOnlyView.COPY, wal_bytes, None, db_path, where)
+
+
 def _connector(db_path: Path, *, immutable: bool) -> Callable[[], sqlite3.Connection]:
     # Quoted: the path is part of a URI, where "?", "#" and "%" mean something.
-    uri = f"file:{quote(str(db_path))}?mode=ro" + ("&immutable=1" if immutable else "")
+    # Its bytes, quoted: a directory name that is not UTF-8 has no str to quote.
+    uri = f"file:{quote(os.fsencode(db_path))}?mode=ro" + ("&immutable=1" if immutable else "")
 
     def connect() -> sqlite3.Connection:
         conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -520,10 +521,13 @@ from store.engine import open_readonly, readonly_view
 path = sys.argv[1]
 engine = open_readonly(path)
 mode = readonly_view(engine).mode
+with engine.connect() as conn:
+    quarantined = conn.exec_driver_sql("SELECT count(*) FROM quarantine").scalar()
 engine.dispose()
 report = audit_path(path)
 print(json.dumps({"mode": mode, "kinds": sorted(k.value for k in report.kinds()),
                   "notes": report.notes, "results": report.stats.results,
+                  "quarantined": quarantined,
                   "listing": sorted(os.listdir(os.path.dirname(path)))}))
 """
 
@@ -565,18 +569,22 @@ def test_a_campaign_at_rest_in_a_read_only_directory(campaign, tmp_path):
     shutil.copy(campaign, src / "c.db")
     got = _audit_in_read_only_directory(src, "c.db")
     assert got == {"mode": ReadOnlyView.AT_REST, "kinds": [], "notes": [], "results": 5,
+                   "quarantined": _one(campaign, "SELECT count(*) FROM quarantine")[0],
                    "listing": ["c.db"]}
 
 
-def test_a_campaign_whose_shm_cannot_be_made_is_read_as_immutable(campaign, tmp_path):
-    """A -wal with a commit not yet copied into the file, and no -shm (a copy, or a master
-    on another node's view): SQLite cannot share it read-only, so it is read as immutable,
-    without that commit, and the notes say the view may be stale."""
+def test_a_campaign_whose_shm_cannot_be_made_is_read_whole_from_a_copy(campaign, tmp_path):
+    """A -wal with a commit not yet copied into the file, and no -shm (a copy of the files on
+    read-only media): SQLite reads a -wal only through a -shm. Read as immutable, that commit
+    was not seen (a campaign whose every commit was in its -wal read as empty, and `check`
+    said it held none yet); it is read from a copy of both files, whole, and the notes say
+    so. Nothing is made beside the file."""
     src = tmp_path / "src"
     src.mkdir()
     master = sqlite3.connect(campaign, isolation_level=None)
     try:
         master.execute("PRAGMA wal_autocheckpoint = 0")
+        assert master.execute("SELECT count(*) FROM quarantine").fetchone()[0] > 0
         master.execute("DELETE FROM quarantine")  # committed, in the -wal only
         shutil.copy(campaign, src / "c.db")
         shutil.copy(f"{campaign}-wal", src / "c.db-wal")
@@ -584,9 +592,11 @@ def test_a_campaign_whose_shm_cannot_be_made_is_read_as_immutable(campaign, tmp_
         master.close()
     wal_bytes = (src / "c.db-wal").stat().st_size
     got = _audit_in_read_only_directory(src, "c.db")
-    assert got["mode"] == ReadOnlyView.IMMUTABLE and got["kinds"] == []
+    assert got["mode"] == ReadOnlyView.COPY and got["kinds"] == []
+    assert got["quarantined"] == 0  # the -wal's commit, seen
     assert got["listing"] == ["c.db", "c.db-wal"]
-    assert got["notes"] == [
-        "opened as immutable: SQLite cannot create c.db-shm beside it (read-only directory "
-        "or medium), so the view may be stale if a master is live; the "
-        f"{wal_bytes} bytes of its -wal (commits not yet copied into the file) are not read"]
+    [note] = got["notes"]
+    assert re.fullmatch(
+        r"read from a copy in \S+/coordinator-read-\w+: SQLite cannot create c\.db-shm beside "
+        rf"it \(read-only directory or medium\), and reads the {wal_bytes} bytes of its -wal "
+        r"only through one", note), note

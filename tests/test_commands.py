@@ -321,3 +321,19 @@ def test_a_schema_changed_by_hand_is_named_as_such_by_every_command(tmp_path):
         assert "Traceback" not in done.stderr
     with pytest.raises(DatabaseOpenError, match="changed outside the coordinator"):
         Store.open(db, resume=True)
+
+
+@pytest.mark.parametrize("command", [["check"], ["check", "--json"], ["requeue", "--id", "9"],
+                                     ["status"]])
+def test_a_reader_that_leaves_early_costs_no_traceback_and_not_the_status(db_path, command):
+    """`check | head`, a script that stopped reading: the write failed with EPIPE, a
+    BrokenPipeError traceback followed and the exit was 1 (for `check`, "violations found";
+    for `requeue`, after its commits)."""
+    import sys
+    _finished_campaign(db_path)
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator", *command, "--db",
+                             str(db_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command (a new interpreter) has written anything
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == ExitStatus.OK, err
+    assert b"Traceback" not in err and b"BrokenPipe" not in err

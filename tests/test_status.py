@@ -40,8 +40,10 @@ def test_status_json_keeps_its_keys_and_adds_the_campaigns_figures(campaign, cap
            "master", "dropped_testcases", "dropped_results"}
     new = {"now", "campaign_created_at", "campaign_age_s", "incarnation_started_at",
            "incarnation_run_s", "source", "rate", "eta_s", "testcases", "quarantined",
-           "parked_ranks", "worker_deaths", "refused_ranks", "oldest_dispatch", "ranks"}
+           "parked_ranks", "worker_deaths", "refused_ranks", "oldest_dispatch", "ranks",
+           "view"}
     assert old | new == set(got)
+    assert got["view"] == {"mode": "at rest", "note": None}
     [(written, finding, last)] = _rows(campaign, "SELECT sum(testcases), count(*), "
                                                  "max(committed_at) FROM results "
                                                  "WHERE testcases > 0")
@@ -124,3 +126,21 @@ def test_a_master_killed_between_observations_ran_until_the_last_it_left(campaig
     got = _status(copy, capsys)
     assert got["incarnation_run_s"] == pytest.approx(5.0)
     assert got["rate"]["overall"] == pytest.approx(299 / 5.0)
+
+
+def test_a_campaign_in_a_directory_whose_name_is_not_utf8(campaign, tmp_path, capsys):
+    """A name the file system holds as bytes (`x\\xff`): every command failed with a
+    UnicodeEncodeError traceback while it quoted the path for SQLite's URI."""
+    import os
+    import shutil
+    odd = tmp_path / os.fsdecode(b"x\xff")
+    odd.mkdir()
+    shutil.copy(campaign, odd / "c.db")
+    assert _status(odd / "c.db", capsys)["tasks"]["done"] == 300
+    import subprocess
+    import sys
+    for command in (["check"], ["status"]):  # (each names the file, in its own bytes)
+        said = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db",
+                               odd / "c.db"], capture_output=True, timeout=120, check=False)
+        assert said.returncode == ExitStatus.OK, said.stderr
+        assert os.fsencode(odd / "c.db") in said.stdout
