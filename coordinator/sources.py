@@ -67,7 +67,8 @@ class AflQueueSource:
     """Watches ``afl_out/<fuzzer>/queue/`` for new ``id:*`` entries.
 
     AFL writes a queue entry in place (no rename), so a file is only taken once it has settled:
-    its mtime is at least ``settle_s`` old and its size did not change since the previous poll.
+    its mtime is at least ``settle_s`` old and its size did not change since the previous poll
+    (an mtime in the future: unchanged since the previous poll).
     Names already handled are remembered, so a poll stats only names it has not finished with.
     The queue is listed again only when the directory changed (its mtime): listing a
     40,000-entry queue takes 21-30 ms, and a poll comes every second, for ever.
@@ -222,7 +223,12 @@ class AflQueueSource:
             return None
         observed = (st.st_size, st.st_mtime_ns)
         previous = self._unsettled.get(name)
-        if now - st.st_mtime < self.settle_s or (previous is not None and previous != observed):
+        age = now - st.st_mtime
+        # An mtime ahead of this clock (a seed AFL hard-linked from an archive with future
+        # timestamps, a skewed NFS clock) would never grow old: such a file settles once a
+        # poll finds it as the previous one did. It used to be never taken, and unsaid.
+        settled = age >= self.settle_s if age >= 0 else previous == observed
+        if not settled or (previous is not None and previous != observed):
             still_unsettled[name] = observed
             return None
         try:

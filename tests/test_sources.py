@@ -216,6 +216,15 @@ def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
     assert found[0].input_bytes == b"partial and the rest"
 
 
+def test_afl_file_whose_mtime_is_in_the_future_is_taken_once_unchanged(tmp_path, queue):
+    """AFL++ hard-links its -i seeds into the queue, so a seed keeps its own mtime: one ahead
+    of this clock never grew old enough, and the seed was never run (nothing said so)."""
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=30)
+    put(queue, "id:000000,orig:seed", b"from the future", age_s=-600)
+    assert source.poll() == []  # first seen: not known to be unchanged yet
+    assert names(source.poll()) == ["id:000000,orig:seed"]
+
+
 def test_afl_deduplicates_by_content(tmp_path, queue):
     put(queue, "id:000000", b"same bytes")
     put(queue, "id:000001", b"same bytes")
