@@ -681,12 +681,17 @@ class Master:
             feedback = self.config.feedback and (self.config.max_depth == 0
                                                  or depth <= self.config.max_depth)
             src = input_id(task.payload, task.id)
+            # A fed-back test case is a task by its path: a name an earlier one had (the
+            # directory emptied, its ids started over) would make its new content that
+            # task, never run.
+            taken = (lambda p: task_ops.payload_known(tx, {"path": str(p)})) if feedback \
+                else None
             for _name, content in testcases:  # the worker's name never becomes a path
                 if self.writer.afl_style and task_ops.content_known(tx, content_hash(content)):
                     # An input the campaign already has (often the task's own, unchanged):
                     # AFL has it, and writing it back would only make AFL run it again.
                     continue
-                path, fresh = self.writer.store(content, src=src)
+                path, fresh = self.writer.store(content, src=src, taken=taken)
                 written += fresh
                 if feedback:
                     new.append(task_ops.NewTask({"path": str(path)}, content, origin="result",

@@ -14,6 +14,7 @@ import re
 import secrets
 import stat
 import sys
+from collections.abc import Callable
 
 from store.lock import held_file_ids
 
@@ -130,10 +131,12 @@ class TestcaseWriter:
         path, new = self.store(content, src)
         return path if new else None
 
-    def store(self, content: bytes, src: str) -> tuple[pathlib.Path, bool]:
+    def store(self, content: bytes, src: str,
+              taken: Callable[[pathlib.Path], bool] | None = None) -> tuple[pathlib.Path, bool]:
         """Like `write`, but returns (path, written now?): the path of a duplicate is the
         file already holding that content (a master restarted between writing a file and
-        committing its result still finds it)."""
+        committing its result still finds it). A new AFL-style name is one no file has,
+        nor `taken` says is taken."""
         content = bytes(content)
         digest = hashlib.sha256(content).digest()
         if not self.afl_style:
@@ -141,7 +144,7 @@ class TestcaseWriter:
         known = self._names.get(digest[:_KEY_BYTES])
         if known is not None and (self.out_dir / known).exists():
             return self.out_dir / known, False
-        target = self._free_afl_name(src)
+        target = self._free_afl_name(src, taken)
         self._write_atomically(target, content)
         self._names[digest[:_KEY_BYTES]] = target.name
         return target, True
@@ -164,12 +167,13 @@ class TestcaseWriter:
         raise FileExistsError(f"{self.out_dir / digest[:16]} and {target} hold other content "
                               f"than their names say, or cannot be read; move them away")
 
-    def _free_afl_name(self, src: str) -> pathlib.Path:
+    def _free_afl_name(self, src: str,
+                       taken: Callable[[pathlib.Path], bool] | None) -> pathlib.Path:
         safe_src = sanitize_src(src)
         while True:
             target = self.out_dir / f"id:{self._next_id:06d},src:{safe_src}"
             self._next_id += 1
-            if not target.exists():
+            if not target.exists() and (taken is None or not taken(target)):
                 return target
 
     def _write_atomically(self, target: pathlib.Path, content: bytes) -> None:

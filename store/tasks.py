@@ -220,6 +220,12 @@ def content_known(tx: Tx, input_hash: str) -> bool:
     return tx.db.execute("SELECT 1 FROM blobs WHERE hash = ?", (input_hash,)).fetchone() is not None
 
 
+def payload_known(tx: Tx, payload: Mapping[str, Any]) -> bool:
+    """Whether some task already has this semantic payload (one indexed lookup)."""
+    sid = canonical_form(payload)[1]
+    return tx.db.execute("SELECT 1 FROM tasks WHERE semantic_id = ?", (sid,)).fetchone() is not None
+
+
 def input_bytes(tx: Tx, input_hash: str | None) -> bytes | None:
     if input_hash is None:
         return None

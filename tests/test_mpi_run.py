@@ -245,6 +245,39 @@ def test_a_program_its_hosts_cannot_start_defers_its_tasks_and_resume_runs_them(
     assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 5)]
 
 
+def test_test_cases_fed_back_after_their_directory_was_emptied_all_run(tmp_path):
+    """A fed-back test case is a task by its path. After the coordinator's AFL directory was
+    emptied (its files moved away), names started over from id:000000, and new content under
+    the name of an earlier task was taken for that task: never run, nothing said (a review:
+    4 of 4 lost)."""
+    target = write_target(tmp_path)
+    queue = tmp_path / "afl" / "main" / "queue"
+    queue.mkdir(parents=True)
+    db, ours = tmp_path / "c.db", tmp_path / "afl" / "symcc" / "queue"
+    args = ["--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--max-depth", "2", "--",
+            sys.executable, str(target), "@@"]
+    count = ("SELECT count(*) FROM tasks t JOIN blobs b ON b.hash = t.input_hash "
+             "WHERE t.state = 'done' AND substr(b.data, 1, 1) = CAST(? AS BLOB)")
+    for n, seed in enumerate("AC"):
+        entry = queue / f"id:{n:06d},orig:{seed}"
+        entry.write_bytes(seed.encode())
+        os.utime(entry, (time.time() - 60,) * 2)
+        # One worker: tasks run in queue order, so the names each run gives are known.
+        proc = self_launch(db, *(["--resume"] if n else []), *args, np=2)
+        try:
+            # Each seed: itself, its 2 test cases, their 4 (depth 2): all run.
+            wait_for(db, count.replace("?", f"'{seed}'"), lambda v: v == 7, timeout=120)
+            out, err = ctrl_c(proc, timeout=120)
+        finally:
+            end_launch(proc, db)
+        assert proc.returncode == 0, err[-3000:]
+        if n == 0:
+            (tmp_path / "saved").mkdir()
+            for f in ours.iterdir():
+                f.rename(tmp_path / "saved" / f.name)
+    check_conservation(db, expected_tasks=14)
+
+
 SLOW_TARGET = textwrap.dedent("""\
     import os, sys, time
     data = open(sys.argv[1], "rb").read()

@@ -91,6 +91,15 @@ def test_ids_continue_after_the_highest_existing_id(tmp_path):
     assert writer.write(b"new", "z") == tmp_path / "id:000042,src:z"
 
 
+def test_a_name_said_to_be_taken_is_not_given_again(tmp_path):
+    """The directory emptied (its files moved away), so ids start over: a name the campaign
+    already has as a task's path must not be given to new content."""
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    had = {tmp_path / "id:000000,src:a", tmp_path / "id:000001,src:a"}
+    assert writer.store(b"new", "a", taken=had.__contains__) == (
+        tmp_path / "id:000002,src:a", True)
+
+
 def test_hostile_src_never_escapes_or_breaks_the_name(tmp_path):
     out = tmp_path / "out"
     writer = TestcaseWriter(out, afl_style=True)
