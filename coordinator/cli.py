@@ -124,19 +124,20 @@ def _parser() -> argparse.ArgumentParser:
                     help="python executor: called with each task payload, returns JSON")
     ex.add_argument("--timeout", action=Once, type=timeout_seconds, default=None, metavar="S",
                     help="command executor: kill the command's process group after S seconds "
-                         "(default 30)")
+                         "(default SYMCC_TIMEOUT, else 30; a --resume keeps the campaign's)")
     ex.add_argument("--demo-work-ms", action=Once, type=non_negative_float, default=0.0,
                     metavar="MS",
                     help="demo executor: CPU time burnt per task (default 0)")
     r.add_argument("--watchdog", action=Once, type=non_negative_float, default=None, metavar="S",
                    help="per-dispatch deadline; past it the dispatch is recovered and the rank "
                         "parked (default max(120, 4 x timeout); 0 disables)")
-    r.add_argument("--max-depth", action=Once, type=int_range(0), default=0,
-                   help="feedback depth limit for test cases found by results (0 = unlimited)")
-    r.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=True,
+    r.add_argument("--max-depth", action=Once, type=int_range(0), default=None,
+                   help="feedback depth limit for test cases found by results (0 = unlimited, "
+                        "the default; a --resume keeps the campaign's)")
+    r.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=None,
                    help="queue the test cases that results find as new tasks (default on; "
                         "with --afl-out, --no-feedback leaves it to AFL to pick the ones worth "
-                        "a run, as SymCC's own helper does)")
+                        "a run, as SymCC's own helper does; a --resume keeps the campaign's)")
     r.add_argument("--out", action=Once, type=Path, default=None,
                    help="where committed test cases go without --afl-out (default DB.out/)")
     r.add_argument("--stats-file", action=Once, type=Path, default=None,

@@ -190,6 +190,9 @@ class RunConfig:
     master_pid_file: Path | None = None
     progress_interval_s: float = 0.0  # plain progress lines; 0: none
     metrics_file: Path | None = None
+    #: Which of RUN_SETTINGS' fields (and `watchdog_s`) the command line or the environment
+    #: set: a --resume takes the others from the campaign (`preflight.take_over`).
+    given: frozenset[str] = frozenset()
 
 
 def _same_directory(a: Path, b: Path) -> bool:
@@ -219,10 +222,14 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     commands = ns.executor == "command" or (ns.executor is None and bool(ns.command))
     timeout = ns.timeout if ns.timeout is not None else _from_env(
         ENV_TIMEOUT, timeout_seconds if commands else non_negative_float)
+    set_here = {"timeout_s"} if timeout is not None else set()
     timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
     watchdog = ns.watchdog if ns.watchdog is not None else _env_float(ENV_WATCHDOG)
     if watchdog is None:
-        watchdog = max(120.0, 4 * timeout)
+        watchdog = default_watchdog(timeout)
+    else:
+        set_here.add("watchdog_s")
+    set_here.update(k for k in ("max_depth", "feedback") if getattr(ns, k) is not None)
 
     argv = list(ns.command or [])
     if argv and argv[0] == "--":
@@ -326,7 +333,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         argv=argv, callable_spec=ns.callable,
         timeout_s=timeout, watchdog_s=watchdog, demo=demo, tasks_file=ns.tasks,
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
-        max_depth=ns.max_depth, feedback=ns.feedback, stats_file=stats_file,
+        max_depth=ns.max_depth or 0, feedback=ns.feedback is not False,
+        given=frozenset(set_here), stats_file=stats_file,
         stats_interval_s=ns.stats_interval,
         grace_s=ns.grace, stall_grace_s=ns.stall_grace, start_wait_s=ns.start_wait, batch=ns.batch,
         lock_wait_s=ns.lock_wait, stop_wait_s=ns.stop_wait, max_message_bytes=ns.max_message_bytes,
@@ -398,14 +406,34 @@ def refuse_overwriting(cfg: RunConfig) -> None:
                                       + "); choose another path")
 
 
+#: How a campaign's tasks run, kept from its first run: a --resume that does not give one
+#: keeps the campaign's (a job script's bare `--resume` had turned `--no-feedback` into
+#: unbounded feedback: 3 queued tasks became 3,993). RunConfig field -> its flag.
+RUN_SETTINGS = {"feedback": "--feedback", "max_depth": "--max-depth", "timeout_s": "--timeout"}
+
+
+def default_watchdog(timeout_s: float) -> float:
+    return max(120.0, 4 * timeout_s)
+
+
 def campaign_settings(cfg: RunConfig) -> dict[str, object]:
-    """What a campaign keeps of its first run (campaign.settings), for `check_resume`."""
+    """What a campaign keeps of its first run (campaign.settings), for `check_resume` and
+    `preflight.take_over`."""
     source = ("afl" if cfg.afl_out is not None else "tasks" if cfg.tasks_file is not None
               else "demo")
     return {"executor": cfg.executor, "callable": cfg.callable_spec, "command": cfg.argv or None,
             "source": source,
             "afl_out": str(cfg.afl_out.absolute()) if cfg.afl_out is not None else None,
-            "fuzzer": cfg.fuzzer, "name": cfg.name if cfg.afl_out is not None else None}
+            "fuzzer": cfg.fuzzer, "name": cfg.name if cfg.afl_out is not None else None,
+            **{key: getattr(cfg, key) for key in RUN_SETTINGS}}
+
+
+def setting_text(key: str, value: object) -> str:
+    """A run setting as its flag: `--no-feedback`, `--max-depth 2`, `--timeout 60`."""
+    if key == "feedback":
+        return "--feedback" if value else "--no-feedback"
+    return f"{RUN_SETTINGS[key]} {value:g}" if isinstance(value, float) else \
+        f"{RUN_SETTINGS[key]} {value}"
 
 
 def how_it_runs(cfg: RunConfig) -> str:

@@ -100,7 +100,8 @@ class MasterRank:
         except BaseException as e:
             return self._refuse(e)
         self._tell_workers(Start(status=ExitStatus.OK, executor=self.cfg.executor,
-                                 argv=self.resolved_argv, callable=self.cfg.callable_spec))
+                                 argv=self.resolved_argv, callable=self.cfg.callable_spec,
+                                 timeout_s=self.cfg.timeout_s))
         self._announce()
         return self._run()
 

@@ -19,7 +19,16 @@ from store.errors import CampaignExistsError, CampaignLockedError
 from store.imports import Imported, demo_imported, file_identity, file_imported
 from store.probe import Probe, probe
 
-from .config import DEFAULT_DEMO_TASKS, RunConfig, how_it_runs, refuse_overwriting
+from .config import (
+    DEFAULT_DEMO_TASKS,
+    MAX_TIMEOUT_S,
+    RUN_SETTINGS,
+    RunConfig,
+    default_watchdog,
+    how_it_runs,
+    refuse_overwriting,
+    setting_text,
+)
 from .errors import UsageError
 from .executors import EXECUTOR_KINDS, build_executor
 from .output import TestcaseWriter
@@ -100,7 +109,26 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
                                   name=str(stored.get("name") or cfg.name))
         notes.append(f"--resume watches the campaign's own AFL queue, as its first run did: "
                      f"--afl-out {cfg.afl_out} --fuzzer {cfg.fuzzer} --name {cfg.name}")
+    kept = {key: stored[key] for key in RUN_SETTINGS
+            if key not in cfg.given and key in stored and stored[key] != getattr(cfg, key)
+            and _valid_setting(key, stored[key])}
+    if kept:
+        cfg = dataclasses.replace(cfg, **kept)
+        if "timeout_s" in kept and "watchdog_s" not in cfg.given:
+            cfg = dataclasses.replace(cfg, watchdog_s=default_watchdog(cfg.timeout_s))
+        notes.append("--resume keeps the campaign's " + " ".join(
+            setting_text(k, v) for k, v in kept.items()) + ", as its first run had them")
     return cfg, notes
+
+
+def _valid_setting(key: str, value: object) -> bool:
+    """A stored value this code can run with (the file may come from another version)."""
+    if key == "feedback":
+        return isinstance(value, bool)
+    if key == "max_depth":
+        return type(value) is int and value >= 0
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value <= MAX_TIMEOUT_S)
 
 
 def writer(cfg: RunConfig) -> TestcaseWriter:

@@ -141,6 +141,8 @@ class Start(msgspec.Struct, forbid_unknown_fields=True):
     executor: str = ""
     argv: list[str] | None = None
     callable: str | None = None
+    #: The command's limit as the master resolved it (a --resume keeps the campaign's).
+    timeout_s: float | None = None
     v: int = WIRE_VERSION
 
 

@@ -50,7 +50,8 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
                 exit_now(start.status)
             return start.status
         cfg = dataclasses.replace(cfg, executor=start.executor or cfg.executor,
-                                  callable_spec=start.callable)
+                                  callable_spec=start.callable,
+                                  timeout_s=start.timeout_s or cfg.timeout_s)
         executor = build_executor(cfg, start.argv)
         sender = Sender(transport, cfg.max_message_bytes)
         if cfg.inject:

@@ -278,6 +278,35 @@ def test_test_cases_fed_back_after_their_directory_was_emptied_all_run(tmp_path)
     check_conservation(db, expected_tasks=14)
 
 
+def test_a_resume_keeps_the_campaigns_feedback_and_timeout_on_every_rank(tmp_path, monkeypatch):
+    """A job script's bare `--resume` dropped `--no-feedback` and `--timeout`: the master now
+    keeps the campaign's, and tells its workers the timeout (each rank parses its own command
+    line, where it is not given)."""
+    monkeypatch.delenv("SYMCC_TIMEOUT", raising=False)
+    target = write_target(tmp_path)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    tasks = tmp_path / "tasks.jsonl"
+    db, out = tmp_path / "c.db", tmp_path / "out"
+    args = ["run", "--db", str(db), "--tasks", str(tasks), "--out", str(out), "--retries", "0",
+            "--no-progress"]
+    command = ["--", sys.executable, str(target), "@@"]
+    for name in ("a", "hang"):
+        (seeds / name).write_bytes(name.upper().encode())
+        with tasks.open("a") as f:
+            f.write(f'{{"path": "{seeds / name}", "input_file": "{seeds / name}"}}\n')
+        began = time.monotonic()
+        done = run([*args, "--no-feedback", "--timeout", "2", *command] if name == "a" else
+                   [*args, "--resume", *command], timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert time.monotonic() - began < 25  # the hang killed at 2 s, not at the default 30 s
+    assert ("--resume keeps the campaign's --no-feedback --timeout 2, as its first run had "
+            "them") in done.stderr
+    check_conservation(db, expected_tasks=2)  # no test case fed back
+    assert query(db, "SELECT state, reason FROM tasks ORDER BY id") == [
+        ("done", None), ("deferred", "timeout")]
+
+
 SLOW_TARGET = textwrap.dedent("""\
     import os, sys, time
     data = open(sys.argv[1], "rb").read()

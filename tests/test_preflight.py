@@ -47,6 +47,37 @@ def test_a_resume_without_the_executor_takes_the_campaigns_own_and_says_so(tmp_p
     assert other.notes == [] and other.cfg.callable_spec == f"{spec}:solve"
 
 
+def test_a_resume_keeps_the_campaigns_run_settings_unless_given_again(tmp_path, monkeypatch):
+    """A job script's bare `--resume` turned a campaign's `--no-feedback` into unbounded
+    feedback (3 queued tasks became 3,993), and dropped its --max-depth and --timeout."""
+    monkeypatch.delenv("SYMCC_TIMEOUT", raising=False)
+    db = tmp_path / "c.db"
+    target = tmp_path / "t.sh"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    first = config(db, "--tasks", str(tmp_path / "t.jsonl"), "--no-feedback", "--max-depth",
+                   "3", "--timeout", "7.5", "--", str(target), "@@")
+    _stored_campaign(db, campaign_settings(first))
+    kept = check_run(config(db, "--resume"))
+    assert (kept.cfg.feedback, kept.cfg.max_depth, kept.cfg.timeout_s, kept.cfg.watchdog_s) \
+        == (False, 3, 7.5, 120.0)
+    assert kept.notes[-1] == ("--resume keeps the campaign's --no-feedback --max-depth 3 "
+                              "--timeout 7.5, as its first run had them")
+    # Given again (or through SYMCC_TIMEOUT): this run's, without a word.
+    monkeypatch.setenv("SYMCC_TIMEOUT", "60")
+    mine = check_run(config(db, "--resume", "--feedback", "--max-depth", "0"))
+    assert (mine.cfg.feedback, mine.cfg.max_depth, mine.cfg.timeout_s, mine.cfg.watchdog_s) \
+        == (True, 0, 60.0, 240.0)
+    assert not any(n.startswith("--resume keeps") for n in mine.notes)
+    # A campaign from before they were kept: the defaults, as before.
+    old = tmp_path / "old.db"
+    _stored_campaign(old, {k: v for k, v in campaign_settings(first).items()
+                           if k not in ("feedback", "max_depth", "timeout_s")})
+    monkeypatch.delenv("SYMCC_TIMEOUT")
+    plain = check_run(config(old, "--resume"))
+    assert (plain.cfg.feedback, plain.cfg.max_depth, plain.cfg.timeout_s) == (True, 0, 30.0)
+
+
 def test_a_resume_taking_the_command_over_checks_an_inherited_timeout(tmp_path, monkeypatch):
     """The command left out, an inherited SYMCC_TIMEOUT was checked as for a demo run (any
     value >= 0): 5e6 passed, and every remaining task failed on its worker ("timeout is too
