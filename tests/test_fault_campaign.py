@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import load_tool
+from conftest import Farm, load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "fault_campaign.py"
 
@@ -630,3 +630,51 @@ def test_a_master_past_its_last_result_may_wait_out_the_end_of_a_long_hold(campa
     # With work left when the lock was taken the master had to write at once: 0 is wrong.
     r = fc.check_harness_faults(db, _runs(0), {"held_lock": _lock_record()}, tmp_path)
     assert any("expected 3" in p for p in r["problems"])
+
+
+# -- an incomplete trial ---------------------------------------------------------------------
+
+def _never_finishing(tmp_path: Path, monkeypatch, name: str) -> Path:
+    """A workdir whose trial 1 is a campaign of N_TASKS with work left, and jobs (faked, no
+    MPI) that never finish it."""
+    workdir = tmp_path / name
+    (workdir / "trial-0000").mkdir(parents=True)
+    farm = Farm(workdir / "trial-0000" / "c.db")
+    farm.enqueue(*({"data": {"n": i}} for i in range(N_TASKS)))
+    farm.ready(1)
+    _finish(farm, 1, farm.dispatch(1)[1])
+    farm.close()
+
+    def job(cmd, db, log_base, opts, trigger, run, resume, inject_seed, **kw):
+        return fc.JobRun(run, resume, inject_seed, "timeout", -9, 0.01, False)
+    monkeypatch.setattr(fc, "run_job", job)
+    monkeypatch.setattr(fc, "mpiexec_command", lambda np, args, ulfm=False: ["echo", *args])
+    return workdir
+
+
+def test_an_incomplete_trial_fails_the_run_unless_allowed(tmp_path, monkeypatch, capsys):
+    """In 200 trials none was incomplete: one is a campaign that cannot finish, a finding."""
+    args = ["--trials", "1", "--seed", "4", "--tasks", str(N_TASKS), "--kill-fraction", "0",
+            "--max-restarts", "2"]
+    [plan] = fc.draw_plans(1, 4, N_TASKS, 0.0, batch_fraction=0.25)
+    assert not (set(plan.kinds) & set(fc.HARNESS_KINDS))  # (no harness fault to act)
+    report = tmp_path / "r.json"
+    workdir = _never_finishing(tmp_path, monkeypatch, "strict")
+    assert fc.main([*args, "--workdir", str(workdir), "--json", str(report)]) == 1
+    out = capsys.readouterr().out
+    assert "INCOMPLETE" in out and "FAILED" in out
+    assert "incomplete: the campaign did not finish in 3 launches (--max-restarts 2)" in out
+    r = json.loads(report.read_text())
+    assert (r["failed_trials"], r["incomplete_trials"], r["allow_incomplete"]) == (1, 1, False)
+    assert r["failures"][0]["problems"][0].startswith("incomplete:")
+    assert r["incomplete"][0]["restarts"] == 2  # (the keys it always had)
+
+    workdir = _never_finishing(tmp_path, monkeypatch, "allowed")
+    assert fc.main([*args, "--workdir", str(workdir), "--json", str(report),
+                    "--allow-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert "INCOMPLETE" in out and "FAILED" not in out
+    r = json.loads(report.read_text())
+    assert (r["failed_trials"], r["incomplete_trials"], r["allow_incomplete"]) == (0, 1, True)
+    assert "Reported only (`--allow-incomplete`)." in fc.markdown(r)
+

@@ -14,7 +14,8 @@ without ULFM down), the harness's kill, the per-job time limit, or a stall (ever
 SIGSTOPped by `hang` with nothing in flight) — the harness kills what is left of it (every rank
 found in /proc by the database path, then mpiexec's process group: Open MPI gives each rank a
 process group of its own) and reruns the same command with `--resume`, until the master reports
-the campaign finished or `--max-restarts` is exhausted (an *incomplete* trial, reported).
+the campaign finished or `--max-restarts` is exhausted (an *incomplete* trial: it fails the
+run, a campaign that cannot finish; `--allow-incomplete` only reports it).
 
 Three more kinds are the harness's own, made beside the job (the coordinator runs its
 ordinary code): `held_lock` (an operator's `BEGIN IMMEDIATE` held 1–12 s while the master runs,
@@ -46,9 +47,8 @@ not cause (the master's own status read beside `--master-pid-file`), nothing lef
 alias, a ULFM run going on.
 
 Exit status 1 if any trial lost a task, committed wrongly or twice, failed integrity, left
-dispatch/lease rows behind, had statistics disagreeing with its rows or failed one of its
-kinds' own checks; else 0. Incomplete
-trials (restart budget exhausted) are reported but do not fail the run.
+dispatch/lease rows behind, had statistics disagreeing with its rows, failed one of its
+kinds' own checks or was incomplete (unless `--allow-incomplete`); else 0.
 """
 
 from __future__ import annotations
@@ -320,6 +320,7 @@ class Options:
     max_restarts: int = 20
     same_inject_seed: bool = False
     ulfm: bool = True    # the MPI has ULFM (Open MPI): else a plan's ULFM share runs without
+    allow_incomplete: bool = False  # a trial that never finished is reported, not failed
 
 
 @dataclass
@@ -1425,6 +1426,12 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
         fault.close()
     complete = bool(runs and runs[-1].finished)
     check = check_campaign(db, opts.tasks, complete=complete, inject_dir=inject_dir)
+    if not complete:
+        last = runs[-1]
+        check["problems"].insert(0, f"incomplete: the campaign did not finish in {len(runs)} "
+                                    f"launches (--max-restarts {opts.max_restarts}); tasks "
+                                    f"{check['states']}, the last launch ended by "
+                                    f"{last.ended_by} (exit {last.exit_code})")
     records = {f.kind: f.record for f in faults}
     run_dicts = [asdict(j) for j in runs]
     harness = check_harness_faults(db, run_dicts, records, trial_dir)
@@ -1436,6 +1443,7 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
         "kill": asdict(plan.kill) if plan.kill else None, "kill_fired": trigger.fired,
         "ulfm": plan.ulfm, "batch": plan.batch, "runs": run_dicts,
         "restarts": len(runs) - 1, "complete": complete,
+        "incomplete_allowed": opts.allow_incomplete,
         "wall_s": round(time.monotonic() - t0, 3), "dir": str(trial_dir),
         "command": shlex.join(first),
         **{k: check[k] for k in ("tasks_lost", "wrong_commits", "duplicate_commits",
@@ -1471,10 +1479,13 @@ def unusual_exits(t: dict[str, Any]) -> list[int | None]:
 
 
 def trial_failed(t: dict[str, Any]) -> bool:
+    # An incomplete trial is a campaign that could not finish in --max-restarts resumes: none
+    # was in 200 trials, so one is a finding, not bad luck (`--allow-incomplete`: reported).
     return bool(t["tasks_lost"] or t["wrong_commits"] or t["duplicate_commits"]
                 or not t["integrity_ok"] or t["leftover_rows"] or t["stats_mismatches"]
                 or t.get("audit_violations") or t.get("extra_tasks")
-                or t.get("kind_problems"))
+                or t.get("kind_problems")
+                or not (t.get("complete", True) or t.get("incomplete_allowed")))
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -1726,7 +1737,9 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"  - {p}" for p in f["problems"]]
         lines.append("")
     if report["incomplete"]:
-        lines += ["## Incomplete trials (restart budget exhausted)", ""]
+        lines += ["## Incomplete trials (restart budget exhausted)", "",
+                  "Reported only (`--allow-incomplete`)." if report.get("allow_incomplete")
+                  else "Each fails the run: a campaign that could not finish.", ""]
         lines += [f"- trial {i['trial']} (`{i['inject']}`, {i['restarts']} restarts): "
                   f"{i['states']} — {i['dir']}" for i in report["incomplete"]]
         lines.append("")
@@ -1765,6 +1778,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(default 30)")
     p.add_argument("--max-restarts", type=int, default=20,
                    help="--resume runs per trial before it counts as incomplete (default 20)")
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="report an incomplete trial without failing the run (default: it "
+                        "fails it)")
     p.add_argument("--same-inject-seed", action="store_true",
                    help="resume with the same --inject-seed (default: seed + run number)")
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
@@ -1793,7 +1809,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(tasks=ns.tasks, workers=ns.workers, work_ms=ns.work_ms,
                    watchdog_s=ns.watchdog, timeout_per_job=ns.timeout_per_job,
                    max_restarts=ns.max_restarts, same_inject_seed=ns.same_inject_seed,
-                   ulfm=bool(mpi) and "Open MPI" in mpi[0])
+                   ulfm=bool(mpi) and "Open MPI" in mpi[0],
+                   allow_incomplete=ns.allow_incomplete)
     workdir = ns.workdir or Path(tempfile.mkdtemp(prefix="fault-campaign-"))
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -1842,6 +1859,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch_fraction": ns.batch_fraction,
             "batch_sizes": [batch_arg(b) for b in ns.batch_sizes],
             "timeout_per_job": ns.timeout_per_job, "max_restarts": ns.max_restarts,
+            "allow_incomplete": ns.allow_incomplete,
             "watchdog_s": ns.watchdog, "work_ms": ns.work_ms,
             "same_inject_seed": ns.same_inject_seed, "mpi": mpi[0] if mpi else "?",
             "workdir": str(workdir), "elapsed_s": round(time.monotonic() - started, 2)}
