@@ -678,3 +678,63 @@ def test_an_incomplete_trial_fails_the_run_unless_allowed(tmp_path, monkeypatch,
     assert (r["failed_trials"], r["incomplete_trials"], r["allow_incomplete"]) == (0, 1, True)
     assert "Reported only (`--allow-incomplete`)." in fc.markdown(r)
 
+
+# -- the harness's kill: timed from the launch's first result --------------------------------
+
+def test_a_wall_time_kill_waits_for_the_launchs_first_result(farm):
+    """Timed from the spawn, 10 of 12 kills fell before the file existed (MPI's start takes
+    ~2 s here): a start-up was all they tested."""
+    farm.enqueue(*({"data": {"n": i}} for i in range(N_TASKS)))
+    farm.ready(1)
+    farm.ready(2)
+    mon = fc.DbMonitor(farm.path)
+    trigger = fc.KillTrigger(fc.KillPlan("time", at_s=0.0))
+    trigger.launch(0)
+    tokens = farm.dispatch(1, 2)
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:
+        assert not trigger.due(mon)  # work in flight, none committed by this launch yet
+        time.sleep(0.01)
+    _finish(farm, 1, tokens[1])
+    deadline = time.monotonic() + 5
+    while not trigger.due(mon):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    trigger.fire(mon, 0, 2.5)
+    assert trigger.fired and trigger.landed["after_start"] and trigger.landed["mid_run"]
+    assert (trigger.landed["results"], trigger.landed["in_flight"]) == (1, 1)
+    # A resumed launch: the earlier launch's results are not this one's start.
+    again = fc.KillTrigger(fc.KillPlan("time", at_s=0.0))
+    again.launch(1)
+    assert not again.due(mon)
+    # A progress kill whose moment came before this launch committed anything lands in its
+    # start, and says so.
+    early = fc.KillTrigger(fc.KillPlan("progress", after_results=1))
+    early.launch(1)
+    while not early.due(mon):
+        time.sleep(0.005)
+    early.fire(mon, 1, 0.1)
+    assert early.landed["after_start"] is False and early.landed["mid_run"] is False
+    mon.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_job_that_ends_before_the_kills_moment_is_a_kill_missed(tmp_path):
+    trigger = fc.KillTrigger(fc.KillPlan("time", at_s=0.0))
+    job = fc.run_job(["sleep", "0.5"], tmp_path / "c.db", tmp_path / "run00", fc.Options(),
+                     trigger, 0, False, 1)
+    assert job.ended_by == "exit" and not trigger.fired and trigger.landed is None
+
+
+def test_time_kills_are_seeded_and_fall_within_the_least_the_work_lasts():
+    plans = fc.draw_plans(400, seed=3, tasks=20, kill_fraction=1.0, workers=3, work_ms=30)
+    times = [p.kill.at_s for p in plans if p.kill.mode == "time"]
+    assert len(times) > 80 and all(0 <= t <= 0.2 for t in times)  # 20 x 30 ms / 3
+    assert max(times) > 0.15
+    again = fc.draw_plans(400, seed=3, tasks=20, kill_fraction=1.0, workers=3, work_ms=30)
+    assert [p.kill for p in plans] == [p.kill for p in again]
+    # Only the time kills' moments depend on --work-ms: the rest of each plan is the same.
+    other = fc.draw_plans(400, seed=3, tasks=20, kill_fraction=1.0, workers=3)
+    assert [dataclasses.replace(p, kill=None) for p in plans] == \
+           [dataclasses.replace(p, kill=None) for p in other]
+

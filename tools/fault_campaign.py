@@ -8,7 +8,10 @@ Each trial is a fresh campaign: `coordinator run --demo T` under `mpiexec -n W+1
 1–4 fault kinds (`--inject`, rates 0.02–0.3, log-uniform) drawn from a seeded RNG; every kind
 leads a trial once per 19 trials (16 injected kinds, 3 of the harness's own, below), so a long
 campaign covers all of them. In `--kill-fraction` of the trials the harness SIGKILLs the whole
-job once at a random moment (by wall time, or once a random number of results has committed).
+job once at a random moment: once a random number of results has committed, or by wall time,
+0 to T × work-ms / W seconds after the launch's first committed result (timed from the spawn,
+most such kills fell in MPI's start, before the campaign file existed); the trial records
+where it landed (`kill_landed`; *mid-run*: after a result of that launch, dispatches in flight).
 Whatever ends a job — its own exit, a worker's injected SIGKILL (which takes an Open MPI job
 without ULFM down), the harness's kill, the per-job time limit, or a stall (every worker
 SIGSTOPped by `hang` with nothing in flight) — the harness kills what is left of it (every rank
@@ -152,8 +155,8 @@ RATE_MIN, RATE_MAX = 0.02, 0.3
 
 @dataclass
 class KillPlan:
-    mode: str            # "time": at_s after launch; "progress": once `after_results` committed
-    at_s: float = 0.0
+    mode: str            # "time": at_s after the launch's first result; "progress": once
+    at_s: float = 0.0    # `after_results` have committed (+ delay_s)
     after_results: int = 0
     delay_s: float = 0.0
 
@@ -255,13 +258,14 @@ def batch_sizes(text: str) -> tuple[int, ...]:
 
 def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
                workers: int = 3, batch_fraction: float = 0.0,
-               sizes: tuple[int, ...] = BATCH_SIZES) -> list[TrialPlan]:
+               sizes: tuple[int, ...] = BATCH_SIZES, work_ms: float = 20.0) -> list[TrialPlan]:
     """`n` trial plans from one seeded RNG. Each plan's first kind comes from a shuffled deck
     of all kinds (refilled when empty), so every kind leads one trial in each run of
     len(ALL_KINDS) trials; 0–3 more distinct kinds join it. Rates of injected kinds are
     log-uniform in 0.02–0.3; the harness's kinds draw their moment (a number of committed
     results, 0 to tasks-1 — below tasks/2 for a hold past --lock-wait — plus up to 50 ms),
-    hold, victim rank and MPI mode. A share
+    hold, victim rank and MPI mode. A wall-time kill comes 0 to tasks × work_ms / workers
+    (the least the work can last) after the launch's first result. A share
     `batch_fraction` of the trials run with `--batch` (one of `sizes`), drawn from an RNG
     of its own so that the rest of each plan is the same whatever the share."""
     rng = random.Random(seed)
@@ -298,7 +302,8 @@ def draw_plans(n: int, seed: int, tasks: int, kill_fraction: float,
         kill = None
         if rng.random() < kill_fraction:
             if rng.random() < 0.3:
-                kill = KillPlan("time", at_s=round(rng.uniform(0.2, 3.0), 3))
+                span = tasks * work_ms / 1000 / max(1, workers)
+                kill = KillPlan("time", at_s=round(rng.uniform(0.0, span), 3))
             else:
                 kill = KillPlan("progress", after_results=rng.randint(1, max(1, tasks - 1)),
                                 delay_s=round(rng.uniform(0.0, 0.05), 3))
@@ -511,22 +516,56 @@ class AfterResults:
 
 
 class KillTrigger:
-    """The harness's one SIGKILL of a trial, pending until it fires (across runs)."""
+    """The harness's one SIGKILL of a trial, pending until it fires (across runs).
+
+    A wall-time kill is timed from the launch's first committed result, not from the spawn:
+    MPI's start and the imports take ~2 s here and 20 tasks' work ~0.2 s, so a kill timed
+    from the spawn mostly landed before the campaign file existed, and tested only a start.
+    A result of this launch means its master is past its start and restart recovery, with
+    the other ranks' dispatches in flight. `landed` records where the kill fell."""
 
     def __init__(self, plan: KillPlan | None):
         self.plan = plan
         self.fired = False
+        self.landed: dict[str, Any] | None = None
         self._progress = (AfterResults(plan.after_results, plan.delay_s)
                           if plan is not None and plan.mode == "progress" else None)
+        self._before = 0                     # results committed before this launch
+        self._started: float | None = None   # when this launch's first result was seen
+        self._next_poll = 0.0
 
-    def due(self, mon: DbMonitor, elapsed: float) -> bool:
+    def launch(self, results_before: int) -> None:
+        """A new job starts, the campaign holding `results_before` results."""
+        self._before, self._started, self._next_poll = results_before, None, 0.0
+
+    def due(self, mon: DbMonitor) -> bool:
         p = self.plan
         if p is None or self.fired:
             return False
-        if p.mode == "time":
-            return elapsed >= p.at_s
-        assert self._progress is not None
-        return self._progress.due(mon)
+        if p.mode == "progress":
+            assert self._progress is not None
+            return self._progress.due(mon)
+        now = time.monotonic()
+        if self._started is None and now >= self._next_poll:
+            self._next_poll = now + 0.005
+            if (mon.scalar("SELECT count(*) FROM results") or 0) > self._before:
+                self._started = now
+        return self._started is not None and now - self._started >= p.at_s
+
+    def fire(self, mon: DbMonitor, run: int, elapsed: float) -> None:
+        """Say where the kill lands (just before it): `after_start`, a result of this launch
+        had committed; `in_flight`, the dispatch rows then (mid-run: both)."""
+        self.fired = True
+        results = mon.scalar("SELECT count(*) FROM results")
+        after = results is not None and results > self._before
+        # (once this launch has committed, its start's restart recovery has retired the dead
+        # incarnation's dispatch rows: those left are its own)
+        in_flight = mon.scalar("SELECT count(*) FROM dispatches") if after else None
+        self.landed = {"run": run, "elapsed_s": round(elapsed, 3), "after_start": after,
+                       "since_first_result_s": None if self._started is None
+                       else round(time.monotonic() - self._started, 3),
+                       "results": results, "in_flight": in_flight,
+                       "mid_run": bool(after and in_flight)}
 
 
 # -- the harness's own faults: held lock, aliased file, start-up crash ----------------------
@@ -863,6 +902,7 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
     a dead worker does not end the job, so a stall is every *live* worker stopped."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out_path, err_path = log_base.with_suffix(".out"), log_base.with_suffix(".err")
+    trigger.launch(_scalar(db, "SELECT count(*) FROM results") or 0)
     t0 = time.monotonic()
     started_at = time.time()
     with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -880,8 +920,8 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
             if elapsed > opts.timeout_per_job:
                 ended_by = "timeout"
                 break
-            if trigger.due(mon, elapsed):
-                trigger.fired = True
+            if trigger.due(mon):
+                trigger.fire(mon, run, elapsed)
                 ended_by = "harness_kill"
                 break
             for fault in faults:
@@ -1441,6 +1481,7 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
         "index": plan.index, "trial": plan.index + 1, "plan": plan.rates, "kinds": plan.kinds,
         "inject": plan.inject_spec(), "label": plan.label(), "inject_seed": plan.inject_seed,
         "kill": asdict(plan.kill) if plan.kill else None, "kill_fired": trigger.fired,
+        "kill_landed": trigger.landed,
         "ulfm": plan.ulfm, "batch": plan.batch, "runs": run_dicts,
         "restarts": len(runs) - 1, "complete": complete,
         "incomplete_allowed": opts.allow_incomplete,
@@ -1522,6 +1563,8 @@ def _summarise(trials: list[dict[str, Any]], faults_of: str | None = None) -> di
         "failed_trials": sum(trial_failed(t) for t in trials),
         "incomplete_trials": sum(not t["complete"] for t in trials),
         "harness_kills": sum(t["kill_fired"] for t in trials),
+        "harness_kills_mid_run": sum(bool((t.get("kill_landed") or {}).get("mid_run"))
+                                     for t in trials),
         "restarts": sum(t["restarts"] for t in trials),
         "job_ends": dict(ended),
         "master_ends": dict(master_ends),
@@ -1723,7 +1766,9 @@ def markdown(report: dict[str, Any]) -> str:
         "none recorded, the launcher or this tool ended it): "
         + (", ".join(f"{k}: {v}" for k, v in sorted(report["master_ends"].items())) or "—")
         + ".", "",
-        f"Harness kills fired: {report['harness_kills']}; statistics mismatches: "
+        f"Harness kills fired: {report['harness_kills']} "
+        f"({report.get('harness_kills_mid_run', '—')} mid-run: after a result of that launch, "
+        f"with dispatches in flight); statistics mismatches: "
         f"{report['stats_mismatches']}; leftover dispatch/lease rows: "
         f"{report['leftover_rows']}; trials failing a fault kind's own checks: "
         f"{report['kind_failures']}.", "",
@@ -1817,7 +1862,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else \
         shlex.join([sys.executable, str(Path(__file__).resolve()), *argv])
     plans = draw_plans(ns.trials, ns.seed, ns.tasks, ns.kill_fraction, ns.workers,
-                       ns.batch_fraction, ns.batch_sizes)
+                       ns.batch_fraction, ns.batch_sizes, ns.work_ms)
     if ns.only:
         try:
             wanted = {int(x) for x in ns.only.split(",") if x.strip()}
@@ -1840,7 +1885,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (bad or not t["complete"] or unusual_exits(t) or ns.keep):
             shutil.rmtree(tdir, ignore_errors=True)
         lat = t["latency_overall"]
-        kill = "" if not t["kill"] else f" kill={'fired' if t['kill_fired'] else 'missed'}"
+        landed = t["kill_landed"] or {}
+        kill = "" if not t["kill"] else " kill=" + (
+            "missed" if not t["kill_fired"] else "fired/mid-run" if landed.get("mid_run")
+            else "fired/after-start" if landed.get("after_start") else "fired/before-start")
         ends = ",".join(f"{j['ended_by']}:{j['exit_code']}" for j in t["runs"])
         print(f"trial {plan.index + 1:>4}/{ns.trials} [{t['label']}]{kill} runs={ends} "
               f"{'complete' if t['complete'] else 'INCOMPLETE'} "
@@ -1876,6 +1924,7 @@ def main(argv: list[str] | None = None) -> int:
           f"leftover_rows={report['leftover_rows']} "
           f"kind_failures={report['kind_failures']} "
           f"incomplete={report['incomplete_trials']} restarts={report['restarts']} "
+          f"kills={report['harness_kills']} mid_run={report['harness_kills_mid_run']} "
           f"recovery_rate={_fmt(report['recovery_rate'])} "
           f"latency p50={_fmt(report['recovery_latency_p50_s'])}s "
           f"p99={_fmt(report['recovery_latency_p99_s'])}s "
