@@ -738,3 +738,45 @@ def test_time_kills_are_seeded_and_fall_within_the_least_the_work_lasts():
     assert [dataclasses.replace(p, kill=None) for p in plans] == \
            [dataclasses.replace(p, kill=None) for p in other]
 
+
+# -- result tokens, checked exactly -----------------------------------------------------------
+
+def test_checker_reports_a_made_up_result_token(campaign):
+    """A result's token is its dispatch's only record: counts and the audit passed a token
+    no dispatch ever had."""
+    db, _, good = campaign
+    _write(db, "UPDATE results SET token = ? WHERE token = ?", params=("5" * 64, good))
+    r = _check(db)
+    assert r["wrong_commits"] == 1 and fc.trial_failed(r)
+    assert any("was never minted for rank" in p for p in r["problems"])
+
+
+def test_checker_reports_another_tasks_rolled_back_token(campaign):
+    db, recovered, _ = campaign
+    _write(db, "UPDATE results SET token = ? WHERE task_id = (SELECT max(task_id) FROM results "
+               "WHERE task_id != (SELECT task_id FROM events WHERE token = ? AND kind = "
+               "'dispatched'))", params=(recovered, recovered))
+    r = _check(db)
+    assert r["wrong_commits"] == 1
+    assert any("a dispatch that ended (recovered" in p for p in r["problems"])
+    assert any("another dispatch (of task" in p for p in r["problems"])
+
+
+def test_checker_reports_a_token_minted_for_another_rank(campaign):
+    db, _, good = campaign
+    _write(db, "UPDATE results SET rank = 3 - rank WHERE token = ?", params=(good,))
+    r = _check(db)
+    assert r["wrong_commits"] == 1
+    assert any("was never minted for rank" in p for p in r["problems"])
+
+
+def test_tokens_of_earlier_incarnations_need_their_epochs(campaign):
+    """Each start replaces the epoch in the file: the harness reads it after every job."""
+    db, _, _ = campaign
+    with sqlite3.connect(db) as c:
+        first = c.execute("SELECT epoch FROM campaign").fetchone()[0]
+    Farm(db, resume=True).close()
+    r = _check(db)
+    assert r["unverified_tokens"] == N_TASKS and fc.trial_failed(r)
+    r = fc.check_campaign(db, N_TASKS, epochs={1: first})
+    assert r["problems"] == [] and not fc.trial_failed(r)

@@ -38,10 +38,15 @@ with one seed every incarnation would replay the same faults in the same places)
 After a trial, read-only from the database (plus the inject logs): every one of the T tasks
 exists and is done, deferred or failed, none active, no dispatch or lease rows; every dispatch
 has one record (its results row, or a `dispatched` event if it ended without a result); every
-result comes from a token dispatched for its task and never rolled back (no recovered / watchdog /
-interrupted / stop_requeued / task_failed / send_failed / worker_failed event), carries its own
-task's value, and is not a token whose RESULT was never validly sent (a breaking fault fired on
-it); one result per task (the schema allows no other), only for done tasks;
+result's (task, rank, token) is a dispatch's that was never rolled back: the token is
+`mint_token(epoch, rank, seq)` of the result's own incarnation and rank (each incarnation's
+epoch read by the harness after each job: the file keeps only the last), every other record
+of the token (another task's result or `dispatched` event: a batch) names the same rank,
+incarnation and dispatch time, and no event rolled it back, for its task (recovered / watchdog
+/ interrupted / stop_requeued / task_failed / send_failed / worker_failed / split) or as a
+whole dispatch; every result carries its own task's value, and is not a token whose RESULT
+was never validly sent (a breaking fault fired on it); one result per task (the schema allows
+no other), only for done tasks;
 `PRAGMA integrity_check` ok; `coordinator status --json` equals SQL counts over the rows.
 The rules that hold for any campaign are `store.audit`'s; this tool adds what only it knows
 (the T tasks and their values, the faults it injected, a finished run's end state), and
@@ -51,7 +56,8 @@ alias, a ULFM run going on.
 
 Exit status 1 if any trial lost a task, committed wrongly or twice, failed integrity, left
 dispatch/lease rows behind, had statistics disagreeing with its rows, failed one of its
-kinds' own checks or was incomplete (unless `--allow-incomplete`); else 0.
+kinds' own checks, had result tokens it could not check (an epoch unknown) or was incomplete
+(unless `--allow-incomplete`); else 0.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +100,7 @@ from coordinator.launcher import (  # noqa: E402
     find_mpiexec,
     mpiexec_flags,
 )
+from coordinator.protocol import mint_token  # noqa: E402
 from store.audit import Check, ViolationKind, audit  # noqa: E402
 from store.engine import open_readonly  # noqa: E402
 from store.errors import NoCampaignYet, StoreError  # noqa: E402
@@ -341,6 +349,10 @@ class JobRun:
     in_flight_after: int | None = None   # dispatch rows it left behind
     started_at: float | None = None      # wall clock (time.time()) at launch
     master_exit: int | None = None       # the status the master recorded (None: it was killed)
+    # The campaign's incarnation and token epoch when the job had ended: each start replaces
+    # the epoch in the file, and the check needs every incarnation's to recompute its tokens.
+    incarnation: int | None = None
+    epoch: str | None = None
 
 
 _MPIEXEC: str | None = None
@@ -390,19 +402,23 @@ def _ro(db: Path, timeout: float = 2.0) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=timeout)
 
 
-def _scalar(db: Path, sql: str) -> Any:
-    """One value read from a running campaign, or None if it cannot be read (yet)."""
+def _row(db: Path, sql: str) -> tuple | None:
+    """One row read from a running campaign, or None if it cannot be read (yet)."""
     if not db.exists():
         return None
     try:
         c = _ro(db)
         try:
-            row = c.execute(sql).fetchone()
+            return c.execute(sql).fetchone()
         finally:
             c.close()
-        return row[0] if row else None
     except sqlite3.Error:
         return None
+
+
+def _scalar(db: Path, sql: str) -> Any:
+    row = _row(db, sql)
+    return row[0] if row else None
 
 
 def ranks_of(db: Path) -> list[int]:
@@ -960,10 +976,11 @@ def run_job(cmd: list[str], db: Path, log_base: Path, opts: Options, trigger: Ki
     if pid_file is not None:
         with contextlib.suppress(OSError, ValueError):
             master_exit = int(exit_status_path(pid_file).read_text().strip())
+    incarnation, epoch = _row(db, "SELECT incarnation, epoch FROM campaign") or (None, None)
     return JobRun(run, resume, inject_seed, ended_by, proc.returncode, round(seconds, 3),
                   finished, _scalar(db, "SELECT count(*) FROM results"),
                   _scalar(db, "SELECT count(*) FROM dispatches"), round(started_at, 4),
-                  master_exit)
+                  master_exit, incarnation, epoch)
 
 
 def campaign_finished(out: str) -> bool:
@@ -1015,9 +1032,12 @@ def _percentile(values: list[float], p: float) -> float | None:
 
 
 def check_campaign(db: Path, expected_tasks: int, *, complete: bool = True,
-                   inject_dir: Path | None = None, stats: bool = True) -> dict[str, Any]:
+                   inject_dir: Path | None = None, stats: bool = True,
+                   epochs: Mapping[int, str] | None = None) -> dict[str, Any]:
     """Everything the brief asks of a finished trial, read-only from `db` (and the inject
-    logs for fault counts, latencies and commits of tokens whose RESULT never validly left).
+    logs for fault counts, latencies and commits of tokens whose RESULT never validly left;
+    `epochs`: each incarnation's token epoch, read after each job, the file keeping only the
+    last one's).
 
     The store's own rules are `store.audit`'s; this adds what only the harness knows (the
     tasks it enqueued and their values, the faults it injected, a finished run's end state).
@@ -1027,7 +1047,7 @@ def check_campaign(db: Path, expected_tasks: int, *, complete: bool = True,
     r: dict[str, Any] = {
         "tasks_lost": 0, "wrong_commits": 0, "duplicate_commits": 0, "integrity_ok": True,
         "leftover_rows": 0, "stats_mismatches": 0, "fk_violations": 0, "problems": [],
-        "audit_violations": 0, "extra_tasks": 0,
+        "audit_violations": 0, "extra_tasks": 0, "unverified_tokens": 0,
         "tasks": 0, "states": {}, "results": 0, "dispatches_sum": 0, "recovered_tasks": 0,
         "recovered_done": 0, "faults": {}, "torn_log_lines": 0, "latency": {},
         "latency_overall": [], "events": {}, "incarnation": 0,
@@ -1047,7 +1067,8 @@ def check_campaign(db: Path, expected_tasks: int, *, complete: bool = True,
         with engine.connect() as conn:
             conn.begin()  # one snapshot for the audit and the harness's own checks
             try:
-                return _check(conn, r, expected_tasks, complete, records, db, stats)
+                return _check(conn, r, expected_tasks, complete, records, db, stats,
+                              dict(epochs or {}))
             finally:
                 conn.rollback()
     except NoCampaignYet as e:
@@ -1071,7 +1092,8 @@ def _no_campaign(r: dict[str, Any], e: StoreError, expected: int,
 
 
 def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
-           records: list[dict], db: Path, stats: bool) -> dict[str, Any]:
+           records: list[dict], db: Path, stats: bool,
+           epochs: dict[int, str]) -> dict[str, Any]:
     problems: list[str] = r["problems"]
     report = audit(conn)
     raw = conn.connection.driver_connection  # the same transaction, for the harness's SQL
@@ -1164,6 +1186,7 @@ def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
             if token in broken:
                 wrong[token].append(f"task {task_id}: committed token {token[:12]} whose "
                                     f"RESULT never validly left ({broken[token]})")
+    _check_tokens(raw, r, wrong, epochs)
     r["wrong_commits"] = len(wrong)
     for msgs in wrong.values():
         problems.extend(msgs)
@@ -1220,6 +1243,63 @@ def _check(conn: Connection, r: dict[str, Any], expected: int, complete: bool,
     r["latency"] = dict(lat)
     r["latency_overall"] = [round(requeue_at[t] - f, 4) for t, f in first.items()]
     return r
+
+
+#: Events that end a whole dispatch, every task of a batch: no result may carry its token.
+#: Not `task_failed`: a batch's task whose own run failed ends alone, and the others commit.
+DISPATCH_ENDED = ("recovered", "watchdog", "interrupted", "stop_requeued", "worker_failed",
+                  "split", "send_failed")
+
+
+def _check_tokens(raw: sqlite3.Connection, r: dict[str, Any], wrong: dict[str, list[str]],
+                  epochs: dict[int, str]) -> None:
+    """Every result's (task, rank, token) is a dispatch's that was never rolled back.
+
+    A committed dispatch has no record but its results rows (docs/sqlite.md, `dispatched`),
+    so a token is checked against what made it and against the token's other records:
+    it must be `mint_token(epoch, rank, seq)` of its result's incarnation and rank (a token
+    made up, or another rank's or incarnation's, is not); every `dispatched` event of it (a
+    batch's task that ended without a result) must name the same rank, incarnation and
+    dispatch time (else it is another dispatch's); and no event may say its dispatch ended
+    as a whole. `store.audit` checks the rest: the same token on other results, and the
+    events of the result's own task."""
+    ended = ", ".join(f"'{k}'" for k in DISPATCH_ENDED)
+    for task_id, token, kind, other, rank in raw.execute(
+            f"SELECT r.task_id, r.token, e.kind, e.task_id, e.rank FROM results r "
+            f"JOIN events e ON e.token = r.token AND e.task_id IS NOT r.task_id "
+            f"WHERE e.kind IN ({ended}) OR (e.kind = 'dispatched' AND (e.rank IS NOT r.rank "
+            f"OR e.incarnation IS NOT r.incarnation OR e.at IS NOT r.dispatched_at))"):
+        wrong[token].append(f"task {task_id}: result token {token[:12]} is that of "
+                            + (f"a dispatch that ended ({kind}, task {other})"
+                               if kind != "dispatched" else
+                               f"another dispatch (of task {other} to rank {rank})"))
+    epochs.update(raw.execute("SELECT incarnation, epoch FROM campaign"))
+    # Tokens are minted in sequence, one per dispatch planned: the dispatches the file
+    # records bound the sequence, plus a margin for plans that never committed.
+    most = 64 + raw.execute("SELECT (SELECT coalesce(sum(dispatches), 0) FROM tasks) + "
+                            "(SELECT count(*) FROM events WHERE kind = 'send_failed')"
+                            ).fetchone()[0]
+    want: dict[int, set[tuple[int, str, int]]] = defaultdict(set)
+    for task_id, token, rank, inc in raw.execute(
+            "SELECT task_id, token, rank, incarnation FROM results"):
+        want[inc].add((rank, token, task_id))
+    for inc, left in want.items():
+        epoch = epochs.get(inc)
+        if epoch is None:
+            r["unverified_tokens"] += len(left)
+            r["problems"].append(f"{len(left)} results of incarnation {inc}: its token epoch "
+                                 f"is unknown, their tokens cannot be checked")
+            continue
+        by_token = {(rank, token): task_id for rank, token, task_id in left}
+        ranks = {rank for rank, _ in by_token}
+        for seq in range(1, most + 1):
+            if not by_token:
+                break
+            for rank in ranks:
+                by_token.pop((rank, mint_token(epoch, rank, seq)), None)
+        for (rank, token), task_id in by_token.items():
+            wrong[token].append(f"task {task_id}: result token {token[:12]} was never minted "
+                                f"for rank {rank} in incarnation {inc}")
 
 
 # -- judging the harness's own faults ------------------------------------------------------
@@ -1465,7 +1545,8 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
     for fault in faults:
         fault.close()
     complete = bool(runs and runs[-1].finished)
-    check = check_campaign(db, opts.tasks, complete=complete, inject_dir=inject_dir)
+    check = check_campaign(db, opts.tasks, complete=complete, inject_dir=inject_dir,
+                           epochs={j.incarnation: j.epoch for j in runs if j.epoch})
     if not complete:
         last = runs[-1]
         check["problems"].insert(0, f"incomplete: the campaign did not finish in {len(runs)} "
@@ -1490,7 +1571,7 @@ def run_trial(plan: TrialPlan, trial_dir: Path, opts: Options) -> dict[str, Any]
         **{k: check[k] for k in ("tasks_lost", "wrong_commits", "duplicate_commits",
                                  "integrity_ok", "leftover_rows", "stats_mismatches",
                                  "fk_violations", "audit_violations", "extra_tasks",
-                                 "problems", "tasks", "states", "results",
+                                 "unverified_tokens", "problems", "tasks", "states", "results",
                                  "dispatches_sum", "recovered_tasks", "recovered_done",
                                  "torn_log_lines", "latency_overall", "events",
                                  "incarnation")},
@@ -1525,7 +1606,7 @@ def trial_failed(t: dict[str, Any]) -> bool:
     return bool(t["tasks_lost"] or t["wrong_commits"] or t["duplicate_commits"]
                 or not t["integrity_ok"] or t["leftover_rows"] or t["stats_mismatches"]
                 or t.get("audit_violations") or t.get("extra_tasks")
-                or t.get("kind_problems")
+                or t.get("unverified_tokens") or t.get("kind_problems")
                 or not (t.get("complete", True) or t.get("incomplete_allowed")))
 
 
