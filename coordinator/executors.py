@@ -308,8 +308,14 @@ class CommandExecutor:
             raise ValueError("task has neither input bytes nor a 'path'")
         # Absolute: the target runs with workdir as its cwd.
         path = pathlib.Path(raw).absolute()
-        if not path.is_file():
-            raise ValueError(f"input file {raw!r} does not exist or is not a regular file")
+        try:  # the task's own file: whatever is wrong with it is the task's outcome
+            if not path.is_file():  # (first: opening a FIFO would block)
+                raise ValueError(f"input file {raw!r} does not exist or is not a regular file")
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise ValueError(f"input file {raw!r} cannot be read: "
+                             f"{e.strerror or type(e).__name__}") from None
         return path
 
     def _environment(self, input_path: pathlib.Path, out_dir: pathlib.Path,
@@ -339,8 +345,9 @@ class CommandExecutor:
         try:
             # Closed in the `finally` below, after the child has it (it may not be opened at all).
             stdin_file = None if self.uses_file_arg else open(input_path, "rb")  # noqa: SIM115
-        except OSError as exc:
-            return not_run("cannot open input for stdin", exc)
+        except OSError as exc:  # (checked readable just before: gone or changed since)
+            return ExecOutcome(status=STATUS_ERROR,
+                               detail=clip_detail(f"cannot open input for stdin: {exc}"))
         self._runs += 1
         mark = f"{os.getpid()}.{self._runs}"  # (unique on this host while the worker lives)
         running_commands.spawning = True

@@ -191,8 +191,12 @@ def test_an_input_the_hosts_full_disk_cannot_take_is_not_run_a_missing_one_is_an
     out = ex.run({}, b"x" * 200_000, tiny_fs)
     assert out.status == "not_run", out
     assert "No space left on device" in out.detail
-    # The task's own input gone: its outcome, whatever the disk.
+    # The task's own input gone, or a name no file can have: its outcome, whatever the disk.
     assert ex.run({"path": str(tmp_path / "gone")}, None, tmp_path).status == "error"
+    long = ex.run({"path": str(tmp_path / ("a" * 300))}, None, tmp_path)
+    assert (long.status, long.detail) == ("error", (
+        f"cannot materialise input: input file {str(tmp_path / ('a' * 300))!r} cannot be "
+        f"read: File name too long"))
 
 
 def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, monkeypatch):
