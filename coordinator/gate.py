@@ -20,6 +20,7 @@ from store import workers as wrk
 from store.campaign import Store
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, WorkerState
+from store.vocabulary import UNRUN_REASON
 
 from .protocol import (
     INVALIDATING,
@@ -85,7 +86,7 @@ class ReadyRound:
 class ResultRound:
     statuses: list[tuple[int, ResultStatus]] = field(default_factory=list)
     committed: list[dsp.CommitItem] = field(default_factory=list)
-    retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout)
+    retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout, not_run)
     #: Each current RESULT's (bytes, tasks it answers); bytes None: a batch too large to
     #: answer in one message, which asked for a split.
     sizes: list[tuple[int | None, int]] = field(default_factory=list)
@@ -337,8 +338,8 @@ class Gate:
                      batch: Sequence[Any] | None, task_ids: Sequence[int],
                      out: ResultRound) -> str | None:
         """A current RESULT of a batch dispatch: each task's outcome committed (a result row
-        each, one token), a task whose own run failed (`timeout`) retried on its own. Returns
-        why the payload is invalid instead (then nothing of it is kept)."""
+        each, one token), a task whose own run failed (`timeout`, `not_run`) retried on its
+        own. Returns why the payload is invalid instead (then nothing of it is kept)."""
         if batch is None or len(batch) != len(task_ids):
             return (f"payload: the RESULT answers {len(batch) if batch is not None else 1} "
                     f"task(s); the dispatch holds {len(task_ids)}")
@@ -366,12 +367,13 @@ class Gate:
     def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int) -> str:
         """A run of `task_id` that is retried (`timeout`, `not_run`): the test cases it wrote
         kept, and the reason its retry is recorded with (for a task its host could not run,
-        what failed: the operator has a host to fix)."""
+        what failed: the operator has a host to fix; the store charges it the budget only)."""
         status = str(_status_of(outcome))
         if status == NOT_RUN_STATUS:
             detail = _get(outcome, "detail")
             first = detail.strip().partition("\n")[0] if isinstance(detail, str) else ""
-            return f"{status} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
+            # (the prefix the store's retry reads: the budget charged, not the ceiling)
+            return f"{UNRUN_REASON} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
         kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
         return status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
 

@@ -50,7 +50,7 @@ _EVENT_LABELS = {
     "requeued": "protocol requeues", "deferred": "protocol deferrals",
     "watchdog": "watchdog timeouts", "worker_recovered": "watchdog recoveries",
     "worker_failed": "worker deaths", "failed": "tasks held as failed",
-    "task_failed": "runs that failed (timeout)",
+    "task_failed": "runs that failed (timeout, not run)",
 }
 
 

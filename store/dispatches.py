@@ -24,6 +24,7 @@ from .errors import FenceError
 from .journal import Tx
 from .schema import EventKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
+from .vocabulary import UNRUN_REASON
 from .workers import set_workers
 
 
@@ -500,10 +501,10 @@ def _write_batch_commits(tx: Tx, pending: _Pending,
 
 def end_without_result(tx: Tx, rank: int, token: str,
                        reasons: Mapping[int, str]) -> list[Recovery]:
-    """Tasks of a batch dispatch whose own run failed (a `timeout`) while the others commit,
-    each with the reason its retry is recorded with: each is retried on its own, charged as
-    a single task's failure, its dispatch recorded by its `dispatched` event (the committed
-    ones' record is their result row)."""
+    """Tasks of a batch dispatch whose own run failed (a `timeout`, a `not_run`) while the
+    others commit, each with the reason its retry is recorded with: each is retried on its own,
+    charged as a single task's failure, its dispatch recorded by its `dispatched` event (the
+    committed ones' record is their result row)."""
     times = tx.db.execute("SELECT created_at, incarnation FROM dispatches WHERE rank = ? AND "
                           "token = ?", (rank, token)).fetchone()
     if times is None:
@@ -521,8 +522,9 @@ def end_without_result(tx: Tx, rank: int, token: str,
 
 
 def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]) -> list[Recovery]:
-    """A batch dispatch all of whose tasks' runs failed on their own (`timeout`): it ends,
-    and each task is retried, charged as a single task's failure (`reasons`: each one's)."""
+    """A batch dispatch all of whose tasks' runs failed on their own (`timeout`, `not_run`):
+    it ends, and each task is retried, charged as a single task's failure (`reasons`: each
+    one's)."""
     taken = _take(tx, rank, token)
     if taken is None:
         return []
@@ -560,24 +562,26 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
     defer, or hold as failed.
 
     `protocol` says whether a broken dispatch (counted as Protocol-requeued/-deferred) or a
-    task whose run failed (a timeout; counted apart) is being retried."""
+    task whose run failed (a timeout, a run its host could not start; counted apart) is being
+    retried. A run its host could not start (`UNRUN_REASON`) charges the budget only."""
     requeued_kind = EventKind.REQUEUED if protocol else EventKind.RETRIED
     deferred_kind = EventKind.DEFERRED if protocol else EventKind.TASK_DEFERRED
     attempts, budget_used = tx.conn.execute(
         select(tasks.c.attempts, tasks.c.budget_used).where(tasks.c.id == task_id)).one()
-    attempts += 1
+    charge = 0 if reason.startswith(UNRUN_REASON) else 1
+    attempts += charge
     decision = retry_decision(attempts, budget_used + 1, tx.policy)
     if decision is TaskState.DEFERRED:
         try:
             with tx.savepoint():
                 ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.DEFERRED,
-                               attempts_delta=1, budget_delta=1, reason=reason)
+                               attempts_delta=charge, budget_delta=1, reason=reason)
                 tx.event(deferred_kind, rank=rank, token=token, task_id=task_id,
                          detail=reason)
         except (DBAPIError, sqlite3.Error) as e:
             # R8: a deferral that cannot be written must not lose the task: keep it queued.
             ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                           queue_pos=head_position(tx), attempts_delta=1, budget_delta=1,
+                           queue_pos=head_position(tx), attempts_delta=charge, budget_delta=1,
                            reason=f"deferral failed: {getattr(e, 'orig', None) or e}")
             tx.event(EventKind.DEFER_FAILED, rank=rank, token=token, task_id=task_id,
                      detail=str(getattr(e, "orig", None) or e)[:500])
@@ -586,7 +590,7 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
             return Recovery(rank or 0, token, task_id, TaskState.QUEUED, attempts, True)
     elif decision is TaskState.QUEUED:
         ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                       queue_pos=head_position(tx), attempts_delta=1, budget_delta=1,
+                       queue_pos=head_position(tx), attempts_delta=charge, budget_delta=1,
                        reason=reason)
         tx.event(requeued_kind, rank=rank, token=token, task_id=task_id, detail=reason)
     else:

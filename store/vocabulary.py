@@ -71,6 +71,12 @@ class LeaseKind(str, enum.Enum):
     SCHEDULE = "schedule"  # the schedule prefix being explored
 
 
+#: How the retry reason of a task its worker's host could not run begins (a `not_run`
+#: RESULT): its retry counts towards the budget (deferred past it; --resume runs it), not
+#: towards the attempt ceiling, which would hold it failed for a broken host.
+UNRUN_REASON = "not_run"
+
+
 class EventKind(str, enum.Enum):
     CAMPAIGN = "campaign"            # an incarnation started (detail: resume or new)
     ENQUEUED = "enqueued"
@@ -90,7 +96,7 @@ class EventKind(str, enum.Enum):
     RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
     REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)
     DEFERRED = "deferred"            # protocol deferral (past the retry budget)
-    TASK_FAILED = "task_failed"      # a valid RESULT said the run failed (timeout): retried
+    TASK_FAILED = "task_failed"      # a valid RESULT said the run failed (timeout, not_run)
     RETRIED = "retried"              # task-failure requeue at the head (within the budget)
     TASK_DEFERRED = "task_deferred"  # task-failure deferral (past the budget)
     DEFER_FAILED = "defer_failed"    # the deferral could not be written; task kept queued

@@ -266,7 +266,11 @@ def test_a_task_its_host_could_not_run_is_retried_with_what_failed_not_committed
                             "cannot materialise input: [Errno 28] No space left on device\nx"})
         farm.ready(1, token)
         s = farm.state()
-        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 1)]
+        # The budget charged (deferred past it), not the attempt ceiling (a broken host
+        # would hold its tasks failed, which no --resume takes back).
+        assert [(t[1], t[2]) for t in s["tasks"]] == [("queued", 0)]
+        with farm.store.reading() as conn:
+            assert conn.exec_driver_sql("SELECT budget_used FROM tasks").scalar() == 1
         assert s["results"] == [] and s["quarantine"] == []
         with farm.store.reading() as conn:
             [(why,)] = conn.exec_driver_sql(
