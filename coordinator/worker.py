@@ -158,18 +158,22 @@ def _unsent(outcome: ExecOutcome, why: str) -> ExecOutcome:
 
 class HostFailures:
     """A rank whose host cannot run tasks (its disk full, no process to be had) answers
-    `not_run` at once, and would take the whole queue to the retry policy in seconds, faster
-    than any healthy rank takes it. After such an answer the worker waits before its READY,
-    doubling up to `PAUSE_CAP_S` while its host keeps failing: the other ranks get the
-    retries. A task that runs (whatever its outcome) ends the pause."""
+    `not_run` at once, and would take task after task to the retry policy as fast as it can
+    answer. After such an answer the worker waits before its READY, doubling up to its cap
+    while its host keeps failing, so that the healthy ranks take more of the retries. (It
+    only slows a broken rank down: a task it fails again is deferred past the retry budget,
+    and `--resume` runs it.) A task that runs, whatever its outcome, ends the pause."""
 
     FIRST_PAUSE_S = 0.25
-    #: Below --grace's default (10 s): a stop still finds the rank's READY in time.
     PAUSE_CAP_S = 4.0
 
-    def __init__(self, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, sleep: Callable[[float], None] = time.sleep,
+                 stop_wait_s: float = 10.0) -> None:
         self.sleep = sleep
         self.streak = 0
+        # A stop sends STOP once the rank's READY is seen and waits --stop-wait for its
+        # acknowledgement: a pause must leave it time for both.
+        self.cap = min(self.PAUSE_CAP_S, stop_wait_s / 2)
 
     def pause(self, outcome: ExecOutcome | BatchOutcome) -> float:
         """Sleeps as this answer calls for; returns how long."""
@@ -177,7 +181,7 @@ class HostFailures:
         if any(o.status != NOT_RUN_STATUS for o in runs):
             self.streak = 0
             return 0.0
-        wait = min(self.FIRST_PAUSE_S * 2 ** self.streak, self.PAUSE_CAP_S)
+        wait = min(self.FIRST_PAUSE_S * 2 ** self.streak, self.cap)
         self.streak += 1
         self.sleep(wait)
         return wait
@@ -196,7 +200,7 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
     # that leave files get a fresh one.
     fresh = getattr(executor, "needs_workdir", True)
     try:
-        workdir = Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch)) if fresh else scratch
+        workdir = _task_dir(scratch) if fresh else scratch
     except OSError as e:  # this host's disk, not the task: retried, and the rank lives on
         return not_run("cannot make the task's directory", e)
     try:
@@ -207,6 +211,14 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
     finally:
         if fresh:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _task_dir(scratch: Path) -> Path:
+    try:
+        return Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch))
+    except FileNotFoundError:  # $TMPDIR cleaned under a long campaign: made again, once
+        scratch.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="dispatch-", dir=scratch))
 
 
 def answer_stop(transport: Transport, data: bytes | bytearray,
@@ -231,14 +243,15 @@ def answer_stop(transport: Transport, data: bytes | bytearray,
 
 
 def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
-          sender: Sender | None = None, spin_s: float = 0.0) -> int:
+          sender: Sender | None = None, spin_s: float = 0.0, stop_wait_s: float = 10.0) -> int:
     """Run until STOP; returns the process exit status. If the master dies (ULFM reports
     it), exit at once: its database already holds everything, and --resume continues.
 
     `spin_s`: after each answer, poll for the next WORK this long without sleeping (yielding
-    the CPU between polls), then sleep between polls (`--worker-spin-ms`)."""
+    the CPU between polls), then sleep between polls (`--worker-spin-ms`). `stop_wait_s`:
+    the master's --stop-wait, which bounds a broken host's pause (`HostFailures`)."""
     try:
-        return _serve(transport, executor, scratch, sender, spin_s)
+        return _serve(transport, executor, scratch, sender, spin_s, stop_wait_s)
     except (MasterGone, SendFailed) as e:
         print(f"rank {transport.rank}: the master is gone ({e}); exiting", file=sys.stderr,
               flush=True)
@@ -246,13 +259,13 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
 
 
 def _serve(transport: Transport, executor: Executor, scratch: Path | None,
-           sender: Sender | None, spin_s: float) -> int:
+           sender: Sender | None, spin_s: float, stop_wait_s: float = 10.0) -> int:
     sender = sender or Sender(transport)
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
                                         dir=scratch))
     _scratch.append(scratch_dir)
     backoff = Backoff(fast_cap=WAIT_CAP_S, cap=WAIT_CAP_S, yield_window=spin_s)
-    host_failed = HostFailures()
+    host_failed = HostFailures(stop_wait_s=stop_wait_s)
     completed = ""  # R1: empty in the first READY
     last_completed = ""
     try:

@@ -59,7 +59,8 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
                                                        cfg.inject_log), cfg.max_message_bytes)
         spin_s = (cfg.worker_spin_ms / 1000 if cfg.worker_spin_ms is not None
                   else worker_spin_default())
-        return serve(transport, executor, sender=sender, spin_s=spin_s)
+        return serve(transport, executor, sender=sender, spin_s=spin_s,
+                     stop_wait_s=cfg.stop_wait_s)
     except MasterGone as e:  # nothing of this rank's own went wrong: no traceback
         print(f"rank {transport.rank}: the master is gone ({e}); exiting", file=sys.stderr,
               flush=True)

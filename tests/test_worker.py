@@ -125,16 +125,19 @@ def test_a_long_explanation_keeps_its_first_line_the_exception():
     assert sent.detail.endswith("frame 399\n") and len(sent.detail) <= DETAIL_MAX_CHARS
 
 
-def test_a_scratch_directory_gone_from_under_the_worker_is_not_run_and_the_rank_lives(
-        tmp_path):
-    """`$TMPDIR` cleaned under a long campaign: the task's directory cannot be made. Before,
-    the OSError left `run_task` and took the rank with it."""
+def test_a_scratch_directory_gone_from_under_the_worker_is_made_again_or_not_run(tmp_path):
+    """`$TMPDIR` cleaned under a long campaign: before, the OSError of the task's directory
+    left `run_task` and took the rank with it. The scratch directory is made again; where it
+    cannot be (here a file in the way), the task is `not_run` and the rank lives on."""
     from coordinator.worker import run_task
-    gone = tmp_path / "gone"
     ex = CommandExecutor(["/bin/true"], timeout_s=5)
-    out = run_task(ex, {"data": 1}, b"x", gone)
+    gone = tmp_path / "gone" / "scratch"
+    assert run_task(ex, {"data": 1}, b"x", gone).status == "ok"
+    assert gone.is_dir()
+    (tmp_path / "file").write_text("")
+    out = run_task(ex, {"data": 1}, b"x", tmp_path / "file" / "scratch")
     assert out.status == "not_run"
-    assert "cannot make the task's directory" in out.detail
+    assert out.detail.startswith("cannot make the task's directory: Not a directory\n")
 
 
 def test_a_host_that_keeps_failing_pauses_its_ready_longer_each_time_until_a_task_runs():
@@ -149,4 +152,6 @@ def test_a_host_that_keeps_failing_pauses_its_ready_longer_each_time_until_a_tas
     assert pauses.pause(BatchOutcome([not_run, ran])) == 0.0  # part of it ran
     assert pauses.pause(BatchOutcome([not_run, not_run])) == 0.25  # and the streak starts over
     assert pauses.pause(ran) == 0.0 and pauses.pause(not_run) == 0.25
-    assert HostFailures.PAUSE_CAP_S < 10  # within --grace's default: a stop finds its READY
+    # A stop waits --stop-wait for the rank's READY and acknowledgement: half of it at most.
+    short = HostFailures(sleep=slept.append, stop_wait_s=1.0)
+    assert [short.pause(not_run) for _ in range(4)] == [0.25, 0.5, 0.5, 0.5]
