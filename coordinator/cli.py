@@ -308,11 +308,13 @@ def _inject_spec(text: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    for stream in (sys.stdout, sys.stderr):
-        # A path the file system holds as bytes that are not UTF-8 is said as those bytes,
-        # not a UnicodeEncodeError traceback from the line that names it.
-        if isinstance(stream, io.TextIOWrapper):
-            stream.reconfigure(errors="surrogateescape")
+    out = sys.stdout
+    # A path the file system holds as bytes that are not UTF-8 is printed as those bytes,
+    # not a UnicodeEncodeError traceback from the line that names it. (Only a strict UTF-8
+    # stdout: stderr already escapes them, and another encoding would fail on other text.)
+    if (isinstance(out, io.TextIOWrapper) and out.errors == "strict"
+            and out.encoding.lower().replace("-", "") == "utf8"):
+        out.reconfigure(errors="surrogateescape")
     ns = _parser().parse_args(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

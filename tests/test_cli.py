@@ -90,3 +90,17 @@ def test_a_path_the_system_refuses_is_one_line_not_a_traceback(tmp_path, command
     assert got.returncode == ExitStatus.USAGE, got.stderr
     assert "Traceback" not in got.stderr and "File name too long" in got.stderr
     assert got.stderr.count("\n") == 1, got.stderr
+
+
+def test_a_path_the_console_cannot_encode_is_still_said_on_one_line(tmp_path):
+    """stderr escapes what its encoding cannot hold: an ASCII console got a crash ("lost
+    sys.stderr") instead of the refusal when stdout and stderr were both made to pass
+    surrogates through."""
+    import os
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db",
+                          str(tmp_path / "é.db")], capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONIOENCODING": "ascii"}, check=False)
+    assert got.returncode == ExitStatus.USAGE, got.stderr
+    assert got.stderr.endswith(b"\\xe9.db does not exist (nothing was created)\n")
