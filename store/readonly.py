@@ -58,8 +58,9 @@ class ReadOnlyView:
       `unchanged()` tells afterwards whether something wrote it meanwhile (a master that
       started), in which case what was read may be torn.
     - `immutable`: a WAL file whose `-shm` cannot be created (a read-only directory or
-      medium), with no `-wal` beside it: read as immutable. The view may be stale if a
-      master is live; `note()` says so.
+      medium), with no `-wal` beside it (or one that holds no commit, or no copy could be
+      made): read as immutable. The view may be stale if a master is live, or leave out
+      what the `-wal` holds; `note()` says so.
     - `copy`: the same, with a `-wal` beside it. SQLite reads a `-wal` only through a
       `-shm`; read as immutable, the campaign's latest commits (all of them, for a file
       whose every commit is still in its `-wal`) were not seen, and `status` and `check`
@@ -97,9 +98,12 @@ class ReadOnlyView:
                     f"reads the {self.wal_bytes} bytes of its -wal only through one")
         if self.mode != self.IMMUTABLE:
             return None
+        unseen = (f"; the {self.wal_bytes} bytes of its -wal (commits not yet copied into "
+                  f"the file) are not read: no copy could be made in TMPDIR"
+                  if self.wal_bytes > _WAL_HEADER_BYTES else "")
         return (f"opened as immutable: SQLite cannot create {self.path.name}-shm beside it "
                 f"(read-only directory or medium), so the view may be stale if a master is "
-                f"live")
+                f"live{unseen}")
 
 
 def _file_stamp(path: Path) -> tuple[int, ...] | None:
@@ -154,8 +158,10 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
         # SQLITE_CANTOPEN / SQLITE_READONLY: the -shm a WAL reader shares cannot be made.
         if not (wal and mode == ReadOnlyView.SHARED and code in (8, 14)):
             raise cannot_open(db_path, e) from e
-        if wal_file.exists():
-            return _read_a_copy(db_path, real, wal_file)
+        if wal_bytes > _WAL_HEADER_BYTES:  # (a header alone holds no commit)
+            copied = _read_a_copy(db_path, real, wal_file)
+            if copied is not None:
+                return copied
         mode = ReadOnlyView.IMMUTABLE
         connect = _connector(db_path, immutable=True)
         try:
@@ -166,30 +172,48 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
                                  stamp if mode == ReadOnlyView.AT_REST else None, db_path)
 
 
+#: A -wal's header: a -wal no longer than it holds no frame.
+_WAL_HEADER_BYTES = 32
+_COPY_PREFIX = "coordinator-read-"
+
+
 def _read_a_copy(db_path: Path, real: Path, wal_file: Path
-                 ) -> tuple[Callable[[], sqlite3.Connection], ReadOnlyView]:
+                 ) -> tuple[Callable[[], sqlite3.Connection], ReadOnlyView] | None:
     """A WAL file and its `-wal` where no `-shm` can be made, read from a copy of both in a
-    temporary directory (removed at exit), where SQLite makes one (`ReadOnlyView.COPY`)."""
-    where = Path(tempfile.mkdtemp(prefix="coordinator-read-"))
+    temporary directory, where SQLite makes one (`ReadOnlyView.COPY`); None if no copy can
+    be made there (the caller reads the file as immutable, and says what it leaves out).
+    The directory goes at exit; one whose process was killed first, at the next copy."""
+    tmp = Path(tempfile.gettempdir())
+    _remove_orphaned_copies(tmp)
+    try:
+        where = Path(tempfile.mkdtemp(prefix=f"{_COPY_PREFIX}{os.getpid()}-", dir=tmp))
+    except OSError:
+        return None
     atexit.register(shutil.rmtree, where, True)
     copy = where / real.name
     try:
         shutil.copyfile(real, copy)
         shutil.copyfile(wal_file, copy.with_name(copy.name + "-wal"))
-    except OSError as e:
-        shutil.rmtree(where, ignore_errors=True)
-        raise DatabaseOpenError(
-            f"{db_path}: its -wal holds commits that SQLite reads only through a -shm, which "
-            f"cannot be made beside it (read-only directory or medium), and a copy to read "
-            f"in {where.parent} failed ({e.strerror or e}): copy {real.name} and "
-            f"{real.name}-wal to a writable directory and read the copy") from None
-    wal_bytes = copy.with_name(copy.name + "-wal").stat().st_size
-    connect = _connector(copy, immutable=False)
-    try:
+        connect = _connector(copy, immutable=False)
         connect().close()
-    except sqlite3.Error as e:
-        raise cannot_open(db_path, e) from e
+    except (OSError, sqlite3.Error):
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+    wal_bytes = copy.with_name(copy.name + "-wal").stat().st_size
     return connect, ReadOnlyView(real, ReadOnlyView.COPY, wal_bytes, None, db_path, where)
+
+
+def _remove_orphaned_copies(tmp: Path) -> None:
+    for d in tmp.glob(_COPY_PREFIX + "*"):
+        try:
+            pid = int(d.name[len(_COPY_PREFIX):].split("-", 1)[0])
+            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # not ours to judge: another user's, or a name we did not make
 
 
 def _connector(db_path: Path, *, immutable: bool) -> Callable[[], sqlite3.Connection]:

@@ -597,6 +597,36 @@ def test_a_campaign_whose_shm_cannot_be_made_is_read_whole_from_a_copy(campaign,
     assert got["listing"] == ["c.db", "c.db-wal"]
     [note] = got["notes"]
     assert re.fullmatch(
-        r"read from a copy in \S+/coordinator-read-\w+: SQLite cannot create c\.db-shm beside "
+        r"read from a copy in \S+/coordinator-read-\d+-\w+: SQLite cannot create c\.db-shm beside "
         rf"it \(read-only directory or medium\), and reads the {wal_bytes} bytes of its -wal "
         r"only through one", note), note
+
+
+def test_a_copy_left_by_a_killed_reader_goes_at_the_next_copy_and_none_may_fail(
+        campaign, tmp_path, monkeypatch):
+    """The copies are removed at exit; a reader killed first (SIGTERM of `status`, a master
+    refused under ULFM, which leaves by os._exit) left one the size of the campaign. And
+    when no copy can be made in TMPDIR, the caller reads the file as immutable instead."""
+    import tempfile
+
+    from store import readonly
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dead, mine = tmp_path / f"coordinator-read-{gone}-x", \
+        tmp_path / f"coordinator-read-{os.getpid()}-y"
+    for d in (dead, mine):
+        d.mkdir()
+        (d / "c.db").write_bytes(b"copy")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    wal = Path(f"{campaign}-wal")
+    master = sqlite3.connect(campaign, isolation_level=None)
+    try:
+        master.execute("PRAGMA wal_autocheckpoint = 0")
+        master.execute("DELETE FROM quarantine")  # a commit in the -wal
+        got = readonly._read_a_copy(Path(campaign), Path(campaign), wal)
+        assert got is not None and got[1].mode == ReadOnlyView.COPY
+        assert not dead.exists() and mine.exists()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no such directory"))
+        assert readonly._read_a_copy(Path(campaign), Path(campaign), wal) is None
+    finally:
+        master.close()
