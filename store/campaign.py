@@ -313,6 +313,11 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
         # A campaign from before revision 0004 (or one whose settings are unreadable): this
         # run's become the reference the next resume is checked against.
         conn.execute(update(campaign).values(settings=json.dumps(settings, sort_keys=True)))
+    elif stored is not None and settings is not None and set(settings) - set(stored):
+        # Kept by a newer version than the one that began it (feedback, depth, timeout):
+        # this run's, from now on; what the campaign already kept stays.
+        conn.execute(update(campaign).values(
+            settings=json.dumps({**settings, **stored}, sort_keys=True)))
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch

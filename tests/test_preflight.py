@@ -69,13 +69,23 @@ def test_a_resume_keeps_the_campaigns_run_settings_unless_given_again(tmp_path, 
     assert (mine.cfg.feedback, mine.cfg.max_depth, mine.cfg.timeout_s, mine.cfg.watchdog_s) \
         == (True, 0, 60.0, 240.0)
     assert not any(n.startswith("--resume keeps") for n in mine.notes)
-    # A campaign from before they were kept: the defaults, as before.
+    # A campaign from before they were kept: the defaults, as before; its next start keeps
+    # that run's from then on.
     old = tmp_path / "old.db"
     _stored_campaign(old, {k: v for k, v in campaign_settings(first).items()
                            if k not in ("feedback", "max_depth", "timeout_s")})
     monkeypatch.delenv("SYMCC_TIMEOUT")
     plain = check_run(config(old, "--resume"))
     assert (plain.cfg.feedback, plain.cfg.max_depth, plain.cfg.timeout_s) == (True, 0, 30.0)
+    from store.campaign import Store
+    again = check_run(config(old, "--resume", "--no-feedback"))
+    Store.open(old, resume=True, settings=campaign_settings(again.cfg)).close()
+    assert check_run(config(old, "--resume")).cfg.feedback is False
+    # A timeout kept: the default watchdog follows it (4 x, at least 120 s).
+    long = tmp_path / "long.db"
+    _stored_campaign(long, campaign_settings(config(db, "--tasks", str(tmp_path / "t.jsonl"),
+                                                    "--timeout", "100", "--", str(target))))
+    assert check_run(config(long, "--resume")).cfg.watchdog_s == 400.0
 
 
 def test_a_resume_taking_the_command_over_checks_an_inherited_timeout(tmp_path, monkeypatch):
