@@ -64,14 +64,6 @@ __all__ = [
 STATUS_OK = "ok"
 STATUS_TIMEOUT = "timeout"
 STATUS_ERROR = "error"
-STATUS_NOT_RUN = NOT_RUN_STATUS  # the host could not run it: retried, never its result
-
-def not_run(what: str, exc: OSError) -> ExecOutcome:
-    """A task this host could not run. The first line of its detail is the retry's reason,
-    which `status` counts by its text: the error's name there, and its file only below."""
-    return ExecOutcome(status=STATUS_NOT_RUN,
-                       detail=clip_detail(f"{what}: {exc.strerror or type(exc).__name__}\n{exc}"))
-
 
 # Enough of a crashing target's stderr to see the reason, small enough for one RESULT message.
 DETAIL_MAX_BYTES = 2048
@@ -86,6 +78,14 @@ class ExecOutcome:
     detail: str = ""  # short human text: stderr tail, the exception, dropped-file counts
     #: Output files that were test cases but over the limits (or unreadable): not sent.
     dropped: int = 0
+
+
+def not_run(what: str, exc: OSError) -> ExecOutcome:
+    """A task this host could not run (NOT_RUN_STATUS: retried, never its result). The first
+    line of its detail is the retry's reason, which `status` counts by its text: the error's
+    name there, and its file only below."""
+    return ExecOutcome(status=NOT_RUN_STATUS,
+                       detail=clip_detail(f"{what}: {exc.strerror or type(exc).__name__}\n{exc}"))
 
 
 @dataclass

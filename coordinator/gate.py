@@ -20,7 +20,6 @@ from store import workers as wrk
 from store.campaign import Store
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, WorkerState
-from store.vocabulary import UNRUN_REASON
 
 from .protocol import (
     INVALIDATING,
@@ -314,7 +313,8 @@ class Gate:
                     # the retry policy. The rank frees up once its READY is seen.
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
                                          reason=self._salvaged(tx, a, parsed, a.task_id),
-                                         worker_state=WorkerState.BUSY)
+                                         worker_state=WorkerState.BUSY,
+                                         charge_attempt=_status_of(parsed) != NOT_RUN_STATUS)
                     out.retried.append(m.rank)
                     del active[m.rank]
                     continue
@@ -351,13 +351,16 @@ class Gate:
         # What each failed run wrote before it was killed is kept, as for a task on its own.
         failed = {t: self._salvaged(tx, a, o, t)
                   for t, o, r in zip(task_ids, batch, retry, strict=True) if r}
+        # (charged the retry budget only: their host could not run them)
+        unrun = {t for t, o in zip(task_ids, batch, strict=True)
+                 if _status_of(o) == NOT_RUN_STATUS}
         if len(failed) == len(task_ids):
-            dsp.retry_all(tx, a.rank, a.token, failed)
+            dsp.retry_all(tx, a.rank, a.token, failed, unrun)
             out.retried.append(a.rank)
             return None
         rows: Iterable[tuple[int, Any, str | None]] = zip(task_ids, batch, values, strict=True)
         if failed:  # before the commits, which end the dispatch
-            dsp.end_without_result(tx, a.rank, a.token, failed)
+            dsp.end_without_result(tx, a.rank, a.token, failed, unrun)
             out.retried.append(a.rank)
             rows = [row for row, r in zip(rows, retry, strict=True) if not r]
         commit = self.commit
@@ -367,13 +370,12 @@ class Gate:
     def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int) -> str:
         """A run of `task_id` that is retried (`timeout`, `not_run`): the test cases it wrote
         kept, and the reason its retry is recorded with (for a task its host could not run,
-        what failed: the operator has a host to fix; the store charges it the budget only)."""
+        what failed: the operator has a host to fix)."""
         status = str(_status_of(outcome))
         if status == NOT_RUN_STATUS:
             detail = _get(outcome, "detail")
             first = detail.strip().partition("\n")[0] if isinstance(detail, str) else ""
-            # (the prefix the store's retry reads: the budget charged, not the ceiling)
-            return f"{UNRUN_REASON} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
+            return f"{status} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
         kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
         return status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
 

@@ -24,7 +24,6 @@ from .errors import FenceError
 from .journal import Tx
 from .schema import EventKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
-from .vocabulary import UNRUN_REASON
 from .workers import set_workers
 
 
@@ -499,12 +498,13 @@ def _write_batch_commits(tx: Tx, pending: _Pending,
                      for (rank, _), (ready, _) in by_token.items()])
 
 
-def end_without_result(tx: Tx, rank: int, token: str,
-                       reasons: Mapping[int, str]) -> list[Recovery]:
+def end_without_result(tx: Tx, rank: int, token: str, reasons: Mapping[int, str],
+                       unrun: Collection[int] = ()) -> list[Recovery]:
     """Tasks of a batch dispatch whose own run failed (a `timeout`, a `not_run`) while the
     others commit, each with the reason its retry is recorded with: each is retried on its own,
     charged as a single task's failure, its dispatch recorded by its `dispatched` event (the
-    committed ones' record is their result row)."""
+    committed ones' record is their result row). `unrun`: those whose host could not run
+    them, charged the budget only (`_apply_retry`)."""
     times = tx.db.execute("SELECT created_at, incarnation FROM dispatches WHERE rank = ? AND "
                           "token = ?", (rank, token)).fetchone()
     if times is None:
@@ -517,14 +517,16 @@ def end_without_result(tx: Tx, rank: int, token: str,
                  incarnation=times[1])
         tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
                  detail=reason)
-        out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False))
+        out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False,
+                                charge_attempt=task_id not in unrun))
     return out
 
 
-def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]) -> list[Recovery]:
+def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str],
+              unrun: Collection[int] = ()) -> list[Recovery]:
     """A batch dispatch all of whose tasks' runs failed on their own (`timeout`, `not_run`):
     it ends, and each task is retried, charged as a single task's failure (`reasons`: each
-    one's)."""
+    one's; `unrun` as for `end_without_result`)."""
     taken = _take(tx, rank, token)
     if taken is None:
         return []
@@ -533,7 +535,8 @@ def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]) -> list
         reason = reasons[task_id]
         tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
                  detail=reason)
-        out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False))
+        out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False,
+                                charge_attempt=task_id not in unrun))
     set_workers(tx, [(rank, WorkerState.IDLE if taken.ready_at is not None
                       else WorkerState.BUSY)])
     return out
@@ -556,19 +559,20 @@ def find_expired(tx: Tx) -> list[tuple[int, str]]:
 
 
 def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str, *,
-                 protocol: bool = True) -> Recovery:
+                 protocol: bool = True, charge_attempt: bool = True) -> Recovery:
     """Post-send compensation plus the retry policy: the attempt counts, towards the ceiling
     and the budget alike (the worker may have consumed the input), then requeue at the head,
     defer, or hold as failed.
 
     `protocol` says whether a broken dispatch (counted as Protocol-requeued/-deferred) or a
     task whose run failed (a timeout, a run its host could not start; counted apart) is being
-    retried. A run its host could not start (`UNRUN_REASON`) charges the budget only."""
+    retried. `charge_attempt=False` (a run its host could not start) charges the budget only:
+    deferred past it, never held failed for a broken host."""
     requeued_kind = EventKind.REQUEUED if protocol else EventKind.RETRIED
     deferred_kind = EventKind.DEFERRED if protocol else EventKind.TASK_DEFERRED
     attempts, budget_used = tx.conn.execute(
         select(tasks.c.attempts, tasks.c.budget_used).where(tasks.c.id == task_id)).one()
-    charge = 0 if reason.startswith(UNRUN_REASON) else 1
+    charge = int(charge_attempt)
     attempts += charge
     decision = retry_decision(attempts, budget_used + 1, tx.policy)
     if decision is TaskState.DEFERRED:
@@ -638,9 +642,10 @@ def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: 
 
 
 def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventKind.RECOVERED,
-                     reason: str | None = None,
-                     worker_state: WorkerState | None = None) -> Recovery | None:
-    """R6: roll back exactly the dispatch (rank, token) and hand its task to the retry policy.
+                     reason: str | None = None, worker_state: WorkerState | None = None,
+                     charge_attempt: bool = True) -> Recovery | None:
+    """R6: roll back exactly the dispatch (rank, token) and hand its task to the retry policy
+    (`charge_attempt`: as `_apply_retry`'s).
 
     A stale token (or a rank with another dispatch) changes nothing and returns None. The rank
     becomes idle if its current READY was seen, else `worker_state` (e.g. parked, failed).
@@ -660,7 +665,8 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
                           EventKind.SPLIT if asked else EventKind.REQUEUED)
     else:
         rec = _apply_retry(tx, rank, token, row[0], detail,
-                           protocol=cause is not EventKind.TASK_FAILED)
+                           protocol=cause is not EventKind.TASK_FAILED,
+                           charge_attempt=charge_attempt)
     if row[2] is not None:
         rec = dataclasses.replace(rec, ready_seen=True)
         set_workers(tx, [(rank, WorkerState.IDLE)])

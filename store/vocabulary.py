@@ -71,12 +71,6 @@ class LeaseKind(str, enum.Enum):
     SCHEDULE = "schedule"  # the schedule prefix being explored
 
 
-#: How the retry reason of a task its worker's host could not run begins (a `not_run`
-#: RESULT): its retry counts towards the budget (deferred past it; --resume runs it), not
-#: towards the attempt ceiling, which would hold it failed for a broken host.
-UNRUN_REASON = "not_run"
-
-
 class EventKind(str, enum.Enum):
     CAMPAIGN = "campaign"            # an incarnation started (detail: resume or new)
     ENQUEUED = "enqueued"
