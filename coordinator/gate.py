@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 SPLIT_MARK = "split: "
 #: How much of a `not_run` answer's detail its task's retry reason keeps.
 NOT_RUN_REASON_CHARS = 240
+#: Ends the reason of a `not_run` that was charged nothing (`coordinator.cooldown`).
+NOT_CHARGED = " (not charged: the rank's host failed its previous tasks too)"
 
 
 @dataclass(frozen=True)
@@ -152,11 +154,16 @@ class Gate:
                  validate: Callable[[Mapping[str, Any], Any, int], tuple[Any, str | None]]
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
-                 salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None):
+                 salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None,
+                 host_ran: Callable[[int, bool], bool] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
-        cases a timed-out SymCC run wrote), returning how many were kept."""
+        cases a timed-out SymCC run wrote), returning how many were kept. `host_ran`: told of
+        each current RESULT's rank and whether any of its tasks ran (not all `not_run`);
+        returns whether the `not_run` ones are charged (`coordinator.cooldown`). None: they
+        always are."""
         self.store = store
         self.validate, self.commit, self.salvage = validate, commit, salvage
+        self.host_ran = host_ran
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
@@ -308,13 +315,16 @@ class Gate:
                     committed_from[m.rank] = a
                     del active[m.rank]
                     continue
+                unrun = _status_of(parsed) == NOT_RUN_STATUS
+                charged = self._charged(m.rank, not unrun)
                 if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
-                                         reason=self._salvaged(tx, a, parsed, a.task_id),
+                                         reason=self._salvaged(tx, a, parsed, a.task_id,
+                                                               charged),
                                          worker_state=WorkerState.BUSY,
-                                         charge_attempt=_status_of(parsed) != NOT_RUN_STATUS)
+                                         charge_attempt=not unrun, charge_budget=charged)
                     out.retried.append(m.rank)
                     del active[m.rank]
                     continue
@@ -348,26 +358,33 @@ class Gate:
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             return f"value is not JSON-serialisable: {e}"[:300]
         retry = [_status_of(o) in RETRY_STATUSES for o in batch]
-        # What each failed run wrote before it was killed is kept, as for a task on its own.
-        failed = {t: self._salvaged(tx, a, o, t)
-                  for t, o, r in zip(task_ids, batch, retry, strict=True) if r}
-        # (charged the retry budget only: their host could not run them)
+        # (charged the retry budget only: their host could not run them; nothing at all when
+        # it is known to fail every task while other ranks run them)
         unrun = {t for t, o in zip(task_ids, batch, strict=True)
                  if _status_of(o) == NOT_RUN_STATUS}
+        charged = self._charged(a.rank, len(unrun) < len(task_ids))
+        free = () if charged else unrun
+        # What each failed run wrote before it was killed is kept, as for a task on its own.
+        failed = {t: self._salvaged(tx, a, o, t, charged)
+                  for t, o, r in zip(task_ids, batch, retry, strict=True) if r}
         if len(failed) == len(task_ids):
-            dsp.retry_all(tx, a.rank, a.token, failed, unrun)
+            dsp.retry_all(tx, a.rank, a.token, failed, unrun, free)
             out.retried.append(a.rank)
             return None
         rows: Iterable[tuple[int, Any, str | None]] = zip(task_ids, batch, values, strict=True)
         if failed:  # before the commits, which end the dispatch
-            dsp.end_without_result(tx, a.rank, a.token, failed, unrun)
+            dsp.end_without_result(tx, a.rank, a.token, failed, unrun, free)
             out.retried.append(a.rank)
             rows = [row for row, r in zip(rows, retry, strict=True) if not r]
         commit = self.commit
         out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
         return None
 
-    def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int) -> str:
+    def _charged(self, rank: int, ran: bool) -> bool:
+        return True if self.host_ran is None else self.host_ran(rank, ran)
+
+    def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int,
+                  charged: bool = True) -> str:
         """A run of `task_id` that is retried (`timeout`, `not_run`): the test cases it wrote
         kept, and the reason its retry is recorded with (for a task its host could not run,
         what failed: the operator has a host to fix)."""
@@ -375,7 +392,8 @@ class Gate:
         if status == NOT_RUN_STATUS:
             detail = _get(outcome, "detail")
             first = detail.strip().partition("\n")[0] if isinstance(detail, str) else ""
-            return f"{status} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
+            return (f"{status} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
+                    + ("" if charged else NOT_CHARGED))
         kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
         return status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
 

@@ -43,6 +43,7 @@ from store.workers import (
 )
 
 from .batching import AutoBatch
+from .cooldown import HostCooldown
 from .expected_answers import ExpectedAnswers
 from .gate import Gate, Inbound, Stray
 from .observer import Observer
@@ -128,8 +129,9 @@ class Master:
                  writer: TestcaseWriter | None = None):
         self.store, self.transport, self.config = store, transport, config
         self.sources, self.writer = list(sources), writer
+        self._cooldown = HostCooldown(self.live_workers)  # ranks whose host fails tasks
         self.gate = Gate(store, validate=check_result, commit=self._commit,
-                         salvage=self._salvage)
+                         salvage=self._salvage, host_ran=self._host_ran)
         self.summary = Summary()
         self._stop_signal: str | None = None
         #: What became of the campaign file's name, once it no longer reaches the open file.
@@ -252,7 +254,7 @@ class Master:
         now = time.monotonic()
         poll_sources = bool(dispatching and self.sources and now >= self._next_source)
         watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
-        want_dispatch = dispatching and bool(self._idle) and self._may_have_queued
+        want_dispatch = dispatching and self._may_have_queued and self._can_take(now)
         died = self._take_failed()
         # Sends still to be marked do not by themselves justify a COMMIT: they ride along with
         # the next transaction (until then a rollback treats them as sent, the safe side).
@@ -465,10 +467,18 @@ class Master:
         the master polled 4-5 times per task, CPU the ranks' wake-ups needed (utilisation
         0.85-0.92 that way, 0.91-0.94 this way). 0 while anything may come any moment: a
         rank's time unknown, or a READY awaited after a RESULT."""
-        if not self._expected.sent_at or self._answered:
+        if self._answered:
             return 0.0
+        # (a rank cooling down takes work when it ends: nothing to poll for until then)
+        cooled = (self._cooldown.wait_s(self._idle, time.monotonic())
+                  if self._cooldown.until and self._idle and self._may_have_queued else None)
+        if not self._expected.sent_at:
+            return 0.0 if cooled is None else cooled
         first = self._expected.first_expected()
-        return 0.0 if first is None else max(0.0, first - time.monotonic())
+        if first is None:
+            return 0.0
+        quiet = max(0.0, first - time.monotonic())
+        return quiet if cooled is None else min(quiet, cooled)
 
     def _note_answer_times(self, results: list[Inbound]) -> None:
         now = time.monotonic()
@@ -556,19 +566,22 @@ class Master:
     def _plan(self, tx: Tx, active: dict[int, dsp.ActiveDispatch] | None,
               ) -> list[tuple[dsp.Planned, bytes]]:
         self._refresh_idle(tx)
-        if not self._idle:
+        now = time.monotonic()
+        able = ([r for r in self._idle if not self._cooldown.cooling(r, now)]
+                if self._cooldown.until else self._idle)
+        if not able:
+            self._idle_waits()
             return []
-        planned = self.gate.plan_dispatches(tx, self._idle, deadline_s=self.config.watchdog_s
+        planned = self.gate.plan_dispatches(tx, able, deadline_s=self.config.watchdog_s
                                             or None, active=active, batch=self._batch_size(tx),
                                             spread=self.config.batch is None)
-        if len(planned) < len(self._idle):
+        if len(planned) < len(able):
             self._may_have_queued = False  # nothing dispatchable left until something changes
         if self._queued is not None:
             self._queued = max(0, self._queued - sum(1 + len(p.more) for p in planned))
-        self._idle = self._idle[len(planned):]
-        for rank in self._idle:  # its wait for the next WORK is the queue's, not overhead
-            self._answered.pop(rank, None)
-            self._ran_s.pop(rank, None)
+        taken = {p.rank for p in planned}
+        self._idle = [r for r in self._idle if r not in taken]
+        self._idle_waits()
         # Each WORK is built inside the transaction that records its dispatch, so a task that
         # cannot be carried is held as failed in it, instead of raising after the COMMIT (at
         # every --resume again).
@@ -629,6 +642,22 @@ class Master:
 
     def _refresh_idle(self, tx: Tx) -> None:
         self._idle = [r for r in idle_ranks(tx) if r not in self._failed_ranks]
+
+    def _idle_waits(self) -> None:
+        for rank in self._idle:  # its wait for the next WORK is the queue's, not overhead
+            self._answered.pop(rank, None)
+            self._ran_s.pop(rank, None)
+
+    def _can_take(self, now: float) -> bool:
+        """Whether an idle rank may be given work now: one cooling down after its host could
+        not run its tasks (`coordinator.cooldown`) waits, and must not make every idle poll
+        a transaction meanwhile."""
+        if not self._cooldown.until:
+            return bool(self._idle)
+        return any(not self._cooldown.cooling(r, now) for r in self._idle)
+
+    def _host_ran(self, rank: int, ran: bool) -> bool:
+        return self._cooldown.answered(rank, ran)
 
     def _drained(self) -> bool:
         # Asked only after a round with no progress, and at most every 50 ms: a transaction

@@ -160,9 +160,10 @@ class HostFailures:
     """A rank whose host cannot run tasks (its disk full, no process to be had) answers
     `not_run` at once, and would take task after task to the retry policy as fast as it can
     answer. After such an answer the worker waits before its READY, doubling up to its cap
-    while its host keeps failing, so that the healthy ranks take more of the retries. (It
-    only slows a broken rank down: a task it fails again is deferred past the retry budget,
-    and `--resume` runs it.) A task that runs, whatever its outcome, ends the pause."""
+    while its host keeps failing, so that the healthy ranks take more of the retries. (The
+    master also holds such a rank back, and charges its later failures nothing while others
+    run tasks: `coordinator.cooldown`.) A task that runs, whatever its outcome, ends the
+    pause."""
 
     FIRST_PAUSE_S = 0.25
     PAUSE_CAP_S = 4.0

@@ -499,12 +499,14 @@ def _write_batch_commits(tx: Tx, pending: _Pending,
 
 
 def end_without_result(tx: Tx, rank: int, token: str, reasons: Mapping[int, str],
-                       unrun: Collection[int] = ()) -> list[Recovery]:
+                       unrun: Collection[int] = (), free: Collection[int] = (),
+                       ) -> list[Recovery]:
     """Tasks of a batch dispatch whose own run failed (a `timeout`, a `not_run`) while the
     others commit, each with the reason its retry is recorded with: each is retried on its own,
     charged as a single task's failure, its dispatch recorded by its `dispatched` event (the
     committed ones' record is their result row). `unrun`: those whose host could not run
-    them, charged the budget only (`_apply_retry`)."""
+    them, charged the budget only; `free`: of those, the ones charged nothing
+    (`_apply_retry`)."""
     times = tx.db.execute("SELECT created_at, incarnation FROM dispatches WHERE rank = ? AND "
                           "token = ?", (rank, token)).fetchone()
     if times is None:
@@ -518,15 +520,16 @@ def end_without_result(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]
         tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
                  detail=reason)
         out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False,
-                                charge_attempt=task_id not in unrun))
+                                charge_attempt=task_id not in unrun,
+                                charge_budget=task_id not in free))
     return out
 
 
 def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str],
-              unrun: Collection[int] = ()) -> list[Recovery]:
+              unrun: Collection[int] = (), free: Collection[int] = ()) -> list[Recovery]:
     """A batch dispatch all of whose tasks' runs failed on their own (`timeout`, `not_run`):
     it ends, and each task is retried, charged as a single task's failure (`reasons`: each
-    one's; `unrun` as for `end_without_result`)."""
+    one's; `unrun` and `free` as for `end_without_result`)."""
     taken = _take(tx, rank, token)
     if taken is None:
         return []
@@ -536,7 +539,8 @@ def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str],
         tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
                  detail=reason)
         out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False,
-                                charge_attempt=task_id not in unrun))
+                                charge_attempt=task_id not in unrun,
+                                charge_budget=task_id not in free))
     set_workers(tx, [(rank, WorkerState.IDLE if taken.ready_at is not None
                       else WorkerState.BUSY)])
     return out
@@ -559,7 +563,8 @@ def find_expired(tx: Tx) -> list[tuple[int, str]]:
 
 
 def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str, *,
-                 protocol: bool = True, charge_attempt: bool = True) -> Recovery:
+                 protocol: bool = True, charge_attempt: bool = True,
+                 charge_budget: bool = True) -> Recovery:
     """Post-send compensation plus the retry policy: the attempt counts, towards the ceiling
     and the budget alike (the worker may have consumed the input), then requeue at the head,
     defer, or hold as failed.
@@ -567,19 +572,23 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
     `protocol` says whether a broken dispatch (counted as Protocol-requeued/-deferred) or a
     task whose run failed (a timeout, a run its host could not start; counted apart) is being
     retried. `charge_attempt=False` (a run its host could not start) charges the budget only:
-    deferred past it, never held failed for a broken host."""
+    deferred past it, never held failed for a broken host. `charge_budget=False` as well (a
+    host already known to fail every task, while other ranks run them:
+    `coordinator.cooldown`) charges nothing: back at the head, for a healthy rank."""
     requeued_kind = EventKind.REQUEUED if protocol else EventKind.RETRIED
     deferred_kind = EventKind.DEFERRED if protocol else EventKind.TASK_DEFERRED
     attempts, budget_used = tx.conn.execute(
         select(tasks.c.attempts, tasks.c.budget_used).where(tasks.c.id == task_id)).one()
-    charge = int(charge_attempt)
+    charge = int(charge_attempt and charge_budget)
+    budget = int(charge_budget)
     attempts += charge
-    decision = retry_decision(attempts, budget_used + 1, tx.policy)
+    decision = (retry_decision(attempts, budget_used + 1, tx.policy) if charge_budget
+                else TaskState.QUEUED)
     if decision is TaskState.DEFERRED:
         try:
             with tx.savepoint():
                 ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.DEFERRED,
-                               attempts_delta=charge, budget_delta=1, reason=reason)
+                               attempts_delta=charge, budget_delta=budget, reason=reason)
                 tx.event(deferred_kind, rank=rank, token=token, task_id=task_id,
                          detail=reason)
         except (DBAPIError, sqlite3.Error) as e:
@@ -594,7 +603,7 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
             return Recovery(rank or 0, token, task_id, TaskState.QUEUED, attempts, True)
     elif decision is TaskState.QUEUED:
         ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                       queue_pos=head_position(tx), attempts_delta=charge, budget_delta=1,
+                       queue_pos=head_position(tx), attempts_delta=charge, budget_delta=budget,
                        reason=reason)
         tx.event(requeued_kind, rank=rank, token=token, task_id=task_id, detail=reason)
     else:
@@ -643,9 +652,10 @@ def _split_back(tx: Tx, rank: int, token: str, task_ids: Sequence[int], reason: 
 
 def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventKind.RECOVERED,
                      reason: str | None = None, worker_state: WorkerState | None = None,
-                     charge_attempt: bool = True) -> Recovery | None:
+                     charge_attempt: bool = True, charge_budget: bool = True,
+                     ) -> Recovery | None:
     """R6: roll back exactly the dispatch (rank, token) and hand its task to the retry policy
-    (`charge_attempt`: as `_apply_retry`'s).
+    (`charge_attempt`, `charge_budget`: as `_apply_retry`'s).
 
     A stale token (or a rank with another dispatch) changes nothing and returns None. The rank
     becomes idle if its current READY was seen, else `worker_state` (e.g. parked, failed).
@@ -666,7 +676,7 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     else:
         rec = _apply_retry(tx, rank, token, row[0], detail,
                            protocol=cause is not EventKind.TASK_FAILED,
-                           charge_attempt=charge_attempt)
+                           charge_attempt=charge_attempt, charge_budget=charge_budget)
     if row[2] is not None:
         rec = dataclasses.replace(rec, ready_seen=True)
         set_workers(tx, [(rank, WorkerState.IDLE)])

@@ -13,7 +13,8 @@ import pytest
 from conftest import Farm, rows, snapshot, started, task_state, worker_state
 from sqlalchemy import text
 
-from coordinator.gate import Gate, Inbound
+from coordinator.cooldown import HostCooldown
+from coordinator.gate import NOT_CHARGED, Gate, Inbound
 from coordinator.protocol import ReadyStatus, ResultStatus
 from store import dispatches as dsp
 from store.campaign import Store
@@ -277,6 +278,42 @@ def test_a_task_its_host_could_not_run_is_retried_with_what_failed_not_committed
                 "SELECT detail FROM events WHERE kind = 'task_failed'").fetchall()
         assert why == ("not_run on rank 1: cannot materialise input: [Errno 28] No space left "
                        "on device (no READY)")
+    finally:
+        farm.close()
+
+
+def test_a_host_known_to_fail_every_task_has_its_next_failures_charged_nothing(tmp_path):
+    """With the master's cool-down (`coordinator.cooldown`) plugged in: a rank whose host
+    failed one task, failing the next ones too while rank 2 runs tasks, charges them nothing:
+    back at the head for a healthy rank, where they were deferred past the budget (one broken
+    node deferred a healthy campaign's tasks one by one). Alone and in a batch."""
+    farm = Farm(tmp_path / "c.db", policy=RetryPolicy(retries=0, max_attempts=4))
+    farm.gate.host_ran = HostCooldown(lambda: [1, 2]).answered
+    disk_full = "cannot materialise input: [Errno 28] No space left on device"
+    try:
+        first, second, *batch = farm.enqueue(*({"path": f"/seeds/{i}"} for i in range(5)))
+        farm.ready(1)
+        for _ in (first, second):
+            token = farm.dispatch(1, sent=True)[1]
+            farm.result_raw(1, {"token": token, "status": "not_run", "detail": disk_full})
+            farm.ready(1, token)
+        [p] = farm.plan(1, sent=True, batch=3)
+        unrun = {"status": "not_run", "detail": disk_full}
+        farm.result_raw(1, {"token": p.token, "status": "ok", "batch": [unrun] * 3})
+        with farm.store.reading() as conn:
+            got = conn.exec_driver_sql("SELECT id, state, attempts, budget_used, reason "
+                                       "FROM tasks ORDER BY id").fetchall()
+        why = f"not_run on rank 1: {disk_full}"
+        # (the batch took the head: `second` again, back there uncharged)
+        assert [tuple(r) for r in got] == [
+            (first, "deferred", 0, 1, why),  # the first of the streak: charged, as before
+            (second, "queued", 0, 0, why + NOT_CHARGED),
+            *((t, "queued", 0, 0, why + NOT_CHARGED) for t in batch[:2]),
+            (batch[2], "queued", 0, 0, None)]
+        kinds = farm.events()
+        assert kinds["task_failed"] == 5 and kinds["retried"] == 4
+        assert kinds["task_deferred"] == 1
+        assert farm.state()["results"] == []
     finally:
         farm.close()
 

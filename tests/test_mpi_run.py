@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from mpi_jobs import (
+    MPIEXEC,
     Done,
     check_conservation,
     finish,
@@ -37,6 +38,7 @@ from mpi_jobs import (
 from processes import running
 
 from coordinator.exits import ExitStatus
+from coordinator.launcher import mpiexec_flags
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -243,6 +245,59 @@ def test_a_program_its_hosts_cannot_start_defers_its_tasks_and_resume_runs_them(
     assert again.returncode == 0, again.stderr[-3000:]
     check_conservation(db, expected_tasks=5)
     assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 5)]
+
+
+@pytest.fixture
+def full_fs(tmp_path):
+    """A tmpfs with room for its root and one directory (`nr_inodes=2`): Python still takes
+    it as $TMPDIR (its probe file comes and goes before), a worker makes its scratch directory
+    there, and then no task's directory can be made: a node whose disk is full."""
+    where = tmp_path / "full"
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=2", "tmpfs",
+                           str(where)], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def test_one_node_whose_disk_is_full_defers_nothing_the_others_can_run(tmp_path, full_fs):
+    """One rank's $TMPDIR on a full disk (MPMD: `env TMPDIR=...` for rank 1 only): it answers
+    `not_run` at once, while the two healthy ranks run 1 s tasks. Its first failure is charged
+    (one failure does not tell the host from the task); after that the master lets it cool
+    down and charges its failures nothing, so the healthy ranks run every task and nothing is
+    deferred. Before, it took the retried task from the head again within its 0.25 s pause
+    and the second failure deferred it, one healthy task after another."""
+    prog = tmp_path / "target"
+    prog.write_text("#!/bin/sh\nsleep 1\n")
+    prog.chmod(0o755)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    for i in range(8):
+        (seeds / f"s{i}").write_bytes(b"%d" % i)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"path": "{seeds / f"s{i}"}"}}\n' for i in range(8)))
+    db = tmp_path / "c.db"
+    rank = [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--tasks", str(tasks),
+            "--retries", "1", "--no-feedback", "--no-progress", "--", str(prog), "@@"]
+    flags = [f for f in mpiexec_flags(MPIEXEC, 1, ulfm=mpi_kind() == "openmpi")
+             if f not in ("-n", "1")]
+    command = [MPIEXEC, *flags, "-n", "1", *rank, ":", "-n", "1", "env",
+               f"TMPDIR={full_fs}", *rank, ":", "-n", "2", *rank]
+    done = finish(start([], command=command), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=8)
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY state") == [("done", 8)]
+    assert query(db, "SELECT count(*) FROM results WHERE rank = 1 OR status != 'ok'") == [(0,)]
+    failed = [r for (r,) in query(db, "SELECT detail FROM events WHERE kind = 'task_failed' "
+                                      "ORDER BY id")]
+    assert failed and all(r.startswith("not_run on rank 1: cannot make the task's directory")
+                          for r in failed), failed
+    # charged once: the first failure of its streak; the retries after it charged nothing
+    assert query(db, "SELECT sum(budget_used), sum(attempts) FROM tasks") == [(1, 0)]
 
 
 def test_test_cases_fed_back_after_their_directory_was_emptied_all_run(tmp_path):

@@ -1,0 +1,68 @@
+"""The master's view of ranks whose host cannot run tasks (`not_run` answers): when such a
+rank gets work again, and which of its failed tasks are charged to the retry policy.
+
+A rank whose disk is full or whose target lost its exec bit answers `not_run` at once. Left
+alone it took the task at the head of the queue again as soon as it answered (the retried
+task goes back to the head, and the healthy ranks were busy with long runs), failed it again,
+and the second failure deferred it: one healthy campaign's tasks deferred, one by one, by one
+broken node. So:
+
+- after an answer whose every task was `not_run`, the rank gets no work for a cool-down that
+  doubles while its host keeps failing (FIRST_S up to CAP_S), as long as another live rank
+  is not failing (the healthy ranks take its tasks); any answer with a task that ran ends it;
+- the first such answer of a streak is charged as before (the retry budget, not the attempt
+  ceiling: `dispatches._apply_retry`), because one failure does not tell the host from the
+  task (an input too large for any disk fails everywhere);
+- later ones are charged nothing while another live rank is not failing (its host is the
+  known cause, and the healthy ranks will run the task), so a broken node no longer defers
+  anything.
+
+With every live rank failing, there is no one to wait for: no cool-down, each answer charged,
+and the tasks are deferred as before, which ends the run for the operator to fix the hosts
+(`--resume` then runs them).
+
+Pure logic: the master feeds it the answers and asks it before each dispatch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+
+class HostCooldown:
+    FIRST_S = 1.0
+    CAP_S = 30.0
+
+    def __init__(self, live: Callable[[], Iterable[int]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`live`: the ranks that may still take work (asked only about a failing rank)."""
+        self.live, self.clock = live, clock
+        self.streak: dict[int, int] = {}   # rank -> answers in a row with nothing run
+        self.until: dict[int, float] = {}  # rank -> when its cool-down ends (monotonic)
+
+    def answered(self, rank: int, ran: bool) -> bool:
+        """A current RESULT of `rank`: `ran` unless every task it answers is `not_run`.
+        Returns whether its `not_run` tasks are charged."""
+        if ran:
+            if self.streak:
+                self.streak.pop(rank, None)
+                self.until.pop(rank, None)
+            return True
+        known = rank in self.streak
+        n = self.streak[rank] = self.streak.get(rank, 0) + 1
+        self.until[rank] = self.clock() + min(self.FIRST_S * 2 ** (n - 1), self.CAP_S)
+        return not (known and self._others_run(rank))
+
+    def _others_run(self, rank: int) -> bool:
+        return any(r != rank and r not in self.streak for r in self.live())
+
+    def cooling(self, rank: int, now: float) -> bool:
+        until = self.until.get(rank)
+        return until is not None and now < until and self._others_run(rank)
+
+    def wait_s(self, ranks: Iterable[int], now: float) -> float | None:
+        """How long until the first of `ranks` that is cooling down may take work again;
+        None if none of them is."""
+        ends = [self.until[r] for r in ranks if self.until and self.cooling(r, now)]
+        return min(ends) - now if ends else None
