@@ -169,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                         "shell, a backup), wait up to S seconds, saying so once a minute, "
                         f"before stopping (exit 3; default {DEFAULT_LOCK_WAIT_S:g})")
     r.add_argument("--stop-wait", action=Once, type=non_negative_float, default=10.0, metavar="S",
-                   help="bounded wait for each worker's STOP_ACK (default 10)")
+                   help="bounded wait for each worker's STOP_ACK; runs that end in it are "
+                        "committed, the rest go back to the queue (default 10)")
     r.add_argument("--worker-spin-ms", action=Once, type=non_negative_float, default=None,
                    metavar="MS",
                    help="after each answer an idle worker polls for its next WORK without "

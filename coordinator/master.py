@@ -897,15 +897,13 @@ class Master:
 
     def _shutdown(self) -> None:
         self.summary.stopped_by_signal = self._stop_signal
-        with self._tx("graceful stop: in-flight work back to the queue") as tx:
+        with self._tx("graceful stop") as tx:
             self._settle_sends(tx)
-            back = dsp.requeue_in_flight(tx, earlier_incarnations=False,
-                                         charged_ranks=self._gone_ranks(tx))
+        self.summary.unacked_ranks, back = self._stop_workers()
         if back:
             print(f"coordinator: {len(back)} unfinished task{'s' * (len(back) != 1)} "
                   f"returned to the queue",
                   file=sys.stderr, flush=True)
-        self.summary.unacked_ranks = self._stop_workers()
 
     def _gone_ranks(self, tx: Tx) -> set[int]:
         """Ranks holding a dispatch whose worker is known to be gone: reported dead by MPI, or
@@ -1059,12 +1057,17 @@ class Master:
                             if self._forged_acks == 3 else "")
         return acked
 
-    def _stop_workers(self) -> list[int]:
+    def _stop_workers(self) -> tuple[list[int], list[int]]:
         """Tokenized STOP to each worker once it has shown READY; wait, bounded, for the
-        exact-token STOP_ACK. Returns the ranks that never acknowledged."""
+        exact-token STOP_ACK. A run that ends meanwhile is committed as in any round (its
+        dispatch is still in flight: the longest runs, SymCC's, are the ones still going when
+        the grace period ends, and their results were quarantined as `unowned` and the runs
+        done again); what is still in flight at the end goes back to the queue. Returns the
+        ranks that never acknowledged, and the tasks returned to the queue."""
         pending = set(self.live_workers())
         with self.store.reading() as conn:
-            shown_ready = ranks_in_state(conn, WorkerState.IDLE)
+            # (a rank whose READY came before its RESULT has shown it too)
+            shown_ready = ranks_in_state(conn, WorkerState.IDLE) | dsp.ready_seen(conn)
         stop_tokens: dict[int, str] = {}
         acked: set[int] = set()
         deadline = time.monotonic() + self.config.stop_wait_s
@@ -1078,9 +1081,10 @@ class Master:
             if readies or results or self._strays:
                 progressed = True
                 began = time.monotonic()
-                with self._tx("drain during stop") as tx:  # late messages: quarantined
+                with self._tx("drain during stop") as tx:
                     self._unparked += self.gate.apply_ready(tx, readies).recovered_workers
-                    self.gate.apply_results(tx, results)
+                    self.summary.committed += len(self.gate.apply_results(tx, results)
+                                                  .committed)
                     self._note_strays(tx)
                 self._tell_unparked()
                 # The master's own time, a wait for another process's write lock (a shell, a
@@ -1109,9 +1113,18 @@ class Master:
                 backoff.reset()
             else:
                 backoff.wait()
+        # A worker sends its RESULT before its READY and STOP_ACK, but the master drains each
+        # tag on its own: a RESULT that came before the last acknowledgement is applied
+        # before its task could go back to the queue.
+        results, readies = self._receive()
         # Acknowledged ranks are stopped even if they then exit without finalizing (ULFM
         # reports that exit as a failure).
-        with self._tx("workers stopped") as tx:
+        with self._tx("graceful stop: in-flight work back to the queue") as tx:
+            if results or readies:
+                self.gate.apply_ready(tx, readies)
+                self.summary.committed += len(self.gate.apply_results(tx, results).committed)
+            back = dsp.requeue_in_flight(tx, earlier_incarnations=False,
+                                         charged_ranks=self._gone_ranks(tx))
             set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])
             self._note_strays(tx)
         # Ranks lost at the start, refused, or sent to in vain (a send that failed for
@@ -1119,7 +1132,7 @@ class Master:
         # the job open: ended with the unacknowledged ones.
         self._take_failed()
         alive = (self._lost | self._refused | self._failed_ranks) - self._dead
-        return sorted(pending | alive)
+        return sorted(pending | alive), back
 
 
 def _ranks(ranks: Sequence[int]) -> str:

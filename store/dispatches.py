@@ -742,6 +742,12 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
     return back  # oldest dispatch first, as queued
 
 
+def ready_seen(conn: Connection) -> set[int]:
+    """The ranks holding a dispatch whose current READY was seen (its RESULT not yet)."""
+    return {r for (r,) in conn.execute(select(dispatches.c.rank).where(
+        dispatches.c.ready_at.is_not(None)))}
+
+
 def any_in_flight(conn: Connection) -> bool:
     return bool(conn.execute(select(exists(select(dispatches.c.token)))).scalar())
 

@@ -335,8 +335,10 @@ def _worker_state(path, rank: int) -> str | None:
 @pytest.mark.timeout(60)
 def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp_path):
     """docs/protocol.md §3, Shutdown: STOP only after the worker has shown READY. Rank 1 is still
-    running when the grace period ends (its task goes back to the queue); it answers a few polls
-    later, and only then is sent its STOP. Meanwhile the database says it is busy, not idle."""
+    running when the grace period ends; it answers a few polls later, and only then is sent its
+    STOP. Its dispatch stayed in flight through the stop's wait, so its RESULT, drained after
+    the READY, is committed: it used to be quarantined as `unowned` (its task had gone back to
+    the queue at the end of the grace period) and the finished run was done again."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
     try:
         ranks = ScriptedAnswers(1, answered_after(6))
@@ -362,12 +364,14 @@ def test_a_rank_still_running_at_the_stop_gets_its_stop_only_after_its_ready(tmp
         with sqlite3.connect(tmp_path / "c.db") as db:
             tasks_left = db.execute("SELECT state, count(*) FROM tasks GROUP BY 1").fetchall()
             final = db.execute("SELECT state FROM workers").fetchall()
+            quarantined = db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
     finally:
         store.close()
     assert stops == [(1, True)]  # one STOP, sent once the READY had been drained
-    assert states_at_stop == ["idle"] and final == [("stopped",)]
-    assert master.summary.unacked_ranks == []
-    assert tasks_left == [("queued", 3)]  # the late RESULT was not committed: its task is back
+    # (busy: its READY drained, its RESULT not yet; the dispatch is still its own)
+    assert states_at_stop == ["busy"] and final == [("stopped",)]
+    assert master.summary.unacked_ranks == [] and master.summary.committed == 1
+    assert tasks_left == [("done", 1), ("queued", 2)] and quarantined == 0
 
 
 @pytest.mark.timeout(60)
@@ -528,13 +532,13 @@ def test_a_write_lock_held_through_the_stop_does_not_cost_the_workers_their_stop
         holder.start()
         assert held.wait(10)
         try:
-            unacked = master._stop_workers()
+            unacked, back = master._stop_workers()
         finally:
             release.set()
             holder.join()
     finally:
         store.close()
-    assert unacked == []
+    assert unacked == [] and back == []
 
 
 @pytest.mark.timeout(60)

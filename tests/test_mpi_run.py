@@ -671,6 +671,37 @@ def test_sigterm_to_every_rank_lets_running_commands_finish_in_the_grace_period(
     assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
 
 
+def test_runs_that_end_during_the_stops_wait_are_committed_not_quarantined(tmp_path):
+    """Runs longer than --grace (SymCC's, at a scheduler's SIGTERM) used to go back to the
+    queue when the grace period ended; their RESULTs then came during the wait for the
+    STOP_ACKs and were quarantined as `unowned` (counted for the campaign's life), and the
+    finished runs were done again at --resume. The dispatches now stay in flight through the
+    wait: what ends in it is committed, and only what is still running goes back."""
+    target = tmp_path / "short.py"
+    target.write_text(SHORT_TARGET)
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 9)),
+                  "--grace", "0.2", "--stop-wait", "30", "--no-progress", "--",
+                  sys.executable, str(target), "@@"])
+    try:
+        pid = master_pid(db)
+        wait_for(db, "SELECT count(*) FROM dispatches", lambda n: n == 3)
+        os.kill(pid, signal.SIGTERM)
+        done = finish(proc, timeout=90)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=9)
+    [(ok,)] = query(db, "SELECT count(*) FROM results WHERE status = 'ok'")
+    assert ok >= 3 and query(db, "SELECT count(*) FROM tasks WHERE state = 'queued'") == [
+        (9 - ok,)]
+    assert query(db, "SELECT count(*) FROM quarantine") == [(0,)]
+    assert query(db, "SELECT count(*) FROM events WHERE kind = 'stop_requeued'") == [(0,)]
+    assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
+    assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
+    assert status_json(db)["quarantine"] == quarantined()
+
+
 def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_path, tiny_fs):
     """The database fills its filesystem while the tasks file is imported: exit 3, a line
     saying nothing is lost and to continue with --resume (the campaign row exists, so a plain
