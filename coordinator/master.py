@@ -32,7 +32,7 @@ from store.errors import StoreError
 from store.journal import Tx
 from store.schema import Channel, EventKind, QuarantineReason, TaskState, WorkerState
 from store.semantic import content_hash
-from store.stats import REFUSED_DETAIL, stats_text
+from store.stats import REFUSED_DETAIL, other_messages_text, stats_text
 from store.workers import (
     idle_ranks,
     parked_detail,
@@ -855,13 +855,19 @@ class Master:
         self.request_stop(CAMPAIGN_FILE_LOST)
 
     def write_stats(self, s: Snapshot | None = None) -> None:
-        """The six counters of docs/protocol.md R10, then the progress line's fields."""
+        """The six counters of docs/protocol.md R10, the quarantined messages of the other
+        channels, then the progress line's fields."""
         if self.config.stats_file is None:
             return
         if s is None:
             s = self._observer.read()
+        # The six R10 lines stay first, byte for byte, for what parses them; a forged
+        # STOP_ACK or a message on a foreign tag fits none of their labels, so it is counted on
+        # a line after them, written even at 0 so that every copy of the file has its lines.
+        other = other_messages_text(s.stats, always=True)
         try:
-            replace_text(self.config.stats_file, stats_text(s.stats) + stats_fields(s))
+            replace_text(self.config.stats_file,
+                         stats_text(s.stats) + f"{other}\n" + stats_fields(s))
         except OSError as e:  # a convenience copy: the numbers stay in the database
             why = e.strerror or str(e)
             if why != self.stats_error:  # said once per cause, not every interval

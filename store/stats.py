@@ -199,11 +199,13 @@ def stats_text(s: Stats) -> str:
     ]) + "\n"
 
 
-def other_messages_text(s: Stats) -> str | None:
+def other_messages_text(s: Stats, *, always: bool = False) -> str | None:
     """What came on no READY or RESULT tag (a STOP_ACK for no STOP, a tag the master never
-    receives), as one line beside the six of `stats_text`; None if nothing did."""
+    receives), as one line beside the six of `stats_text`; None if nothing did, unless
+    `always` (the stats file: a script that reads it finds the same lines in every copy)."""
     counts = _other_messages(s)
-    return f"Quarantined other messages: {_reasons(counts)}" if counts else None
+    return (f"Quarantined other messages: {_reasons(counts)}" if counts or always
+            else None)
 
 
 def _other_messages(s: Stats) -> dict[str, int]:

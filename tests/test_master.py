@@ -8,6 +8,7 @@ import math
 import sqlite3
 import threading
 import time
+from collections import deque
 
 import msgspec
 import pytest
@@ -28,10 +29,11 @@ from sqlalchemy import func, select
 
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
-from coordinator.transport import Received
+from coordinator.transport import ANY_TAG, Received
 from coordinator.wire import TAG_READY, TAG_RESULT, TAG_STOP_ACK
 from store.campaign import Store
 from store.schema import results, tasks
+from store.stats import read_stats, stats_text
 from store.tasks import NewTask, enqueue_tasks
 
 
@@ -434,6 +436,46 @@ def test_a_stats_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(tm
     assert summary.committed == 20 and summary.rounds > 1  # a write failed at every round
     assert err.count(f"cannot write the stats file {gone / 'c.stats'}: No such file") == 1
     assert master.stats_error == "No such file or directory"
+
+
+class ForeignTagFirst(InstantWorkers):
+    """Rank 1 also sends three messages on a tag the master never receives, and one STOP_ACK
+    for no STOP: they wait in the master's first drain of every tag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strays = deque([Received(1, 99, bytearray(b"x")) for _ in range(3)]
+                            + [Received(1, TAG_STOP_ACK, bytearray(b"y"))])
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        if tag == ANY_TAG:
+            while self.strays:
+                yield self.strays.popleft()
+            return
+        yield from super().drain(tag, limit, max_bytes)
+
+
+@pytest.mark.timeout(60)
+def test_the_stats_file_counts_the_messages_of_the_other_channels(tmp_path):
+    """The six R10 lines did not count a message on a foreign tag or a STOP_ACK for no STOP
+    (the progress fields' total did, under no counter): the line the summary and `status`
+    print for them is in the file too, after the six, whether or not any came."""
+    for strays in (True, False):
+        db = tmp_path / f"c{strays}.db"
+        store = _campaign_of_demo_tasks(db, 4)
+        try:
+            Master(store, ForeignTagFirst() if strays else InstantWorkers(), MasterConfig(
+                linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=db.with_suffix(".stats"),
+                )).run()
+            with store.reading() as conn:
+                six = stats_text(read_stats(conn))
+        finally:
+            store.close()
+        lines = db.with_suffix(".stats").read_text()
+        assert lines.startswith(six)  # byte for byte (docs/protocol.md R10)
+        assert lines[len(six):].splitlines()[0] == (
+            "Quarantined other messages: 4 (foreign_tag=3,stop_ack:stale=1)" if strays
+            else "Quarantined other messages: 0")
 
 
 @pytest.mark.timeout(60)

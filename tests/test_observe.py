@@ -57,7 +57,8 @@ def test_the_stats_file_keeps_the_six_labels_first_then_the_progress_fields(camp
     text = campaign.with_name(campaign.name + ".stats").read_text()
     six = stats_text(_stats(campaign))
     assert text.startswith(six)  # byte for byte
-    rest = text[len(six):].splitlines()
+    other, *rest = text[len(six):].splitlines()
+    assert other == "Quarantined other messages: 0"
     assert [line.split(":")[0] for line in rest] == [
         "Elapsed", "Tasks", "Rate", "ETA", "Test cases", "Quarantined messages", "Parked ranks"]
     assert rest[1] == "Tasks: 300 done, 0 queued, 0 active, 0 deferred, 0 failed"
