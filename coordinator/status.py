@@ -56,8 +56,9 @@ def status(db: Path, as_json: bool) -> int:
     s, times, by_status = seen.stats, seen.times, seen.results_by_status
     running = master is not None and master["running"] is not False
     # A master that is gone ran until its last observation; its rates of the last minute
-    # and hour are not those of anything running now.
-    end = now if running else (times.last_observed_at or now)
+    # and hour are not those of anything running now. One that recorded nothing after its
+    # start has no end to measure to: its start stands in, so that no rate is made up.
+    end = now if running else (times.last_observed_at or times.incarnation_started_at or now)
     got = rates(samples, end, s.tasks["done"])
     if not running:
         got["last_minute"] = got["last_hour"] = None
@@ -108,10 +109,12 @@ def status(db: Path, as_json: bool) -> int:
                  None: f"{where} (whether it runs cannot be told from here)"}[master["running"]]
         print("master: " + state)
     if times.created_at is not None:
-        run = (f"; this incarnation {'has run' if running else 'ran'} "
-               f"{duration(end - times.incarnation_started_at)}"
-               if times.incarnation_started_at is not None
-               and (running or times.last_observed_at is not None) else "")
+        started = times.incarnation_started_at
+        run = ("" if started is None else
+               f"; this incarnation {'has run' if running else 'ran'} {duration(end - started)}"
+               if running or times.last_observed_at is not None else
+               f"; this incarnation started {clock_utc(started)}, its end was not recorded "
+               f"(its master left no record after its start)")
         print(f"age: {duration(now - times.created_at)} (created "
               f"{clock_utc(times.created_at)}){run}")
     print(f"tasks: {sum(t.values())} = {t['done']} done, {t['queued']} queued, "

@@ -151,7 +151,9 @@ def read_samples(conn: Connection, incarnation: int, since: float) -> list[Sampl
 class Times:
     created_at: float | None       # the campaign's first start
     incarnation_started_at: float | None
-    last_observed_at: float | None  # the current incarnation's last sign of life (`read_times`)
+    #: The current incarnation's last sign of life after its start (`read_times`); None if
+    #: nothing after the start was recorded.
+    last_observed_at: float | None
     source: str | None              # campaign.settings' task source: demo, tasks or afl
     oldest_dispatch: tuple[int, int, float] | None  # (rank, task id, recorded at)
 
@@ -164,13 +166,19 @@ def read_times(conn: Connection) -> Times:
         f"AND incarnation = ?", (incarnation,)).scalar()
     # The observations are seconds apart, and a master killed between two (kill -9) writes
     # no last one: 2 s and 77 results read "ran 0s". What it left in flight, and its latest
-    # event (the last row of its table), say when it was last alive: O(in flight).
+    # event (the last row of its table), say when it was last alive: O(in flight). The start
+    # itself is no sign of having run: its `campaign` event (and what its transaction wrote)
+    # and its first observation, which comes at once. A master killed before it wrote anything
+    # else ran for a time nobody recorded, not 0 s.
     last = conn.exec_driver_sql(
         "SELECT max(at) FROM (SELECT max(at) AS at FROM observations WHERE incarnation = ?1 "
+        "AND at > (SELECT min(at) FROM observations WHERE incarnation = ?1) "
         "UNION ALL SELECT max(coalesce(sent_at, created_at)) FROM dispatches "
         "WHERE incarnation = ?1 "
         "UNION ALL SELECT at FROM (SELECT at, incarnation FROM events "
         "ORDER BY id DESC LIMIT 1) WHERE incarnation = ?1)", (incarnation,)).scalar()
+    if last is not None and started is not None and last <= started:
+        last = None
     try:
         source = (json.loads(settings) or {}).get("source") if settings else None
     except ValueError:

@@ -4,7 +4,10 @@ the same figures; on campaign files made by the real master, read-only."""
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,10 @@ from campaigns import copy_of, finding_campaign
 
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
+from coordinator.progress import clock_utc
+from store.campaign import Store
 from store.engine import read_file
+from store.observe import record_observation
 from store.stats import read_stats, stats_text
 
 
@@ -126,6 +132,36 @@ def test_a_master_killed_between_observations_ran_until_the_last_it_left(campaig
     got = _status(copy, capsys)
     assert got["incarnation_run_s"] == pytest.approx(5.0)
     assert got["rate"]["overall"] == pytest.approx(299 / 5.0)
+
+
+@pytest.mark.parametrize("observed", [True, False])
+def test_a_master_killed_before_it_recorded_anything_ran_for_no_known_time(
+        campaign, tmp_path, capsys, observed):
+    """A resume killed (kill -9) right after its start: its `campaign` event and, if it got
+    that far, the observation it writes at once are all it left. Its incarnation read "ran
+    0s"; its end is not known, and no rate is made from its start to now."""
+    copy = copy_of(campaign, tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    store = Store.open(copy, resume=True,
+                       note=f"master pid={gone.pid} host={socket.gethostname()} ranks=4")
+    try:
+        if observed:
+            with store.transaction("observation") as tx:
+                record_observation(tx, {"done": 300}, 60, [], 300.0)
+    finally:
+        store.close()
+    [(started,)] = _rows(copy, "SELECT max(at) FROM events WHERE kind = 'campaign'")
+    got = _status(copy, capsys)
+    assert got["incarnation"] == 2 and got["master"]["running"] is False
+    assert got["incarnation_started_at"] == pytest.approx(started)
+    assert got["incarnation_run_s"] is None
+    assert got["rate"] == {"last_minute": None, "last_hour": None, "overall": None}
+    assert main(["status", "--db", str(copy)]) == ExitStatus.OK
+    out = capsys.readouterr().out
+    assert "ran 0s" not in out
+    assert (f"; this incarnation started {clock_utc(started)}, its end was not recorded "
+            f"(its master left no record after its start)\n") in out
 
 
 def test_a_campaign_in_a_directory_whose_name_is_not_utf8(campaign, tmp_path, capsys):
