@@ -22,8 +22,14 @@ injected).
   and result rows it summarizes disagree, or the incarnation is not the number of starts.
 
 The one-record rules describe dispatches made at revision 0007 or later. A campaign begun
-before it and brought forward keeps a `dispatched` event for each earlier dispatch, its
-committed ones too, which these rules then report (the audit says so in its notes).
+before it and brought forward keeps what the older code wrote: a `dispatched` event for each
+of its dispatches, written as it was made, so a dispatch committed then has its event and its
+result, and one in flight then its event and its row (and, once a resume has ended it, a
+second event). Nothing in the file says when it was brought forward; `_legacy_incarnations`
+reads it from the rows: the incarnations before the first that recorded a dispatch the newer
+way. A token of those incarnations counts as one record however many it has, and its result
+beside its `dispatched` event is no commit from a dispatch that ended; every other rule holds
+for them as it is.
 """
 
 from __future__ import annotations
@@ -112,6 +118,9 @@ class AuditReport:
     notes: list[str] = field(default_factory=list)
     skipped: list[Check] = field(default_factory=list)  # checks the file's revision rules out
     stats: Stats | None = None   # what `status` shows, as the `statistics` rule read it
+    #: Incarnations 1..this recorded their dispatches as code before revision 0007 did
+    #: (`_legacy_incarnations`); 0 for a campaign begun at 0007 or later.
+    legacy_incarnations: int = 0
 
     @property
     def ok(self) -> bool:
@@ -161,6 +170,7 @@ class _File:
     notes: list[str] = field(default_factory=list)
     skipped: list[Check] = field(default_factory=list)
     stats: Stats | None = None
+    legacy: int = 0  # `_legacy_incarnations`
 
     def since(self, revision: str) -> bool:
         return self.order.index(self.revision) >= self.order.index(revision)
@@ -262,6 +272,61 @@ def _conservation(f: _File) -> list[Violation]:
     return out
 
 
+#: A result or a dispatch in flight without a `dispatched` event of its token: code before
+#: revision 0007 wrote one for every dispatch as it made it (and 0007 gave a result found with
+#: its event the event's time; one found without stayed NULL), so such a row was made by newer
+#: code. The earliest incarnation of one.
+_FIRST_RECORDED_ONCE = (
+    "SELECT min(incarnation) FROM (SELECT r.incarnation FROM results r "
+    "WHERE r.dispatched_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM events e "
+    "WHERE e.task_id = r.task_id AND e.token = r.token AND e.kind = 'dispatched') "
+    "UNION ALL SELECT d.incarnation FROM dispatches d WHERE NOT EXISTS (SELECT 1 FROM events e "
+    "WHERE e.task_id = d.task_id AND e.token = d.token AND e.kind = 'dispatched'))")
+
+
+def _legacy_incarnations(f: _File) -> int:
+    """How many of the first incarnations recorded their dispatches the way code before
+    revision 0007 did. The upgrade left no mark of when it ran, so the rows say it: the first
+    incarnation that left a row only newer code makes (`_FIRST_RECORDED_ONCE`), or an
+    observation (revision 0010's; no older code wrote one), began the newer way, and every
+    later one is held to it. A file with neither is read as older code left it."""
+    first = [f.rows(_FIRST_RECORDED_ONCE).scalar()]
+    if f.since("0010"):
+        first.append(f.rows("SELECT min(incarnation) FROM observations").scalar())
+    known = [i for i in first if i is not None]
+    if known:
+        return max(0, min(known) - 1)
+    return f.rows("SELECT incarnation FROM campaign").scalar() or 0
+
+
+def _records_sql(legacy: int) -> str:
+    """The records of a task's dispatches (`schema.DISPATCH_RECORDS_SQL`), where the records
+    of a token of the first `legacy` incarnations count as one: its event written as it was
+    made, and its result, its row in flight or the event a later resume wrote as it ended
+    it, were one dispatch."""
+    if not legacy:
+        return DISPATCH_RECORDS_SQL
+    old, new = f"incarnation <= {int(legacy)}", f"incarnation > {int(legacy)}"
+    return (
+        f"((SELECT count(*) FROM results r WHERE r.task_id = t.id AND r.{new}) + "
+        f"(SELECT count(*) FROM events e WHERE e.task_id = t.id AND e.kind = 'dispatched' "
+        f"AND e.{new}) + "
+        f"(SELECT count(*) FROM dispatches d WHERE d.task_id = t.id AND d.{new}) + "
+        f"(SELECT count(*) FROM leases l WHERE l.kind = 'work' AND l.key = CAST(t.id AS TEXT)) + "
+        f"(SELECT count(DISTINCT token) FROM (SELECT token FROM results WHERE task_id = t.id "
+        f"AND {old} UNION ALL SELECT token FROM events WHERE task_id = t.id "
+        f"AND kind = 'dispatched' AND {old} UNION ALL SELECT token FROM dispatches "
+        f"WHERE task_id = t.id AND {old})))")
+
+
+#: Tokens of the first N incarnations (`_legacy_incarnations`) with more than one record.
+_LEGACY_DOUBLES = (
+    "SELECT count(*) FROM (SELECT task_id, token FROM (SELECT task_id, token FROM results "
+    "WHERE incarnation <= ?1 UNION ALL SELECT task_id, token FROM events "
+    "WHERE kind = 'dispatched' AND incarnation <= ?1 UNION ALL SELECT task_id, token "
+    "FROM dispatches WHERE incarnation <= ?1) GROUP BY task_id, token HAVING count(*) > 1)")
+
+
 def _dispatch_records(f: _File) -> list[Violation]:
     more, fewer = Check.MORE_RECORDS_THAN_DISPATCHES, Check.DISPATCH_WITHOUT_RECORD
     if not f.since(ONE_RECORD_SINCE):
@@ -270,7 +335,7 @@ def _dispatch_records(f: _File) -> list[Violation]:
     kind = ViolationKind.DISPATCH_RECORDS
     return _capped(kind, f.rows(
         f"SELECT CASE WHEN n > records THEN '{fewer.value}' ELSE '{more.value}' END, id, n, "
-        f"records, token FROM (SELECT t.id, t.dispatches AS n, {DISPATCH_RECORDS_SQL} AS "
+        f"records, token FROM (SELECT t.id, t.dispatches AS n, {_records_sql(f.legacy)} AS "
         f"records, (SELECT r.token FROM results r WHERE r.task_id = t.id) AS token "
         f"FROM tasks t) WHERE n != records"), {
         more: (lambda r: Violation(
@@ -301,9 +366,11 @@ def _wrong_commits(f: _File) -> list[Violation]:
            f"UNION ALL SELECT '{shared.value}', group_concat(task_id, ', '), token, count(*) "
            f"FROM results GROUP BY token HAVING {one_dispatch}")
     if f.since(ONE_RECORD_SINCE):
+        # (A result of the incarnations before revision 0007 has its dispatch's event beside
+        # it: the record made as it was dispatched, `_legacy_incarnations`.)
         sql += (f" UNION ALL SELECT DISTINCT '{ended.value}', r.task_id, r.token, NULL "
                 f"FROM results r JOIN events e ON e.task_id = r.task_id AND e.token = r.token "
-                f"AND e.kind = 'dispatched'")
+                f"AND e.kind = 'dispatched' WHERE r.incarnation > {int(f.legacy)}")
     else:
         f.skipped.append(ended)
     return _capped(kind, f.rows(sql), {
@@ -428,6 +495,16 @@ def _audit(conn: Connection) -> AuditReport:
             f"would decide them); restore a copy, or `sqlite3 {name} .recover`"])
 
     f = _File(conn, revision, order)
+    if f.since(ONE_RECORD_SINCE):
+        f.legacy = _legacy_incarnations(f)
+    if f.legacy and (doubles := f.rows(_LEGACY_DOUBLES.replace("?1", str(f.legacy))).scalar()):
+        f.notes.append(
+            f"read as a campaign begun before revision {ONE_RECORD_SINCE} and brought "
+            f"forward: its incarnations up to {f.legacy} left no row that only later code "
+            f"writes, and {doubles} of their dispatches have the `dispatched` event older "
+            f"code wrote as it made them beside their result, their row in flight or the "
+            f"event a later start wrote as it ended them; each counts as one dispatch, and "
+            f"its result as no commit from a dispatch that ended")
     violations: list[Violation] = []
     for rule in RULES:
         violations += rule(f)
@@ -438,13 +515,7 @@ def _audit(conn: Connection) -> AuditReport:
             f"that ended without one were not run (before {ONE_RECORD_SINCE} every dispatch "
             f"had a `dispatched` event, its committed ones too); `coordinator db upgrade "
             f"--db {name}` brings the file forward")
-    elif any(v.check in (Check.MORE_RECORDS_THAN_DISPATCHES, Check.TOKEN_ENDED_WITHOUT_RESULT)
-             for v in violations):
-        f.notes.append(
-            f"if this campaign was begun before revision {ONE_RECORD_SINCE} and brought "
-            f"forward, each of its earlier dispatches kept its `dispatched` event, its "
-            f"committed ones too, which the dispatch_records and wrong_commit rules report")
-    return AuditReport(violations, revision, head, f.notes, f.skipped, f.stats)
+    return AuditReport(violations, revision, head, f.notes, f.skipped, f.stats, f.legacy)
 
 
 def audit_path(path: str | os.PathLike[str]) -> AuditReport:

@@ -334,15 +334,148 @@ def test_an_older_revision_is_audited_by_the_rules_that_hold_on_it(campaign, rev
     assert audit_path(campaign).kinds() == {ViolationKind.ORPHAN_LEASE}
 
 
-def test_the_skipped_rules_would_not_hold_on_an_older_file(campaign):
+def test_the_skipped_rules_hold_on_an_older_file_once_it_is_read_as_older_code_left_it(
+        campaign):
     """What the skipping is for: the same 0006 rows under a 0007 stamp (the revision that
-    brought both rules) break both rules (and the notes say where that comes from)."""
+    brought both rules) hold a `dispatched` event beside each result and beside the dispatch
+    in flight. Nothing in them was made by newer code, so they are read as older code left
+    them; one observation of their incarnation (which no code before 0010 wrote) says newer
+    code ran it, and then its second records break both rules."""
     _downgrade(campaign, "0006")
+    upgraded = campaign.with_name("upgraded.db")
+    with contextlib.closing(sqlite3.connect(campaign)) as c, \
+            contextlib.closing(sqlite3.connect(upgraded)) as copy:
+        c.backup(copy)
     _write(campaign, "UPDATE alembic_version SET version_num = ?", params=("0007",))
     _write(campaign, "ALTER TABLE results ADD COLUMN dispatched_at REAL")  # 0007's column
     report = audit_path(campaign)
+    assert report.violations == [] and report.legacy_incarnations == 1, report.text()
+
+    versioning.upgrade(upgraded)
+    assert audit_path(upgraded).ok
+    _write(upgraded, "INSERT INTO observations (at, incarnation, queued, active, done, "
+                     "deferred, failed, testcases) VALUES (1.0, 1, 0, 0, 0, 0, 0, 0)")
+    report = audit_path(upgraded)
+    assert report.legacy_incarnations == 0
     assert report.kinds() == {ViolationKind.DISPATCH_RECORDS, ViolationKind.WRONG_COMMIT}
-    assert any("brought forward" in n for n in report.notes)
+
+
+@pytest.fixture
+def brought_forward(campaign) -> Path:
+    """The campaign as code before revision 0007 left it (the 0007 downgrade writes what that
+    code wrote: a `dispatched` event for each dispatch, committed ones and the one in flight
+    included), brought to the head with `coordinator db upgrade`; then resumed by this code,
+    which ends the dispatch left in flight (a second event of its token), commits the queued
+    task and leaves the leased one in flight again."""
+    _downgrade(campaign, "0006")
+    assert _one(campaign, "SELECT count(*) FROM events WHERE kind = 'dispatched'") == (7,)
+    up = subprocess.run([sys.executable, "-m", "coordinator", "db", "upgrade", "--db",
+                         str(campaign)], capture_output=True, text=True, timeout=120,
+                        check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert up.returncode == 0, up.stderr
+    return campaign
+
+
+def _resume(db: Path) -> None:
+    from conftest import Farm
+    farm = Farm(db, resume=True)
+    try:
+        farm.ready(1)
+        farm.ready(2)
+        for _ in range(2):
+            for rank, token in farm.dispatch(1, 2).items():
+                if "target_branch" not in _payload(db, token):
+                    _finish(farm, rank, token)
+    finally:
+        farm.close()
+
+
+def _check_cli(db: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coordinator", "check", "--db", str(db)],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_a_campaign_begun_before_0007_and_brought_forward_is_consistent(brought_forward):
+    """`coordinator check` failed every campaign begun before revision 0007 once it was
+    upgraded: each dispatch of that code has its `dispatched` event beside its result (or
+    its row in flight), which read as two records of one dispatch and as commits from
+    dispatches that ended (exit 1, 11 violations here). A resume and its work do not change
+    that, and the incarnations of this code are still held to one record each."""
+    said = _check_cli(brought_forward)
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert said.stdout == f"{brought_forward}: consistent (7 tasks, schema " \
+                          f"{versioning.head_revision()})\n"
+    assert "begun before revision 0007 and brought forward: its incarnations up to 1 " \
+        in said.stderr
+    report = audit_path(brought_forward)
+    assert report.ok and report.legacy_incarnations == 1 and report.skipped == []
+
+    _resume(brought_forward)
+    assert _one(brought_forward, "SELECT count(*), max(incarnation) FROM results "
+                                 "WHERE incarnation = 2") == (1, 2)
+    assert _one(brought_forward, "SELECT count(*) FROM dispatches WHERE incarnation = 2") == (1,)
+    said = _check_cli(brought_forward)
+    assert said.returncode == 0, said.stdout + said.stderr
+    report = audit_path(brought_forward)
+    assert report.ok and report.legacy_incarnations == 1, report.text()
+    [note] = report.notes
+    assert "and 6 of their dispatches have the `dispatched` event older code wrote" in note
+
+
+def _legacy_done_task(db: Path) -> tuple[int, str]:
+    return _one(db, "SELECT r.task_id, r.token FROM results r JOIN tasks t ON t.id = "
+                    "r.task_id WHERE t.dispatches = 1 AND r.incarnation = 1 ORDER BY 1 LIMIT 1")
+
+
+def _new_done_task(db: Path) -> tuple[int, str]:
+    return _one(db, "SELECT task_id, token FROM results WHERE incarnation = 2")
+
+
+def _dispatches_of(pick, delta: int):
+    def plant(db: Path) -> None:
+        _write(db, "UPDATE tasks SET dispatches = dispatches + ? WHERE id = ?",
+               params=(delta, pick(db)[0]))
+    return plant
+
+
+def _ended_beside_result(pick):
+    def plant(db: Path) -> None:
+        """As `_commit_from_ended_dispatch`, on the result `pick` chooses."""
+        _write(db, "INSERT INTO events (at, incarnation, kind, rank, token, task_id) SELECT "
+                   "dispatched_at, incarnation, 'dispatched', rank, token, task_id FROM "
+                   "results WHERE task_id = ?", "UPDATE tasks SET dispatches = 2 WHERE id = ?",
+               params=(pick(db)[0],))
+    return plant
+
+
+BROUGHT_FORWARD_PLANTS = {
+    "older code's task: a dispatch without a record": (
+        _dispatches_of(_legacy_done_task, 1), Check.DISPATCH_WITHOUT_RECORD),
+    "older code's task: a record without a dispatch": (
+        _dispatches_of(_legacy_done_task, -1), Check.MORE_RECORDS_THAN_DISPATCHES),
+    "older code's result from a recovered token": (
+        _commit_from_recovered_token, Check.TOKEN_RETIRED),
+    "older code's result of a queued task": (  # (and `status` counts one done task more)
+        _result_of_queued_task, Check.RESULT_OF_UNDONE_TASK),
+    "this code's task: a record without a dispatch": (
+        _dispatches_of(_new_done_task, -1), Check.MORE_RECORDS_THAN_DISPATCHES),
+    "this code's result from a dispatch that ended": (
+        _ended_beside_result(_new_done_task), Check.TOKEN_ENDED_WITHOUT_RESULT),
+    "a lease without its dispatch": (_lease_without_dispatch, Check.LEASE_WITHOUT_DISPATCH),
+}
+
+
+@pytest.mark.parametrize("plant", BROUGHT_FORWARD_PLANTS)
+def test_a_campaign_brought_forward_still_has_its_faults_found(brought_forward, plant):
+    do, check = BROUGHT_FORWARD_PLANTS[plant]
+    _resume(brought_forward)
+    assert audit_path(brought_forward).ok
+    do(brought_forward)
+    report = audit_path(brought_forward)
+    assert {v.check for v in report.violations} - {Check.STATUS_COUNTS} == {check}, \
+        report.text()
+    assert _check_cli(brought_forward).returncode == 1
 
 
 def test_a_newer_revision_is_refused(campaign):
