@@ -18,7 +18,7 @@ from store.engine import read_file
 from store.errors import StoreError
 from store.lock import lock_holder
 from store.observe import PlotSeries, plot_series
-from store.revisions import check_revision
+from store.revisions import check_campaign
 from store.stats import Stats, read_stats
 
 from .exits import ExitStatus
@@ -65,7 +65,7 @@ def plot(db: Path, outdir: Path) -> int:
     running = lock_holder(db) is not None if db.exists() else False
 
     def read(conn):
-        check_revision(conn, db)
+        check_campaign(conn, db)
         return plot_series(conn, time.time() if running else None), read_stats(conn)
     try:
         (series, stats), view = read_file(db, read)

@@ -18,7 +18,7 @@ from store.errors import StoreError
 from store.lock import lock_holder, locks_readable
 from store.observe import RankView, read_observed, read_ranks, read_samples
 from store.readonly import read_file
-from store.revisions import check_revision
+from store.revisions import check_campaign
 from store.stats import (
     held_reasons,
     last_master,
@@ -40,7 +40,7 @@ def status(db: Path, as_json: bool) -> int:
     now = time.time()
 
     def read(conn):
-        check_revision(conn, db)
+        check_campaign(conn, db)
         seen = read_observed(conn)
         s = seen.stats
         failures = recent_failures(conn) if set(seen.results_by_status) - {"ok"} else []

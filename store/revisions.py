@@ -115,3 +115,13 @@ def check_revision(conn: Reader, path: str | os.PathLike[str]) -> None:
         raise NoCampaignYet(path)
     raise SchemaVersionError(str(path), found, code_head,
                              newer=found is not None and found not in known_revisions())
+
+
+def check_campaign(conn: Reader, path: str | os.PathLike[str]) -> None:
+    """`check_revision`, and the campaign's row. A file at the head revision may hold the
+    schema alone: `coordinator db upgrade` of a path where no file was, or a start that
+    stopped before its first incarnation. `status` and `plot` showed it as an empty campaign
+    of incarnation 0 while `check` said it held none; every reader now says the latter."""
+    check_revision(conn, path)
+    if not conn.exec_driver_sql("SELECT count(*) FROM campaign").scalar():
+        raise NoCampaignYet(path)

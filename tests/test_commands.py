@@ -244,6 +244,24 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, check=False)
 
 
+def test_a_file_db_upgrade_creates_holds_no_campaign_yet_for_every_reader(tmp_path):
+    """A schema without its campaign row (`db upgrade` of a path where no file was): `status`
+    and `plot` showed an empty campaign of incarnation 0, while `check` said the file held no
+    campaign yet. Every reader now gives `check`'s answer."""
+    import importlib.util
+    db = tmp_path / "typo.db"
+    upgrade(db)
+    readers = [["status"], ["status", "--json"], ["check"], ["check", "--json"]]
+    if importlib.util.find_spec("matplotlib") is not None:
+        readers.append(["plot", str(tmp_path / "charts")])
+    for command, *rest in readers:
+        got = _cli(command, "--db", str(db), *rest)
+        assert got.returncode == ExitStatus.USAGE, (command, rest, got.stdout, got.stderr)
+        assert got.stderr.startswith(f"coordinator: {db} holds no campaign yet ("), \
+            (command, rest, got.stderr)
+    assert not (tmp_path / "charts").exists()
+
+
 def test_a_file_with_two_revision_stamps_is_refused_clearly_by_every_command(db_path):
     """A hand edit left two rows in alembic_version: Alembic's own answer is a traceback
     ("more than one head"); every command names what the file says instead."""
