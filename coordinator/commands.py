@@ -137,6 +137,7 @@ def db_upgrade(db: Path) -> int:
 
     try:
         probe(db, current=False)  # what is not a campaign is refused before anything else
+        new = not db.exists()
         with campaign_locked(db):  # never under a running master
             before, after = upgrade(db, announce=announce)
     except StoreWriteError as e:
@@ -152,6 +153,13 @@ def db_upgrade(db: Path) -> int:
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
+    if new:
+        # Otherwise a mistyped --db reads like an upgrade that worked, and leaves a file
+        # behind that the other commands then find.
+        print(f"coordinator: {db} did not exist: created it, with schema {after} and no "
+              f"campaign in it yet (`coordinator run --db {db}` starts one); if you meant an "
+              f"existing campaign, check the path and remove this file",
+              file=sys.stderr)
     print(f"{db}: schema {before or '(new)'} -> {after}" if before != after
           else f"{db}: schema already at {after}")
     return 0

@@ -262,6 +262,22 @@ def test_a_file_db_upgrade_creates_holds_no_campaign_yet_for_every_reader(tmp_pa
     assert not (tmp_path / "charts").exists()
 
 
+def test_db_upgrade_says_when_it_created_the_file(tmp_path):
+    """`db upgrade` of a mistyped --db made a new file and said only "schema (new) -> HEAD",
+    like an upgrade that worked."""
+    db = tmp_path / "typo.db"
+    up = _cli("db", "upgrade", "--db", str(db))
+    assert up.returncode == 0, up.stderr
+    assert up.stdout == f"{db}: schema (new) -> {head_revision()}\n"
+    assert up.stderr == (f"coordinator: {db} did not exist: created it, with schema "
+                         f"{head_revision()} and no campaign in it yet (`coordinator run --db "
+                         f"{db}` starts one); if you meant an existing campaign, check the "
+                         f"path and remove this file\n"), up.stderr
+    again = _cli("db", "upgrade", "--db", str(db))
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    assert again.stdout == f"{db}: schema already at {head_revision()}\n"
+
+
 def test_a_file_with_two_revision_stamps_is_refused_clearly_by_every_command(db_path):
     """A hand edit left two rows in alembic_version: Alembic's own answer is a traceback
     ("more than one head"); every command names what the file says instead."""
