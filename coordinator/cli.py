@@ -31,7 +31,7 @@ from .config import (
     start_wait,
     timeout_seconds,
 )
-from .errors import UsageError, reader_may_leave, refusing_os_errors
+from .errors import UsageError, reader_may_leave, refused, refusing_os_errors
 from .exits import ExitStatus
 from .fault_spec import KINDS, InjectSpecError, parse_inject
 from .launcher import START_TIMEOUT_S, self_launch, under_mpi_launcher
@@ -338,8 +338,18 @@ def main(argv: list[str] | None = None) -> int:
         with refusing_os_errors():
             return _command(ns)
     except UsageError as e:
-        print(f"coordinator: {e}", file=sys.stderr)
-        return ExitStatus.USAGE
+        return refused(str(e), _json_refusal(ns, str(e)))
+
+
+def _json_refusal(ns: argparse.Namespace, message: str) -> dict | None:
+    """What `status --json` and `check --json` print on stdout for a path the system refused
+    (a name too long, a directory that cannot be searched), as for a file the store refused."""
+    if not getattr(ns, "json", False):
+        return None
+    if ns.cmd == "check":
+        from .commands import check_refusal
+        return check_refusal(message)
+    return {"error": message}
 
 
 def _command(ns: argparse.Namespace) -> int:

@@ -16,11 +16,12 @@ from store.campaign import Store
 from store.errors import StoreError, StoreWriteError
 from store.lock import campaign_locked
 from store.probe import probe
+from store.revisions import head
 from store.schema import TaskState
 from store.tasks import REQUEUE_CHUNK, requeue_error_results, requeue_tasks
 from store.versioning import upgrade
 
-from .errors import reader_may_leave
+from .errors import reader_may_leave, refused
 from .exits import ExitStatus
 
 
@@ -30,17 +31,23 @@ def check(db: Path, as_json: bool) -> int:
     try:
         report = audit_path(db)
     except StoreError as e:
-        print(f"coordinator: {e}", file=sys.stderr)
-        return ExitStatus.USAGE
+        return refused(str(e), check_refusal(str(e)) if as_json else None)
     with reader_may_leave():
         _say_check(db, report, as_json)
     return ExitStatus.OK if report.ok else ExitStatus.FAILED
 
 
+def check_refusal(message: str) -> dict:
+    """`check --json` of a file it refused: the report's keys, `error` saying why (null in a
+    report), so that a script reads both with the same code."""
+    return {"ok": False, "error": message, "revision": None, "head": head(),
+            "violations": [], "skipped": [], "notes": []}
+
+
 def _say_check(db: Path, report: AuditReport, as_json: bool) -> None:
     if as_json:
         print(json.dumps({
-            "ok": report.ok, "revision": report.revision, "head": report.head,
+            "ok": report.ok, "error": None, "revision": report.revision, "head": report.head,
             "violations": [{"kind": v.kind.value, "check": v.check.value, "message": v.message,
                             "task_id": v.task_id, "token": v.token, "count": v.count}
                            for v in report.violations],

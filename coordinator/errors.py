@@ -47,3 +47,18 @@ def reader_may_leave() -> Iterator[None]:
     except BrokenPipeError:
         # Python's recipe: its buffered stdout is flushed again at exit, now into nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def refused(message: str, document: dict | None = None) -> int:
+    """A command's refusal: one line on stderr, and exit 2 (`ExitStatus.USAGE`: nothing was
+    changed). `document` is what a `--json` command prints on stdout besides: a script that
+    parses its stdout got nothing there, and failed on the empty string instead of reading
+    why."""
+    import json
+
+    from .exits import ExitStatus
+    print(f"coordinator: {message}", file=sys.stderr)
+    if document is not None:
+        with reader_may_leave():
+            print(json.dumps(document, indent=2, sort_keys=True))
+    return ExitStatus.USAGE

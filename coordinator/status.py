@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from store.stats import (
     stats_text,
 )
 
-from .exits import ExitStatus
+from .errors import refused
 from .processes import process_exists
 from .progress import RATE_WINDOWS, Snapshot, clock_utc, duration, per_s, rates
 from .wire import detail_summary
@@ -50,8 +49,7 @@ def status(db: Path, as_json: bool) -> int:
     try:
         (seen, failures, held, last, ranks, samples), view = read_file(db, read)
     except StoreError as e:
-        print(f"coordinator: {e}", file=sys.stderr)
-        return ExitStatus.USAGE
+        return refused(str(e), {"error": str(e)} if as_json else None)
     master = _master_state(last, lock_holder(db))
     s, times, by_status = seen.stats, seen.times, seen.results_by_status
     running = master is not None and master["running"] is not False
@@ -68,7 +66,7 @@ def status(db: Path, as_json: bool) -> int:
     oldest = times.oldest_dispatch
     if as_json:
         print(json.dumps({
-            **s.as_json(), "results_by_status": by_status, "master": master,
+            **s.as_json(), "error": None, "results_by_status": by_status, "master": master,
             "now": now,
             "view": {"mode": view.mode, "note": view.note()},
             "campaign_created_at": times.created_at,

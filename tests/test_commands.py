@@ -244,6 +244,37 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60, check=False)
 
 
+def test_check_and_status_json_say_a_refusal_in_json_too(db_path, tmp_path):
+    """`check --json` and `status --json` of a file they refused printed nothing on stdout
+    (one line on stderr, exit 2): a script parsing stdout failed on the empty string. Each
+    now prints its own object there with `error` saying why (null when the file was read),
+    as for a path the system refuses (a name too long)."""
+    _finished_campaign(db_path)
+    foreign = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(foreign)) as db, db:
+        db.execute("CREATE TABLE notes (x)")
+    refusals = {tmp_path / "missing.db": "does not exist (nothing was created)",
+                foreign: "is an SQLite database of something else",
+                tmp_path / ("x" * 300): "File name too long"}
+    for path, why in refusals.items():
+        check = _cli("check", "--db", str(path), "--json")
+        status = _cli("status", "--db", str(path), "--json")
+        for got in (check, status):
+            assert got.returncode == ExitStatus.USAGE, (path, got.stderr)
+            [line] = got.stderr.splitlines()
+            assert line.startswith(f"coordinator: {path}") and why in line, line
+            assert json.loads(got.stdout)["error"] == line.removeprefix("coordinator: ")
+        assert json.loads(status.stdout) == {"error": status.stderr[13:].rstrip("\n")}
+        assert json.loads(check.stdout) == {
+            "ok": False, "error": check.stderr[13:].rstrip("\n"), "revision": None,
+            "head": head_revision(), "violations": [], "skipped": [], "notes": []}
+    read = _cli("check", "--db", str(db_path), "--json")
+    assert read.returncode == ExitStatus.OK, read.stderr
+    assert set(json.loads(read.stdout)) == set(json.loads(check.stdout))
+    assert json.loads(read.stdout)["error"] is None
+    assert json.loads(_cli("status", "--db", str(db_path), "--json").stdout)["error"] is None
+
+
 def test_a_file_db_upgrade_creates_holds_no_campaign_yet_for_every_reader(tmp_path):
     """A schema without its campaign row (`db upgrade` of a path where no file was): `status`
     and `plot` showed an empty campaign of incarnation 0, while `check` said the file held no

@@ -47,8 +47,9 @@ def test_status_json_keeps_its_keys_and_adds_the_campaigns_figures(campaign, cap
     new = {"now", "campaign_created_at", "campaign_age_s", "incarnation_started_at",
            "incarnation_run_s", "source", "rate", "eta_s", "testcases", "quarantined",
            "parked_ranks", "worker_deaths", "refused_ranks", "oldest_dispatch", "ranks",
-           "view"}
+           "view", "error"}
     assert old | new == set(got)
+    assert got["error"] is None
     assert got["view"] == {"mode": "at rest", "note": None}
     [(written, finding, last)] = _rows(campaign, "SELECT sum(testcases), count(*), "
                                                  "max(committed_at) FROM results "
