@@ -148,13 +148,13 @@ def db_upgrade(db: Path) -> int:
         with campaign_locked(db):  # never under a running master
             before, after = upgrade(db, announce=announce)
     except StoreWriteError as e:
-        # A full disk, a read-only file, tables that do not match the revision stamp: each
-        # revision runs in one transaction, so the failed one changed nothing.
+        # A full disk, tables that do not match the revision stamp: each revision runs in
+        # one transaction, so the failed one changed nothing.
         print(f"coordinator: cannot upgrade {db}: {e}; the revision that failed changed "
               f"nothing (each runs in one transaction): fix the cause and run it again",
               file=sys.stderr)
         return ExitStatus.STORE
-    except OSError as e:  # the file cannot be opened to take its lock: read-only, full
+    except OSError as e:  # the file cannot be opened to take its lock (an I/O error)
         print(f"coordinator: cannot upgrade {db}: {e}; nothing was changed", file=sys.stderr)
         return ExitStatus.STORE
     except StoreError as e:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from store.errors import CampaignExistsError, CampaignLockedError
 from store.imports import Imported, demo_imported, file_identity, file_imported
+from store.lock import refuse_read_only
 from store.probe import Probe, probe
 
 from .config import (
@@ -48,6 +49,7 @@ class Checked:
 def check_run(cfg: RunConfig) -> Checked:
     """Raises a StoreError or UsageError for whatever would refuse the run."""
     found = probe(cfg.db)
+    refuse_read_only(cfg.db)
     # A running master first: "pass --resume" would only lead to this refusal.
     if found.master is not None:
         raise CampaignLockedError(

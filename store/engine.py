@@ -24,6 +24,7 @@ from .errors import (
     StoreWriteError,
     UnsafeDatabaseError,
 )
+from .lock import refuse_read_only
 from .readonly import (
     ReadOnlyView,
     cannot_open,
@@ -136,6 +137,8 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
             f"{db_path} is on a {fstype} filesystem; SQLite WAL needs a node-local filesystem "
             f"(put the campaign database on local disk, e.g. under /tmp or the node's scratch)"
         )
+    if write:
+        refuse_read_only(db_path)
     # The default pool keeps the connection open between transactions: opening one costs a
     # file open plus the pragmas above, too much for every round of the master. Only the
     # master process ever opens the database, and it never forks with it open.

@@ -23,6 +23,12 @@ class DatabaseOpenError(StoreError):
     SQLite, or an SQLite file that belongs to something else."""
 
 
+class ReadOnlyDatabaseError(DatabaseOpenError):
+    """A command that writes (a run, `requeue`, `db upgrade`) on a file it cannot write, or
+    beside which SQLite cannot make its `-wal` and `-shm`: a read-only medium or directory,
+    or an immutable file (`lock.refuse_read_only`)."""
+
+
 class NoCampaignYet(DatabaseOpenError):
     """A file with no campaign in it (yet): empty, or a schema without its campaign row."""
 

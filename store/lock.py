@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import CampaignLockedError, DatabaseOpenError
+from .errors import CampaignLockedError, DatabaseOpenError, ReadOnlyDatabaseError
 
 
 def refuse_aliases(path: str | os.PathLike[str]) -> None:
@@ -40,22 +40,74 @@ def refuse_aliases(path: str | os.PathLike[str]) -> None:
             f"and remove the others")
 
 
+def refuse_read_only(path: str | os.PathLike[str]) -> None:
+    """Refuse, before anything is opened for writing, a campaign file that a write command (a
+    run, `requeue`, `db upgrade`) could not write as SQLite needs: the file itself, its `-wal`
+    and `-shm` where they exist, and its directory where one of them is still to be made.
+    Asked here, once, so that the refusal is one message whichever of those exist: what
+    failed first differed (SQLite's switch to WAL without a -wal, the first write with one,
+    the lock's open). access(2) answers for root too: a read-only mount (EROFS) and an
+    immutable file (EPERM) bind it where modes do not."""
+    named = Path(path).absolute()
+    real = Path(os.path.realpath(named))
+    if not real.parent.is_dir():
+        return  # (the caller says the directory is missing)
+    if real.exists():
+        if not os.access(real, os.W_OK):
+            raise read_only(named, _why_not_writable(real, "the file"))
+        for side in ("-wal", "-shm"):
+            beside = real.with_name(real.name + side)
+            if beside.exists() and not os.access(beside, os.W_OK):
+                raise read_only(named, _why_not_writable(beside, f"{beside.name} beside it"))
+        if all(real.with_name(real.name + side).exists() for side in ("-wal", "-shm")):
+            return
+    if not os.access(real.parent, os.W_OK | os.X_OK):
+        what = (f"its directory {real.parent}, where SQLite makes {real.name}-wal and "
+                f"{real.name}-shm," if real.exists() else f"its directory {real.parent}")
+        raise read_only(named, _why_not_writable(real.parent, what), new=not real.exists())
+
+
+def _why_not_writable(path: Path, what: str) -> str:
+    try:
+        on_read_only_fs = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        on_read_only_fs = False
+    if on_read_only_fs:
+        return f"{what} is on a read-only filesystem"
+    kind = "directory" if path.is_dir() else "file"
+    return (f"{what} cannot be written (its mode, or an immutable {kind}: `lsattr -d {path}` "
+            f"shows an i)")
+
+
+def read_only(path: Path, why: str, *, new: bool = False) -> ReadOnlyDatabaseError:
+    """The one refusal of a write command on a file it cannot write, whichever of the file,
+    its side files or its directory stops it."""
+    if new:
+        return ReadOnlyDatabaseError(
+            f"{path} cannot be created: {why}; choose a --db path in a writable node-local "
+            f"directory")
+    return ReadOnlyDatabaseError(
+        f"{path} is read-only: {why}. This command writes to the campaign: copy {path.name} "
+        f"and its -wal, if there is one, to a writable node-local directory and run it on the "
+        f"copy; `coordinator status` and `coordinator check` read the file where it is")
+
+
 def lock_campaign(path: str | os.PathLike[str]) -> int:
     """Hold the campaign file's lock: an open descriptor of the file (created empty if it is
     not there yet: a new campaign) with an exclusive `flock`. Close it, after the database's
     own connections, to release the campaign. CampaignLockedError while another process
     holds it."""
     refuse_aliases(path)
+    refuse_read_only(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
-        raise DatabaseOpenError(
-            f"{path} cannot be opened for writing ({e.strerror}: a read-only file, directory "
-            f"or filesystem, or an immutable file); a run needs a writable node-local path"
-            + (f". `coordinator status --db {path}` reads it as it is"
-               if os.path.exists(path) else "")) from None
+        # (What access(2) allowed and open(2) refused: a security module, say.)
+        raise read_only(Path(path).absolute(), f"it cannot be opened for writing "
+                                               f"({e.strerror})",
+                        new=not os.path.exists(path)) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -402,3 +402,83 @@ def test_a_reader_that_leaves_early_costs_no_traceback_and_not_the_status(db_pat
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == ExitStatus.OK, err
     assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
+# -- write commands on read-only media -------------------------------------------------------
+
+def _cli_in_read_only_directory(src, *args: str) -> subprocess.CompletedProcess:
+    """`coordinator ARGS` with `{ro}` in them naming a read-only view of `src`: as root, a
+    read-only bind mount in a private mount namespace (modes do not stop root); otherwise
+    `src` itself, its files and itself made read-only by their modes."""
+    import os
+    import shutil
+    import sys
+    if os.geteuid() != 0:
+        files = [p for p in src.iterdir()]
+        for p in (*files, src):
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        try:
+            return _cli(*(a.format(ro=src) for a in args))
+        finally:
+            for p in (src, *files):
+                p.chmod(0o755 if p.is_dir() else 0o644)
+    if shutil.which("unshare") is None:
+        pytest.skip("no `unshare` to make a read-only mount as root")
+    ro = src.parent / "ro"
+    ro.mkdir(exist_ok=True)
+    script = (f'mount --bind "{src}" "{ro}" || exit 98; '
+              f'mount -o remount,bind,ro "{ro}" || exit 98; '
+              f'touch "{ro}/probe" 2>/dev/null && exit 99; '
+              f'exec "$@"')
+    got = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+                          sys.executable, "-m", "coordinator",
+                          *(a.format(ro=ro) for a in args)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    if got.returncode == 99:
+        pytest.fail("the read-only bind mount was writable")
+    if got.returncode == 98 or got.stderr.startswith("unshare:"):
+        pytest.skip(f"no read-only mount can be made here: {got.stderr.strip()[:200]}")
+    return got
+
+
+def test_a_write_command_on_read_only_media_says_so_in_one_message(tmp_path):
+    """On read-only media `requeue` said "cannot switch the database to WAL mode" when no
+    -wal was beside the file, and failed its first write (exit 3) when one was; `db upgrade`
+    said "a run needs a writable node-local path". Each now names the file, says it is
+    read-only and what to do, whichever side files exist; nothing is created or changed."""
+    import re
+    import shutil
+
+    from conftest import defer
+    campaign, plain, with_wal = tmp_path / "c.db", tmp_path / "plain", tmp_path / "with_wal"
+    for d in (plain, with_wal):
+        d.mkdir()
+    farm = Farm(campaign)
+    defer(farm, {"data": 1})  # something for `requeue` to write
+    farm.close()
+    shutil.copy(campaign, plain / "c.db")
+    with contextlib.closing(sqlite3.connect(campaign, isolation_level=None)) as db:
+        db.execute("PRAGMA wal_autocheckpoint = 0")
+        db.execute("UPDATE tasks SET reason = 'held' WHERE state = 'deferred'")  # in the -wal
+        for side in ("", "-wal", "-shm"):  # as a master killed with kill -9 leaves them
+            shutil.copy(f"{campaign}{side}", with_wal / f"c.db{side}")
+    refusal = re.compile(
+        r"coordinator: \S+/c\.db is read-only: the file (is on a read-only filesystem|cannot "
+        r"be written \(its mode, or an immutable file: `lsattr -d \S+` shows an i\))\. This "
+        r"command writes to the campaign: copy c\.db and its -wal, if there is one, to a "
+        r"writable node-local directory and run it on the copy; `coordinator status` and "
+        r"`coordinator check` read the file where it is\n")
+    for src in (plain, with_wal):
+        before = _listing(src)
+        assert ("c.db-wal" in before) == (src is with_wal)
+        for command in (["requeue", "--state", "all"], ["db", "upgrade"]):
+            got = _cli_in_read_only_directory(src, *command, "--db", "{ro}/c.db")
+            assert got.returncode == ExitStatus.USAGE, (src.name, command, got.stderr)
+            assert refusal.fullmatch(got.stderr), (src.name, command, got.stderr)
+        new = _cli_in_read_only_directory(src, "db", "upgrade", "--db", "{ro}/new.db")
+        assert new.returncode == ExitStatus.USAGE, new.stderr
+        assert re.fullmatch(r"coordinator: \S+/new\.db cannot be created: its directory \S+ "
+                            r"(is on a read-only filesystem|cannot be written \(.*\)); "
+                            r"choose a --db path in a writable node-local directory\n",
+                            new.stderr), new.stderr
+        assert _listing(src) == before

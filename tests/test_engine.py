@@ -24,6 +24,7 @@ from store.engine import (
 from store.errors import (
     CampaignLockedError,
     DatabaseOpenError,
+    ReadOnlyDatabaseError,
     StoreWriteError,
     UnsafeDatabaseError,
 )
@@ -103,7 +104,8 @@ def test_read_only_file_is_refused_with_a_clear_error(tmp_path):
         if os.access(path, os.W_OK):
             pytest.skip("neither chattr +i nor a read-only mode can protect the file here")
     try:
-        with pytest.raises(UnsafeDatabaseError, match="WAL"):
+        with pytest.raises(ReadOnlyDatabaseError, match=r"c\.db is read-only: the file cannot "
+                                                        r"be written"):
             open_engine(path)  # refused at once, not at the caller's first transaction
     finally:
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)

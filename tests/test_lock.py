@@ -4,6 +4,7 @@ with a second name (a hard link), which would keep a -wal of its own."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from conftest import Farm
 
 from coordinator.exits import ExitStatus
 from store.campaign import Store
-from store.errors import CampaignLockedError, DatabaseOpenError
+from store.errors import CampaignLockedError, DatabaseOpenError, ReadOnlyDatabaseError
 from store.lock import lock_holder
 
 COMMANDS = (["status"], ["check"], ["requeue"], ["db", "upgrade"],
@@ -193,15 +194,25 @@ def test_a_master_reads_no_file_of_its_campaign_in_the_afl_queues(tmp_path):
 
 def test_a_campaign_file_that_cannot_be_written_is_refused_in_a_sentence(tmp_path):
     """An immutable file (`chattr +i`; as root, a mode of 0444 stops nothing) or one on a
-    read-only mount: the run said only `[Errno 1] Operation not permitted: 'c.db'`."""
+    read-only mount: the run said only `[Errno 1] Operation not permitted: 'c.db'`. And
+    `requeue` made c.db-wal and c.db-shm beside it before its first write failed."""
     db = tmp_path / "c.db"
     _campaign(db)
+    before = _files(tmp_path)
     if subprocess.run(["chattr", "+i", str(db)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i is not available on this filesystem")
+    said = (rf"{db} is read-only: the file cannot be written \(its mode, or an immutable "
+            rf"file: `lsattr -d {db}` shows an i\)\. This command writes to the campaign: "
+            rf"copy c\.db and its -wal, if there is one, to a writable node-local directory")
     try:
-        with pytest.raises(DatabaseOpenError, match=r"c\.db cannot be opened for writing "
-                                                    r"\(Operation not permitted: .*writable"):
+        with pytest.raises(ReadOnlyDatabaseError, match=said):
             Store.open(db, resume=True)
+        for command in (["requeue", "--state", "all"], ["db", "upgrade"]):
+            got = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db",
+                                  str(db)], capture_output=True, text=True, timeout=60)
+            assert got.returncode == ExitStatus.USAGE, (command, got.stderr)
+            assert re.match(f"coordinator: {said}", got.stderr), (command, got.stderr)
+        assert _files(tmp_path) == before
     finally:
         subprocess.run(["chattr", "-i", str(db)], check=True)
     Store.open(db, resume=True).close()  # (and nothing was changed meanwhile)
