@@ -18,7 +18,7 @@ from typing import Any
 from .errors import DatabaseOpenError, NoCampaignYet, SchemaVersionError
 from .imports import Imported, read_imports
 from .lock import lock_holder, refuse_aliases
-from .readonly import cannot_open, readonly_connector
+from .readonly import cannot_open, path_too_long, readonly_connector
 from .revisions import head, known_revisions, revision_of
 
 
@@ -53,6 +53,11 @@ def probe(path: str | os.PathLike[str], *, current: bool = True) -> Probe:
             raise DatabaseOpenError(f"{path} is a symbolic link to {target}, which cannot be "
                                     f"created: the directory {target.parent} does not exist")
     if not path.exists():
+        # Refused here, before a run launches MPI, creates the file and its master fails to
+        # open it. (SQLite's limit as built by default: a build with a larger one is refused
+        # a path it could open.)
+        if (too_long := path_too_long(path)) is not None:
+            raise too_long
         return Probe(exists=False, campaign=False, master=None)
     if not path.is_file():
         raise DatabaseOpenError(f"{path} is not a regular file (a campaign is a file on a "

@@ -155,6 +155,10 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
         connect().close()
     except sqlite3.Error as e:
         code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+        # (Before the fallbacks below: a copy in TMPDIR, at a short path, opened, and was
+        # said to be needed because the directory was read-only.)
+        if code == 14 and (too_long := path_too_long(db_path)) is not None:
+            raise too_long from None
         # SQLITE_CANTOPEN / SQLITE_READONLY: the -shm a WAL reader shares cannot be made.
         if not (wal and mode == ReadOnlyView.SHARED and code in (8, 14)):
             raise cannot_open(db_path, e) from e
@@ -274,9 +278,77 @@ def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
         why = f"cannot be created: the directory {path.parent} does not exist"
     elif isinstance(cause, sqlite3.DatabaseError) and "not a database" in str(cause):
         why = "is not an SQLite database (some other kind of file, or a damaged one)"
+    elif (too_long := path_too_long(path)) is not None:
+        return too_long
     else:
         why = f"cannot be opened: {cause}"
     return DatabaseOpenError(f"{path} {why}")
+
+
+#: SQLite's unix VFS as built by default (SQLITE_MAX_PATHNAME): it resolves a path's symbolic
+#: links one component at a time in a buffer of this many bytes (and a NUL), and opens no
+#: file whose resolved path leaves fewer than 8 of them for a journal's name beside it, i.e.
+#: longer than 504. A longer one failed with "unable to open database file" alone.
+SQLITE_MAX_PATHNAME = 512
+SQLITE_MAX_PATH_BYTES = SQLITE_MAX_PATHNAME - 8
+
+
+def path_too_long(path: str | os.PathLike[str]) -> DatabaseOpenError | None:
+    """The refusal of a path SQLite would not open for its length, or None. It is measured
+    as SQLite measures it: a long name linking to a file at a short path opens, a short one
+    through a link to a long directory does not."""
+    given = os.fsencode(Path(path).absolute())
+    try:
+        resolved = _resolved_as_sqlite_does(given)
+    except _TooLong:
+        return DatabaseOpenError(
+            f"{path}: the path is too long for SQLite ({len(given)} bytes, of which it takes "
+            f"at most {SQLITE_MAX_PATHNAME - 1} before it resolves the symbolic links in it): "
+            f"name the file by a shorter path")
+    except OSError:
+        return None  # (not for its length: SQLite says what it is)
+    if len(resolved) <= SQLITE_MAX_PATH_BYTES:
+        return None
+    how = "" if resolved == given else " with its links resolved"
+    return DatabaseOpenError(
+        f"{path}: the path is too long for SQLite ({len(resolved)} bytes{how}; it opens at "
+        f"most {SQLITE_MAX_PATH_BYTES}): put the campaign in a directory with a shorter path "
+        f"(a shorter symbolic link to it does not help: SQLite opens the file by its resolved "
+        f"path)")
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _resolved_as_sqlite_does(path: bytes) -> bytes:
+    """`path` (absolute) resolved as the unix VFS's unixFullPathname does: component by
+    component, a link's target replacing it as it comes; _TooLong where its buffer would
+    overflow."""
+    out = b""
+    links = 0
+
+    def walk(p: bytes) -> None:
+        nonlocal out, links
+        for name in p.split(b"/"):
+            if name in (b"", b"."):
+                continue
+            if name == b"..":
+                out = out[:out.rfind(b"/")] if b"/" in out else b""
+                continue
+            if len(out) + len(name) + 2 >= SQLITE_MAX_PATHNAME + 1:
+                raise _TooLong
+            out += b"/" + name
+            if os.path.islink(out):
+                links += 1
+                if links > 100:  # (a loop: SQLite refuses it for that, not for its length)
+                    raise OSError("too many links")
+                target = os.readlink(out)
+                out = b"" if target.startswith(b"/") else out[:out.rfind(b"/")]
+                walk(target)
+
+    walk(path)
+    return out or b"/"
 
 
 # -- one consistent reading ------------------------------------------------------------------

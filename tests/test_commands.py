@@ -482,3 +482,64 @@ def test_a_write_command_on_read_only_media_says_so_in_one_message(tmp_path):
                             r"choose a --db path in a writable node-local directory\n",
                             new.stderr), new.stderr
         assert _listing(src) == before
+
+
+# -- paths SQLite cannot open ----------------------------------------------------------------
+
+def _path_of_length(base, length: int, name: str = "c.db"):
+    """A path of `length` bytes under `base`: directories of up to 200 bytes, then `name`
+    padded."""
+    import os
+    parts, left = [], length - len(os.fsencode(base)) - 1
+    while left > 200 + 1 + len(name) + 50:
+        parts.append("d" * 200)
+        left -= 201
+    path = base.joinpath(*parts, "p" * (left - len(name)) + name)
+    assert len(os.fsencode(path)) == length
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_a_path_too_long_for_sqlite_is_said_so_by_run_status_and_check(tmp_path):
+    """SQLite opens no path longer than 504 bytes (its 512, less room for a journal's name),
+    once links are resolved: `status`, `check`, `requeue` and a run's master said only
+    "cannot be opened: unable to open database file", the run after MPI had started. Each
+    now says the path is too long for SQLite and how long it is; a run says so before it
+    launches anything."""
+    import shutil
+    campaign = tmp_path / "c.db"
+    _finished_campaign(campaign)
+    fits, over = _path_of_length(tmp_path / "a", 504), _path_of_length(tmp_path / "b", 505)
+    for path in (fits, over):
+        shutil.copy(campaign, path)
+    assert _cli("status", "--db", str(fits)).returncode == 0
+    assert _cli("check", "--db", str(fits)).returncode == 0
+    said = ("the path is too long for SQLite (505 bytes{}; it opens at most 504): put the "
+            "campaign in a directory with a shorter path (a shorter symbolic link to it does "
+            "not help: SQLite opens the file by its resolved path)\n")
+    short = tmp_path / "short"
+    short.symlink_to(over.parent)
+    new = over.with_name(over.name[:-len("c.db")] + "n.db")
+    for db, resolved in ((over, ""), (short / over.name, " with its links resolved")):
+        for command in (["status"], ["check"], ["requeue"], ["check", "--json"]):
+            got = _cli(*command, "--db", str(db))
+            assert got.returncode == ExitStatus.USAGE, (command, got.stderr)
+            assert got.stderr == f"coordinator: {db}: " + said.format(resolved), \
+                (command, got.stderr)
+    # (--mpiexec /bin/false: nothing would be launched if the check let it through)
+    got = _cli("run", "--db", str(new), "--demo", "2", "--mpiexec", "/bin/false")
+    assert got.returncode == ExitStatus.USAGE, got.stderr
+    assert got.stderr == f"coordinator: {new}: " + said.format(""), got.stderr
+    assert not new.exists()
+    # A name linking to the campaign is measured as SQLite measures it: up to 511 bytes as
+    # given, the links resolved as they come (here to a short path), and 504 once resolved.
+    opens, too_long = (_path_of_length(tmp_path / "c", 508, "link.db"),
+                       _path_of_length(tmp_path / "e", 600, "link.db"))
+    for link in (opens, too_long):
+        link.symlink_to(campaign)
+    assert _cli("status", "--db", str(opens)).returncode == 0
+    got = _cli("status", "--db", str(too_long))
+    assert got.returncode == ExitStatus.USAGE, got.stderr
+    assert got.stderr == (f"coordinator: {too_long}: the path is too long for SQLite (600 "
+                          f"bytes, of which it takes at most 511 before it resolves the "
+                          f"symbolic links in it): name the file by a shorter path\n")
