@@ -226,7 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="one screen for a campaign: tasks, rates, ETA, test "
                                       "cases, ranks, faults (read-only)")
     s.add_argument("--db", type=Path, required=True)
-    s.add_argument("--json", action="store_true", help="machine-readable, stable keys")
+    s.add_argument("--json", action="store_true",
+                   help="machine-readable, stable keys (a file it refuses, exit 2: an object "
+                        "whose error says why)")
 
     pl = sub.add_parser("plot", help="charts of a campaign's history: PNG files and an "
                                      "index.html (read-only; needs the plot extra)",
@@ -247,9 +249,11 @@ def _parser() -> argparse.ArgumentParser:
                                    "dispatch, statistics equal to their rows, SQLite's "
                                    "integrity_check and foreign_key_check. Read-only: works on "
                                    "a copy, on read-only media, and while a master runs. Exit "
-                                   "0 when consistent, 1 with one line per violation.")
+                                   "0 when consistent, 1 with one line per violation, 2 when "
+                                   "the file is refused (not a campaign, no campaign yet).")
     c.add_argument("--db", type=Path, required=True)
-    c.add_argument("--json", action="store_true", help="machine-readable report")
+    c.add_argument("--json", action="store_true",
+                   help="machine-readable report (for a refused file too: its error says why)")
 
     q = sub.add_parser("requeue", help="put failed or deferred tasks back in the queue, or "
                                        "done tasks whose run failed (--state error)")
