@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,7 +129,7 @@ class Master:
                  writer: TestcaseWriter | None = None):
         self.store, self.transport, self.config = store, transport, config
         self.sources, self.writer = list(sources), writer
-        self._cooldown = HostCooldown(self.live_workers)  # ranks whose host fails tasks
+        self._cooldown = HostCooldown(self._able)  # ranks whose host fails tasks
         self.gate = Gate(store, validate=check_result, commit=self._commit,
                          salvage=self._salvage, host_ran=self._host_ran)
         self.summary = Summary()
@@ -567,8 +567,8 @@ class Master:
               ) -> list[tuple[dsp.Planned, bytes]]:
         self._refresh_idle(tx)
         now = time.monotonic()
-        able = ([r for r in self._idle if not self._cooldown.cooling(r, now)]
-                if self._cooldown.until else self._idle)
+        held = self._cooldown.held(self._idle, now)
+        able = [r for r in self._idle if r not in held] if held else self._idle
         if not able:
             self._idle_waits()
             return []
@@ -652,9 +652,13 @@ class Master:
         """Whether an idle rank may be given work now: one cooling down after its host could
         not run its tasks (`coordinator.cooldown`) waits, and must not make every idle poll
         a transaction meanwhile."""
-        if not self._cooldown.until:
-            return bool(self._idle)
-        return any(not self._cooldown.cooling(r, now) for r in self._idle)
+        return len(self._cooldown.held(self._idle, now)) < len(self._idle)
+
+    def _able(self) -> Iterator[int]:
+        """The ranks that could run a task (`coordinator.cooldown`): those whose WORK is out
+        (a parked rank's was forgotten when the watchdog retired it), and the idle ones."""
+        yield from self._expected.sent_at
+        yield from self._idle
 
     def _host_ran(self, rank: int, ran: bool) -> bool:
         return self._cooldown.answered(rank, ran)

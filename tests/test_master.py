@@ -30,7 +30,14 @@ from sqlalchemy import func, select
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import ANY_TAG, Received
-from coordinator.wire import TAG_READY, TAG_RESULT, TAG_STOP_ACK
+from coordinator.wire import (
+    TAG_READY,
+    TAG_RESULT,
+    TAG_STOP_ACK,
+    Result,
+    decode_work,
+    encode,
+)
 from store.campaign import Store
 from store.schema import results, tasks
 from store.stats import read_stats, stats_text
@@ -704,3 +711,40 @@ def test_a_batch_whose_work_is_over_the_message_bound_goes_in_smaller_batches(tm
     assert failed_ranks == 0 and attempts == 0 and splits > 0
     assert all(size <= bound for size, n in ranks.works if n > 1), ranks.works
     assert (max(size for size, _ in ranks.works), 1) in ranks.works  # the huge one, alone
+
+
+class BrokenBesideHung(InstantWorkers):
+    """Rank 1's host cannot run anything: it answers every WORK `not_run` at once. Rank 2
+    takes one WORK and hangs (the watchdog parks it)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        work = decode_work(data)
+        if dest == 2:
+            return
+        unrun = Result(token=work.token, status="not_run",
+                       detail="cannot materialise input: [Errno 28] No space left on device")
+        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(encode(unrun))))
+        self.queues[TAG_READY].append(ready_message(dest, work.token))
+
+
+@pytest.mark.timeout(60)
+def test_a_broken_host_beside_a_hung_rank_has_its_tasks_deferred_and_the_run_ends(tmp_path):
+    """A rank whose host fails every task is charged nothing for its failures only while
+    another rank can run them (`coordinator.cooldown`). A parked rank cannot: counting it as
+    one (it is alive) charged rank 1 nothing for ever, and this finite run never ended (a
+    review, 40 s and still going; it ended in 2 s before the cool-down)."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 4)
+    try:
+        summary = Master(store, BrokenBesideHung(), MasterConfig(
+            linger_s=0.0, watchdog_s=1.0, stop_wait_s=0.5, stats_file=None)).run()
+        with store.reading() as conn:
+            states = conn.exec_driver_sql("SELECT state, count(*) FROM tasks "
+                                          "GROUP BY 1").fetchall()
+    finally:
+        store.close()
+    assert [tuple(r) for r in states] == [("deferred", 4)]
+    assert summary.unacked_ranks == [2] and summary.committed == 0
+
