@@ -1095,6 +1095,9 @@ class Master:
                     self._unparked += self.gate.apply_ready(tx, readies).recovered_workers
                     self.summary.committed += len(self.gate.apply_results(tx, results)
                                                   .committed)
+                    # (a READY joined with an invalid RESULT: rolled back as in any round, a
+                    # batch in halves, not returned whole by the stop as if unfinished)
+                    self.gate.sweep(tx)
                     self._note_strays(tx)
                 self._tell_unparked()
                 # The master's own time, a wait for another process's write lock (a shell, a
@@ -1133,6 +1136,7 @@ class Master:
             if results or readies:
                 self.gate.apply_ready(tx, readies)
                 self.summary.committed += len(self.gate.apply_results(tx, results).committed)
+                self.gate.sweep(tx)
             back = dsp.requeue_in_flight(tx, earlier_incarnations=False,
                                          charged_ranks=self._gone_ranks(tx))
             set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])

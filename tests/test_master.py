@@ -748,3 +748,31 @@ def test_a_broken_host_beside_a_hung_rank_has_its_tasks_deferred_and_the_run_end
     assert [tuple(r) for r in states] == [("deferred", 4)]
     assert summary.unacked_ranks == [2] and summary.committed == 0
 
+
+@pytest.mark.timeout(60)
+def test_an_invalid_result_that_comes_during_the_stop_is_recovered_as_in_any_round(tmp_path):
+    """A READY and an invalid RESULT of the same dispatch that arrive while the stop waits for
+    the STOP_ACKs join as in any round (R3): the dispatch is recovered, charged as a protocol
+    failure, not returned by the stop as if its run had not finished (a batch would have gone
+    back whole, not in halves)."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 2)
+    bogus = lambda token: [  # noqa: E731
+        (6, TAG_RESULT, encode(Result(token=token, status="bogus"))),
+        (6, TAG_READY, bytes(ready_message(1, token).data))]
+    try:
+        master = Master(store, ScriptedAnswers(1, bogus), MasterConfig(
+            linger_s=0.0, grace_s=0.0, stop_wait_s=5, stats_file=None))
+        assert master._round()  # WORK to rank 1, which answers 6 drains on
+        master.request_stop("SIGTERM")
+        master._shutdown()
+        with store.reading() as conn:
+            kinds = [k for (k,) in conn.exec_driver_sql(
+                "SELECT kind FROM events WHERE kind NOT IN ('campaign', 'enqueued') "
+                "ORDER BY id")]
+            got = conn.exec_driver_sql("SELECT state, attempts, budget_used FROM tasks "
+                                       "ORDER BY id").fetchall()
+    finally:
+        store.close()
+    assert kinds[-2:] == ["recovered", "requeued"] and "stop_requeued" not in kinds, kinds
+    assert [tuple(r) for r in got] == [("queued", 1, 1), ("queued", 0, 0)]
+    assert master.summary.unacked_ranks == []
