@@ -87,10 +87,11 @@ def test_batch_progress_lines_are_plain_at_the_interval_and_agree_with_status(tm
     assert int(last["quarantined"]) == s["quarantined"]
     assert int(last["parked"]) == s["parked_ranks"]
     assert last["eta"] == "0s" and s["eta_s"] == 0
-    # The stats file: the six labels first, then the same fields.
+    # The stats file: the six labels first, the other channels' line, then the same fields.
     stats = db.with_name("c.db.stats").read_text().splitlines()
     assert stats[0].startswith("Quarantined worker results: ")
-    assert stats[7] == "Tasks: 4000 done, 0 queued, 0 active, 0 deferred, 0 failed"
+    assert stats[6] == "Quarantined other messages: 0"
+    assert stats[8] == "Tasks: 4000 done, 0 queued, 0 active, 0 deferred, 0 failed"
     # The metrics file parses, and its counters are status's.
     families = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
     samples = {(x.name, tuple(sorted((k, v) for k, v in x.labels.items() if k != "campaign"))):
