@@ -213,20 +213,27 @@ def test_command_executor_results_feed_back_and_a_hang_is_retried(tmp_path):
     assert status_json(db)["results_by_status"] == {"ok": 6}
 
 
+def _shell_target_and_seeds(tmp_path: Path, script: str, n: int) -> tuple[Path, Path]:
+    """A shell-script target running `script`, and a tasks file of `n` seed files by path."""
+    prog = tmp_path / "target"
+    prog.write_text(f"#!/bin/sh\n{script}\n")
+    prog.chmod(0o755)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    for i in range(n):
+        (seeds / f"s{i}").write_bytes(b"%d" % i)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"path": "{seeds / f"s{i}"}"}}\n' for i in range(n)))
+    return prog, tasks
+
+
 def test_a_program_its_hosts_cannot_start_defers_its_tasks_and_resume_runs_them(tmp_path):
     """A target that can no longer be started (its exec bit lost, as a rebuild in place can
     leave it) is the hosts' failure, not the tasks': no task is committed as an error; each
     goes to the retry policy (deferred at once with --retries 0), and once the program is back,
     `--resume` runs each exactly once."""
-    prog = tmp_path / "target"
-    prog.write_text('#!/bin/sh\n[ -e "$0.once" ] || { touch "$0.once"; chmod a-x "$0"; }\n')
-    prog.chmod(0o755)
-    seeds = tmp_path / "seeds"
-    seeds.mkdir()
-    for i in range(5):
-        (seeds / f"s{i}").write_bytes(b"%d" % i)
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(f'{{"path": "{seeds / f"s{i}"}"}}\n' for i in range(5)))
+    prog, tasks = _shell_target_and_seeds(
+        tmp_path, '[ -e "$0.once" ] || { touch "$0.once"; chmod a-x "$0"; }', 5)
     db = tmp_path / "c.db"
     args = ["run", "--db", str(db), "--tasks", str(tasks), "--retries", "0", "--no-feedback",
             "--no-progress"]
@@ -271,15 +278,7 @@ def test_one_node_whose_disk_is_full_defers_nothing_the_others_can_run(tmp_path,
     down and charges its failures nothing, so the healthy ranks run every task and nothing is
     deferred. Before, it took the retried task from the head again within its 0.25 s pause
     and the second failure deferred it, one healthy task after another."""
-    prog = tmp_path / "target"
-    prog.write_text("#!/bin/sh\nsleep 1\n")
-    prog.chmod(0o755)
-    seeds = tmp_path / "seeds"
-    seeds.mkdir()
-    for i in range(8):
-        (seeds / f"s{i}").write_bytes(b"%d" % i)
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(f'{{"path": "{seeds / f"s{i}"}"}}\n' for i in range(8)))
+    prog, tasks = _shell_target_and_seeds(tmp_path, "sleep 1", 8)
     db = tmp_path / "c.db"
     rank = [sys.executable, "-m", "coordinator", "run", "--db", str(db), "--tasks", str(tasks),
             "--retries", "1", "--no-feedback", "--no-progress", "--", str(prog), "@@"]
@@ -642,63 +641,43 @@ SHORT_TARGET = textwrap.dedent("""\
     """)
 
 
-def test_sigterm_to_every_rank_lets_running_commands_finish_in_the_grace_period(tmp_path):
+@pytest.mark.parametrize("signalled", ["every rank", "the master"])
+def test_runs_in_flight_at_a_sigterm_finish_and_commit(tmp_path, signalled):
     """What a batch system does when a job is cancelled or out of time: SIGTERM to every
     process. The workers go on with their commands through the master's grace period, so the
-    tasks in flight commit (no attempt charged, nothing requeued), and the run stops cleanly."""
+    tasks in flight commit (no attempt charged, nothing requeued), and the run stops cleanly.
+
+    The same for runs longer than --grace (SymCC's; here the master alone is signalled, with
+    a grace of 0.2 s): they used to go back to the queue when the grace period ended, their
+    RESULTs then came during the wait for the STOP_ACKs and were quarantined as `unowned`
+    (counted for the campaign's life), and the finished runs were done again at --resume. The
+    dispatches now stay in flight through that wait: what ends in it is committed."""
     target = tmp_path / "short.py"
     target.write_text(SHORT_TARGET)
     db = tmp_path / "c.db"
-    proc = start(["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 9)),
-                  "--grace", "20", "--no-progress", "--", sys.executable, str(target), "@@"])
+    stop = (["--grace", "20"] if signalled == "every rank"
+            else ["--grace", "0.2", "--stop-wait", "30"])
+    proc = start(["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 9)), *stop,
+                  "--no-progress", "--", sys.executable, str(target), "@@"])
     try:
-        master_pid(db)
+        pid = master_pid(db)
         wait_for(db, "SELECT count(*) FROM dispatches", lambda n: n == 3)
-        for pid in ranks_of(db):
-            os.kill(pid, signal.SIGTERM)
+        for rank in ranks_of(db) if signalled == "every rank" else [pid]:
+            os.kill(rank, signal.SIGTERM)
         done = finish(proc, timeout=90)
     finally:
         kill_job(proc)
     assert done.returncode == 0, done.stderr[-3000:]
     check_conservation(db, expected_tasks=9)
     # Every task that was running when the signal came finished and committed: none went
-    # back to the queue at the stop, none was charged an attempt.
+    # back to the queue at the stop, none was charged an attempt, nothing was quarantined.
     [(ok,)] = query(db, "SELECT count(*) FROM results WHERE status = 'ok'")
     assert ok >= 3 and query(db, "SELECT count(*) FROM tasks WHERE state = 'queued'") == [
         (9 - ok,)]
     assert query(db, "SELECT count(*) FROM events WHERE kind = 'stop_requeued'") == [(0,)]
     assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
     assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
-
-
-def test_runs_that_end_during_the_stops_wait_are_committed_not_quarantined(tmp_path):
-    """Runs longer than --grace (SymCC's, at a scheduler's SIGTERM) used to go back to the
-    queue when the grace period ended; their RESULTs then came during the wait for the
-    STOP_ACKs and were quarantined as `unowned` (counted for the campaign's life), and the
-    finished runs were done again at --resume. The dispatches now stay in flight through the
-    wait: what ends in it is committed, and only what is still running goes back."""
-    target = tmp_path / "short.py"
-    target.write_text(SHORT_TARGET)
-    db = tmp_path / "c.db"
-    proc = start(["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 9)),
-                  "--grace", "0.2", "--stop-wait", "30", "--no-progress", "--",
-                  sys.executable, str(target), "@@"])
-    try:
-        pid = master_pid(db)
-        wait_for(db, "SELECT count(*) FROM dispatches", lambda n: n == 3)
-        os.kill(pid, signal.SIGTERM)
-        done = finish(proc, timeout=90)
-    finally:
-        kill_job(proc)
-    assert done.returncode == 0, done.stderr[-3000:]
-    check_conservation(db, expected_tasks=9)
-    [(ok,)] = query(db, "SELECT count(*) FROM results WHERE status = 'ok'")
-    assert ok >= 3 and query(db, "SELECT count(*) FROM tasks WHERE state = 'queued'") == [
-        (9 - ok,)]
     assert query(db, "SELECT count(*) FROM quarantine") == [(0,)]
-    assert query(db, "SELECT count(*) FROM events WHERE kind = 'stop_requeued'") == [(0,)]
-    assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
-    assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
     assert status_json(db)["quarantine"] == quarantined()
 
 
