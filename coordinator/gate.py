@@ -116,6 +116,12 @@ def default_commit(tx: Tx, active: dsp.ActiveDispatch, parsed: Any,
 _ABSENT = object()
 
 
+def _not_run_what(outcome: Any) -> str:
+    """What a `not_run` answer's host could not do: its detail's first line."""
+    detail = _get(outcome, "detail")
+    return detail.strip().partition("\n")[0] if isinstance(detail, str) else ""
+
+
 def _get(parsed: Any, key: str, default: Any = None) -> Any:
     # The attribute first: a validated result is a Struct, and isinstance(x, Mapping) (an ABC
     # check) costs more than the attribute read, several times per task of a batch.
@@ -155,12 +161,12 @@ class Gate:
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None,
-                 host_ran: Callable[[int, bool], bool] | None = None):
+                 host_ran: Callable[[int, str | None], bool] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept. `host_ran`: told of
-        each current RESULT's rank and whether any of its tasks ran (not all `not_run`);
-        returns whether the `not_run` ones are charged (`coordinator.cooldown`). None: they
-        always are."""
+        each current RESULT's rank and, when none of its tasks ran (all `not_run`), what its
+        host could not do (None when one ran); returns whether the `not_run` ones are charged
+        (`coordinator.cooldown`). None: they always are."""
         self.store = store
         self.validate, self.commit, self.salvage = validate, commit, salvage
         self.host_ran = host_ran
@@ -316,7 +322,7 @@ class Gate:
                     del active[m.rank]
                     continue
                 unrun = _status_of(parsed) == NOT_RUN_STATUS
-                charged = self._charged(m.rank, not unrun)
+                charged = self._charged(m.rank, _not_run_what(parsed) if unrun else None)
                 if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
@@ -362,7 +368,8 @@ class Gate:
         # it is known to fail every task while other ranks run them)
         unrun = {t for t, o in zip(task_ids, batch, strict=True)
                  if _status_of(o) == NOT_RUN_STATUS}
-        charged = self._charged(a.rank, len(unrun) < len(task_ids))
+        charged = self._charged(a.rank, _not_run_what(batch[0])
+                                if len(unrun) == len(task_ids) else None)
         free = () if charged else unrun
         # What each failed run wrote before it was killed is kept, as for a task on its own.
         failed = {t: self._salvaged(tx, a, o, t, charged)
@@ -380,8 +387,8 @@ class Gate:
         out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
         return None
 
-    def _charged(self, rank: int, ran: bool) -> bool:
-        return True if self.host_ran is None else self.host_ran(rank, ran)
+    def _charged(self, rank: int, unrun: str | None) -> bool:
+        return True if self.host_ran is None else self.host_ran(rank, unrun)
 
     def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int,
                   charged: bool = True) -> str:
@@ -390,9 +397,8 @@ class Gate:
         what failed: the operator has a host to fix)."""
         status = str(_status_of(outcome))
         if status == NOT_RUN_STATUS:
-            detail = _get(outcome, "detail")
-            first = detail.strip().partition("\n")[0] if isinstance(detail, str) else ""
-            return (f"{status} on rank {a.rank}: {first}"[:NOT_RUN_REASON_CHARS].rstrip()
+            return (f"{status} on rank {a.rank}: {_not_run_what(outcome)}"
+                    [:NOT_RUN_REASON_CHARS].rstrip()
                     + ("" if charged else NOT_CHARGED))
         kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
         return status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")

@@ -146,6 +146,7 @@ class Master:
         self._unparked: list[int] = []
         self._told_unparked = False
         self._idle: list[int] = []
+        self._unsent_plan: set[int] = set()  # ranks given work this round, their WORK unsent
         self._may_have_queued = True
         self._next_source = 0.0
         self._next_watchdog = 0.0
@@ -599,6 +600,7 @@ class Master:
             else:
                 if not (p.more and len(data) > self.config.max_message_bytes):
                     plan.append((p, data))
+                    self._unsent_plan.add(p.rank)
                     continue
                 # A batch's inputs together (11 of 200 MB: past what one MPI message carries,
                 # and the send failure cost the rank) go in smaller batches; a task alone
@@ -612,6 +614,7 @@ class Master:
         return plan
 
     def _send_work(self, p: dsp.Planned, data: bytes) -> None:
+        self._unsent_plan.discard(p.rank)
         try:
             self.transport.send_work(data, p.rank)
             now = time.monotonic()
@@ -656,12 +659,31 @@ class Master:
 
     def _able(self) -> Iterator[int]:
         """The ranks that could run a task (`coordinator.cooldown`): those whose WORK is out
-        (a parked rank's was forgotten when the watchdog retired it), and the idle ones."""
+        (a parked rank's was forgotten when the watchdog retired it), those that just
+        answered one, the idle ones, and those given work this round (its WORK leaves after
+        the COMMIT: a healthy rank is in none of the others then)."""
         yield from self._expected.sent_at
+        yield from self._answered
         yield from self._idle
+        yield from self._unsent_plan
 
-    def _host_ran(self, rank: int, ran: bool) -> bool:
-        return self._cooldown.answered(rank, ran)
+    def _host_ran(self, rank: int, unrun: str | None) -> bool:
+        """A current RESULT's rank: whether its `not_run` tasks are charged. Said on stderr
+        when its host is known to fail (its second such answer in a row) and when it runs
+        tasks again: a rank that only cools down defers nothing, so neither `status`'s held
+        reasons nor the deferred count would show the operator a host to fix."""
+        streak = self._cooldown.streak.get(rank, 0)
+        charged = self._cooldown.answered(rank, unrun is None)
+        if unrun is not None and streak == 1:
+            print(f"coordinator: rank {rank}'s host could not run its last two dispatches "
+                  f"({unrun}); it gets work again after a pause, up to "
+                  f"{self._cooldown.CAP_S:g} s while it keeps failing, and its tasks go "
+                  + ("back to the other ranks, not charged" if not charged else
+                     "to the retry policy (no other rank can run them)")
+                  + "; fix the host", file=sys.stderr, flush=True)
+        elif unrun is None and streak >= 2:
+            print(f"coordinator: rank {rank} runs tasks again", file=sys.stderr, flush=True)
+        return charged
 
     def _drained(self) -> bool:
         # Asked only after a round with no progress, and at most every 50 ms: a transaction

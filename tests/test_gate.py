@@ -288,7 +288,8 @@ def test_a_host_known_to_fail_every_task_has_its_next_failures_charged_nothing(t
     back at the head for a healthy rank, where they were deferred past the budget (one broken
     node deferred a healthy campaign's tasks one by one). Alone and in a batch."""
     farm = Farm(tmp_path / "c.db", policy=RetryPolicy(retries=0, max_attempts=4))
-    farm.gate.host_ran = HostCooldown(lambda: [1, 2]).answered
+    cooldown = HostCooldown(lambda: [1, 2])
+    farm.gate.host_ran = lambda rank, unrun: cooldown.answered(rank, unrun is None)
     disk_full = "cannot materialise input: [Errno 28] No space left on device"
     try:
         first, second, *batch = farm.enqueue(*({"path": f"/seeds/{i}"} for i in range(5)))

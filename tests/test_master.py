@@ -27,6 +27,7 @@ from fakes import (
 )
 from sqlalchemy import func, select
 
+from coordinator.cooldown import HostCooldown
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import ANY_TAG, Received
@@ -776,3 +777,45 @@ def test_an_invalid_result_that_comes_during_the_stop_is_recovered_as_in_any_rou
     assert kinds[-2:] == ["recovered", "requeued"] and "stop_requeued" not in kinds, kinds
     assert [tuple(r) for r in got] == [("queued", 1, 1), ("queued", 0, 0)]
     assert master.summary.unacked_ranks == []
+
+
+class HostFailsThenRuns(InstantWorkers):
+    """Rank 1's host cannot run its first `fails` WORKs (`not_run`), then can; rank 2 runs
+    everything."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__(2)
+        self.fails = fails
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if dest != 1 or self.fails == 0:
+            return super().send_work(data, dest)
+        self.fails -= 1
+        work = decode_work(data)
+        unrun = Result(token=work.token, status="not_run",
+                       detail="cannot start '/opt/t': [Errno 13] Permission denied\nmore")
+        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(encode(unrun))))
+        self.queues[TAG_READY].append(ready_message(dest, work.token))
+
+
+@pytest.mark.timeout(60)
+def test_a_host_that_fails_and_recovers_is_said_once_each_way(tmp_path, capsys,
+                                                               monkeypatch):
+    """A rank that only cools down defers nothing, so no held reason or deferred count shows
+    its host to the operator: the master says so at its second failure in a row, with what
+    failed, and says when it runs tasks again. (Cool-downs of milliseconds: rank 2's instant
+    answers would finish the run before one of a second was over.)"""
+    monkeypatch.setattr(HostCooldown, "FIRST_S", 0.001)
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 400)
+    try:
+        summary = Master(store, HostFailsThenRuns(fails=3), MasterConfig(
+            linger_s=0.0, stop_wait_s=0.5, stats_file=None)).run()
+    finally:
+        store.close()
+    err = capsys.readouterr().err
+    assert summary.committed == 400
+    assert err.count("rank 1's host could not run its last two dispatches (cannot start "
+                     "'/opt/t': [Errno 13] Permission denied); it gets work again after a "
+                     "pause, up to 30 s while it keeps failing, and its tasks go back to the "
+                     "other ranks, not charged; fix the host") == 1, err
+    assert err.count("rank 1 runs tasks again") == 1, err
