@@ -16,12 +16,13 @@ broken node. So:
 - later ones are charged nothing while another rank can run tasks (its host is the known
   cause, and the healthy ranks will run the task), so a broken node no longer defers anything.
 
-"Another rank can run tasks": one not failing so that holds work (its WORK out, not past its
-deadline) or is idle. A parked rank (hung past its deadline), a lost or dead one does not
-count: with a broken node beside a hung one, the broken node's failures were charged nothing
-for ever and the run never ended. With no such rank there is no one to wait for: no
-cool-down, each answer charged, and the tasks are deferred as before, which ends the run for
-the operator to fix the hosts (`--resume` then runs them).
+"Another rank can run tasks": one not failing that holds work (its WORK out, not past its
+deadline), answered one moments ago, is idle, or was given work this round (`Master._able`).
+A parked rank (hung past its deadline), a lost, refused or dead one does not count: with a
+broken node beside a hung one, the broken node's failures were charged nothing for ever and
+the run never ended. With no such rank there is no one to wait for: no cool-down, each answer
+charged, and the tasks are deferred as before, which ends the run for the operator to fix the
+hosts (`--resume` then runs them).
 
 Pure logic: the master feeds it the answers and asks it before each dispatch.
 """

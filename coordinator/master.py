@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 NO_WORKERS_LEFT = "no workers left"
 #: ... and when no live rank could take work for `stall_grace_s` (every one parked).
 NO_RANK_CAN_WORK = "no rank can take work"
+#: How long a rank that answered counts as able to run tasks while its READY is awaited
+#: (`Master._able`).
+ANSWERED_ABLE_S = 5.0
 CAMPAIGN_FILE_LOST = "the campaign file lost its name"
 
 
@@ -147,6 +150,9 @@ class Master:
         self._told_unparked = False
         self._idle: list[int] = []
         self._unsent_plan: set[int] = set()  # ranks given work this round, their WORK unsent
+        #: Ranks whose failing host was said on stderr, and whether their tasks were charged.
+        self._host_said: dict[int, bool] = {}
+        self._host_said_at: dict[int, float] = {}
         self._may_have_queued = True
         self._next_source = 0.0
         self._next_watchdog = 0.0
@@ -248,6 +254,7 @@ class Master:
         would have nothing new: those messages were just applied), so a rank freed by this
         round's commits gets work without waiting for another COMMIT."""
         dispatching = self._stop_signal is None
+        self._unsent_plan.clear()  # (the last round's WORKs have all left, or failed to)
         results, readies = self._receive()
         # Outside a stop, no STOP_ACK is awaited: each is quarantined.
         self._strays += [self._stray(r) for r in self._ack_inbox]
@@ -257,6 +264,9 @@ class Master:
         watchdog_due = bool(self.config.watchdog_s) and now >= self._next_watchdog
         want_dispatch = dispatching and self._may_have_queued and self._can_take(now)
         died = self._take_failed()
+        # Out of this round's dispatch phase: planned in it, its WORK would still leave after
+        # the COMMIT, its task charged for a dispatch `_retire_dead` ended before it left.
+        self._failed_ranks.update(died)
         # Sends still to be marked do not by themselves justify a COMMIT: they ride along with
         # the next transaction (until then a rollback treats them as sent, the safe side).
         if not (readies or results or self._unsent or poll_sources or watchdog_due
@@ -659,13 +669,17 @@ class Master:
 
     def _able(self) -> Iterator[int]:
         """The ranks that could run a task (`coordinator.cooldown`): those whose WORK is out
-        (a parked rank's was forgotten when the watchdog retired it), those that just
-        answered one, the idle ones, and those given work this round (its WORK leaves after
-        the COMMIT: a healthy rank is in none of the others then)."""
-        yield from self._expected.sent_at
-        yield from self._answered
-        yield from self._idle
-        yield from self._unsent_plan
+        (a parked rank's was forgotten when the watchdog retired it), those that answered one
+        within ANSWERED_ABLE_S (its READY follows at once; one that never comes, a rank hung
+        after its RESULT, must not excuse a broken host for ever), the idle ones, and those
+        given work this round (its WORK leaves after the COMMIT: a healthy rank is in none of
+        the others then). Never a dead, refused, unreachable or lost one."""
+        gone = self._failed_ranks | self._lost
+        recent = time.monotonic() - ANSWERED_ABLE_S
+        yield from (r for r in self._expected.sent_at if r not in gone)
+        yield from (r for r, (at, _) in self._answered.items() if at > recent and r not in gone)
+        yield from (r for r in self._idle if r not in gone)
+        yield from (r for r in self._unsent_plan if r not in gone)
 
     def _host_ran(self, rank: int, unrun: str | None) -> bool:
         """A current RESULT's rank: whether its `not_run` tasks are charged. Said on stderr
@@ -674,15 +688,31 @@ class Master:
         reasons nor the deferred count would show the operator a host to fix."""
         streak = self._cooldown.streak.get(rank, 0)
         charged = self._cooldown.answered(rank, unrun is None)
-        if unrun is not None and streak == 1:
-            print(f"coordinator: rank {rank}'s host could not run its last two dispatches "
-                  f"({unrun}); it gets work again after a pause, up to "
-                  f"{self._cooldown.CAP_S:g} s while it keeps failing, and its tasks go "
-                  + ("back to the other ranks, not charged" if not charged else
-                     "to the retry policy (no other rank can run them)")
+        if self._stop_signal is not None:
+            return charged  # (no more work for anyone: nothing to say about its next)
+        said = self._host_said.get(rank)
+        if unrun is None:
+            if said is not None:
+                self._host_said.pop(rank)
+                print(f"coordinator: rank {rank} runs tasks again", file=sys.stderr,
+                      flush=True)
+        elif streak >= 1 and said != charged and (
+                said is not None
+                or time.monotonic() >= self._host_said_at.get(rank, -math.inf) + 60):
+            # Its second failure in a row (once a minute at most: a host that fails two
+            # tasks of three would say so every few seconds), or whether it is charged changed
+            # since it was said (the other ranks parked or died: its tasks now go to the
+            # retry policy).
+            self._host_said[rank] = charged
+            self._host_said_at[rank] = time.monotonic()
+            print(f"coordinator: rank {rank}'s host could not run its last {streak + 1} "
+                  f"dispatches ({unrun}); "
+                  + ("its tasks go back to the other ranks, not charged, and it gets work "
+                     f"again after a pause (up to {self._cooldown.CAP_S:g} s while it keeps "
+                     "failing)" if not charged else
+                     "no other rank can run tasks, so they go to the retry policy (deferred "
+                     "past its budget)")
                   + "; fix the host", file=sys.stderr, flush=True)
-        elif unrun is None and streak >= 2:
-            print(f"coordinator: rank {rank} runs tasks again", file=sys.stderr, flush=True)
         return charged
 
     def _drained(self) -> bool:

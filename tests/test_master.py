@@ -22,15 +22,17 @@ from fakes import (
     StaggeredRanks,
     TimedRanks,
     answered_after,
+    ok_answer,
     ready_message,
     valid_result,
 )
 from sqlalchemy import func, select
 
+import coordinator.master as master_module
 from coordinator.cooldown import HostCooldown
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import NewInput, demo_tasks
-from coordinator.transport import ANY_TAG, Received
+from coordinator.transport import ANY_TAG, Received, SendFailed
 from coordinator.wire import (
     TAG_READY,
     TAG_RESULT,
@@ -814,8 +816,102 @@ def test_a_host_that_fails_and_recovers_is_said_once_each_way(tmp_path, capsys,
         store.close()
     err = capsys.readouterr().err
     assert summary.committed == 400
-    assert err.count("rank 1's host could not run its last two dispatches (cannot start "
-                     "'/opt/t': [Errno 13] Permission denied); it gets work again after a "
-                     "pause, up to 30 s while it keeps failing, and its tasks go back to the "
-                     "other ranks, not charged; fix the host") == 1, err
+    assert err.count("rank 1's host could not run its last 2 dispatches (cannot start "
+                     "'/opt/t': [Errno 13] Permission denied); its tasks go back to the other "
+                     "ranks, not charged, and it gets work again after a pause (up to 30 s "
+                     "while it keeps failing); fix the host") == 1, err
     assert err.count("rank 1 runs tasks again") == 1, err
+
+
+class BrokenBesideGone(InstantWorkers):
+    """Rank 1's host cannot run anything (`not_run` at once). Rank 2 answers its first WORK
+    `ok`, then, by `mode`: its next send fails, or it dies (reported as ULFM does) before its
+    READY, or it hangs before its READY."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(2)
+        self.mode, self.to_2, self.dead = mode, 0, []
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        work = decode_work(data)
+        if dest == 1:
+            unrun = Result(token=work.token, status="not_run", detail="no space")
+            self.queues[TAG_RESULT].append(Received(1, TAG_RESULT, bytearray(encode(unrun))))
+            self.queues[TAG_READY].append(ready_message(1, work.token))
+            return
+        self.to_2 += 1
+        if self.to_2 > 1:
+            raise SendFailed(2, OSError("connection reset"))  # (only "send fails" gets here)
+        self.queues[TAG_RESULT].append(Received(2, TAG_RESULT, bytearray(ok_answer(work))))
+        if self.mode == "dies before its READY":
+            self.dead.append(2)
+        elif self.mode == "send fails":
+            self.queues[TAG_READY].append(ready_message(2, work.token))
+
+    def take_failed(self) -> list[int]:
+        dead, self.dead = self.dead, []
+        return dead
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["send fails", "dies before its READY",
+                                  "hangs before its READY"])
+def test_a_broken_host_is_not_excused_by_a_rank_that_can_no_longer_run_tasks(
+        tmp_path, monkeypatch, mode):
+    """Rank 2 stopped being able to run tasks after answering one (its send failed, it died,
+    it hangs): it kept excusing broken rank 1 through what the master remembered of its answer
+    (a review: none of these finite runs ended). Now rank 1's failures are charged, the tasks
+    deferred, and the run ends."""
+    monkeypatch.setattr(HostCooldown, "FIRST_S", 0.01)
+    monkeypatch.setattr(HostCooldown, "CAP_S", 0.05)
+    monkeypatch.setattr(master_module, "ANSWERED_ABLE_S", 0.5)
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 4)
+    try:
+        Master(store, BrokenBesideGone(mode), MasterConfig(
+            linger_s=0.0, watchdog_s=1.0, grace_s=0.0, stop_wait_s=0.5,
+            stats_file=None)).run()
+        with store.reading() as conn:
+            states = dict(conn.exec_driver_sql("SELECT state, count(*) FROM tasks "
+                                               "GROUP BY 1").fetchall())
+    finally:
+        store.close()
+    assert states.get("queued", 0) == states.get("active", 0) == 0, states
+    assert states["done"] == 1 and states["deferred"] == 3, states
+
+
+class DiesBeforeItsFirstWork(InstantWorkers):
+    """Rank 2's first READY is waiting, and the runtime reports it dead at the first poll."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.told, self.sent_to = False, []
+
+    def take_failed(self) -> list[int]:
+        if self.told:
+            return []
+        self.told = True
+        return [2]
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        self.sent_to.append(dest)
+        super().send_work(data, dest)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_reported_dead_is_given_no_work_in_the_same_round(tmp_path):
+    """A rank reported dead at the start of a round was still planned in that round's
+    dispatch phase (its first READY was there): its dispatch was then ended as a dead
+    worker's, the task charged an attempt and its budget, and the WORK still sent (a
+    review)."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
+    ranks = DiesBeforeItsFirstWork()
+    try:
+        summary = Master(store, ranks, MasterConfig(linger_s=0.0, stop_wait_s=0.5,
+                                                    stats_file=None)).run()
+        with store.reading() as conn:
+            charged = conn.exec_driver_sql("SELECT sum(attempts), sum(budget_used) "
+                                           "FROM tasks").one()
+    finally:
+        store.close()
+    assert 2 not in ranks.sent_to and summary.committed == 3
+    assert tuple(charged) == (0, 0)
