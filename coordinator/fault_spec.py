@@ -27,6 +27,7 @@ KINDS: dict[str, str] = {
     "kill_after_result": "the worker SIGKILLs itself after RESULT, before READY",
     "hang": "the worker stops (SIGSTOP) before sending RESULT",
     "slow": "the worker sleeps 0.2-1 s before sending RESULT",
+    "not_run": "RESULT says the host could not run the task (`not_run`, every task of a batch)",
 }
 
 #: At most one of these shapes a RESULT's body; the first that fires (in this order) wins.

@@ -15,9 +15,9 @@ import os
 import signal
 import time
 
-from .executors import ExecOutcome
+from .executors import BatchOutcome, ExecOutcome
 from .fault_spec import _RESULT_SHAPES, KINDS, FaultPlan, InjectSpecError, parse_inject
-from .wire import encode
+from .wire import NOT_RUN_STATUS, encode
 from .worker import Sender
 
 __all__ = ["KINDS", "FaultPlan", "FaultySender", "InjectSpecError", "parse_inject"]
@@ -52,7 +52,7 @@ class FaultySender(Sender):
     def _stale_token(self) -> str | None:
         return self.rng.choice(self.history) if self.history else None
 
-    def send_result(self, token: str, outcome: ExecOutcome) -> str:
+    def send_result(self, token: str, outcome: ExecOutcome | BatchOutcome) -> str:
         fired = self._draw()
         self._fired = fired
         if "slow" in fired:
@@ -64,6 +64,9 @@ class FaultySender(Sender):
         if "kill_before_result" in fired:
             self._record("kill_before_result", token)
             os.kill(os.getpid(), signal.SIGKILL)
+        if "not_run" in fired:
+            self._record("not_run", token)
+            outcome = _not_run(outcome)
         if "reorder" in fired:
             self._record("reorder", token)
             self._send_ready_now(token)
@@ -140,3 +143,15 @@ class FaultySender(Sender):
         elif shape == "result_stale":
             pass  # msg.token already replaced
         return encode(body)
+
+
+#: The detail of an injected `not_run` (what a real one says: what the host could not do).
+INJECTED_NOT_RUN = "injected: this host cannot run the task"
+
+
+def _not_run(outcome: ExecOutcome | BatchOutcome) -> ExecOutcome | BatchOutcome:
+    """The answer of a host that could run none of it, the run's own outcome dropped."""
+    if isinstance(outcome, BatchOutcome):
+        return BatchOutcome([ExecOutcome(status=NOT_RUN_STATUS, detail=INJECTED_NOT_RUN)
+                             for _ in outcome.outcomes])
+    return ExecOutcome(status=NOT_RUN_STATUS, detail=INJECTED_NOT_RUN)

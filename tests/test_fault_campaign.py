@@ -26,7 +26,7 @@ fc = load_tool("fault_campaign")
 #: The short campaign's seed: its 4 trials hold the three harness kinds (an aliased file in
 #: two; a held lock past --lock-wait; a start-up crash with and without ULFM) among
 #: injected ones.
-SHORT_SEED = 29
+SHORT_SEED = 22058
 
 
 @pytest.mark.mpi
@@ -60,7 +60,7 @@ def test_short_campaign_passes_and_writes_both_reports(tmp_path):
     assert f"fault_campaign.py --trials 4 --tasks 20 --seed {SHORT_SEED}" in md
     assert "| **all** |" in md
     assert "| `held_lock` |" in md and "## The operator's environment" in md
-    # The default share of batched trials gives this seed's fourth trial --batch 2.
+    # The default share of batched trials gives this seed's second trial --batch 2.
     assert set(report["per_batch"]) == {"batch 1", "batch 2"}
     assert report["per_batch"]["batch 2"]["trials"] == 1
     assert report["per_batch"]["batch 2"]["failed_trials"] == 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -433,6 +434,34 @@ def test_a_slow_worker_is_waited_for(tmp_path):
         assert took >= 0.2 and 0 <= sent <= took
     assert quarantine_rows(db) == []
     assert "watchdog" not in event_counts(db) and "requeued" not in event_counts(db)
+    assert_each_task_committed_once(db, N)
+    assert_status_agrees(db)
+
+
+@pytest.mark.timeout(120)
+@covering("not_run")
+def test_a_task_its_host_says_it_could_not_run_is_retried_never_committed(tmp_path):
+    """Each injected `not_run` (every rank's host fails now and then, as a full disk would):
+    the dispatch is ended without a result, its task goes to the retry policy (the first
+    failure of a rank's streak charged to the budget, never to the attempt ceiling; later
+    ones of the same streak charged nothing while another rank can run tasks), and every
+    task is committed once, from a dispatch that ran it."""
+    kind = "not_run"
+    db, log, done = campaign(tmp_path, f"{kind}=0.3", 2, *RETRY_ALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    unrun = logged(log, kind)
+    assert unrun
+    assert quarantine_rows(db) == []
+    assert event_tokens(db, "task_failed") == sorted(unrun)
+    assert event_tokens(db, "retried") == sorted(unrun)
+    reasons = [r for (r,) in query(db, "SELECT detail FROM events WHERE kind = 'retried'")]
+    assert all(re.fullmatch(r"not_run on rank \d: injected: this host cannot run the task"
+                            r"( \(not charged: .*\))?", r) for r in reasons), reasons
+    assert query(db, "SELECT count(*) FROM results WHERE token IN (SELECT token FROM events "
+                     "WHERE kind = 'task_failed')") == [(0,)]
+    # the budget only: never the attempt ceiling, and no more than the failures
+    charged = len(reasons) - sum("(not charged" in r for r in reasons)
+    assert query(db, "SELECT sum(attempts), sum(budget_used) FROM tasks") == [(0, charged)]
     assert_each_task_committed_once(db, N)
     assert_status_agrees(db)
 

@@ -6,7 +6,7 @@ its database alone.
 
 Each trial is a fresh campaign: `coordinator run --demo T` under `mpiexec -n W+1` with a plan of
 1–4 fault kinds (`--inject`, rates 0.02–0.3, log-uniform) drawn from a seeded RNG; every kind
-leads a trial once per 19 trials (16 injected kinds, 3 of the harness's own, below), so a long
+leads a trial once per 20 trials (17 injected kinds, 3 of the harness's own, below), so a long
 campaign covers all of them. In `--kill-fraction` of the trials the harness SIGKILLs the whole
 job once at a random moment: once a random number of results has committed, or by wall time,
 0 to T × work-ms / W seconds after the launch's first committed result (timed from the spawn,
@@ -137,7 +137,7 @@ ALIAS_REFUSAL = "has 2 names"
 BREAKING: frozenset[str] = frozenset({
     "result_missing_token", "result_bad_token", "result_list_token", "result_not_mapping",
     "result_garbage", "result_stale", "result_drop", "kill_before_result", "kill_after_result",
-    "hang"})
+    "hang", "not_run"})
 #: Kinds whose dispatch never sent a valid RESULT: a commit of such a token is a wrong commit.
 #: Not `kill_after_result` (its RESULT left intact before the kill) and not `hang`: a stopped
 #: worker that gets SIGCONT sends its RESULT late but validly — which happens for real when
