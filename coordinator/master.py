@@ -1119,6 +1119,15 @@ class Master:
                             if self._forged_acks == 3 else "")
         return acked
 
+    def _apply_late(self, tx: Tx, results: list[Inbound], readies: list[Inbound]) -> None:
+        """Answers that come while the stop waits for the STOP_ACKs: applied as in any round,
+        READY, then RESULT (committed: its dispatch is still in flight), then the sweep (a
+        READY joined with an invalid RESULT rolled back, a batch in halves, not returned
+        whole by the stop as if unfinished)."""
+        self._unparked += self.gate.apply_ready(tx, readies).recovered_workers
+        self.summary.committed += len(self.gate.apply_results(tx, results).committed)
+        self.gate.sweep(tx)
+
     def _stop_workers(self) -> tuple[list[int], list[int]]:
         """Tokenized STOP to each worker once it has shown READY; wait, bounded, for the
         exact-token STOP_ACK. A run that ends meanwhile is committed as in any round (its
@@ -1144,12 +1153,7 @@ class Master:
                 progressed = True
                 began = time.monotonic()
                 with self._tx("drain during stop") as tx:
-                    self._unparked += self.gate.apply_ready(tx, readies).recovered_workers
-                    self.summary.committed += len(self.gate.apply_results(tx, results)
-                                                  .committed)
-                    # (a READY joined with an invalid RESULT: rolled back as in any round, a
-                    # batch in halves, not returned whole by the stop as if unfinished)
-                    self.gate.sweep(tx)
+                    self._apply_late(tx, results, readies)
                     self._note_strays(tx)
                 self._tell_unparked()
                 # The master's own time, a wait for another process's write lock (a shell, a
@@ -1186,9 +1190,7 @@ class Master:
         # reports that exit as a failure).
         with self._tx("graceful stop: in-flight work back to the queue") as tx:
             if results or readies:
-                self.gate.apply_ready(tx, readies)
-                self.summary.committed += len(self.gate.apply_results(tx, results).committed)
-                self.gate.sweep(tx)
+                self._apply_late(tx, results, readies)
             back = dsp.requeue_in_flight(tx, earlier_incarnations=False,
                                          charged_ranks=self._gone_ranks(tx))
             set_workers(tx, [(r, WorkerState.STOPPED) for r in sorted(acked)])

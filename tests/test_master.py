@@ -716,6 +716,14 @@ def test_a_batch_whose_work_is_over_the_message_bound_goes_in_smaller_batches(tm
     assert (max(size for size, _ in ranks.works), 1) in ranks.works  # the huge one, alone
 
 
+def _answer_not_run(ranks: InstantWorkers, rank: int, token: str, detail: str) -> None:
+    """`rank`'s answer to the WORK of `token` when its host could not run it: a `not_run`
+    RESULT and the READY after it, waiting at the master's next drains."""
+    unrun = Result(token=token, status="not_run", detail=detail)
+    ranks.queues[TAG_RESULT].append(Received(rank, TAG_RESULT, bytearray(encode(unrun))))
+    ranks.queues[TAG_READY].append(ready_message(rank, token))
+
+
 class BrokenBesideHung(InstantWorkers):
     """Rank 1's host cannot run anything: it answers every WORK `not_run` at once. Rank 2
     takes one WORK and hangs (the watchdog parks it)."""
@@ -727,10 +735,8 @@ class BrokenBesideHung(InstantWorkers):
         work = decode_work(data)
         if dest == 2:
             return
-        unrun = Result(token=work.token, status="not_run",
-                       detail="cannot materialise input: [Errno 28] No space left on device")
-        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(encode(unrun))))
-        self.queues[TAG_READY].append(ready_message(dest, work.token))
+        _answer_not_run(self, dest, work.token,
+                        "cannot materialise input: [Errno 28] No space left on device")
 
 
 @pytest.mark.timeout(60)
@@ -794,10 +800,8 @@ class HostFailsThenRuns(InstantWorkers):
             return super().send_work(data, dest)
         self.fails -= 1
         work = decode_work(data)
-        unrun = Result(token=work.token, status="not_run",
-                       detail="cannot start '/opt/t': [Errno 13] Permission denied\nmore")
-        self.queues[TAG_RESULT].append(Received(dest, TAG_RESULT, bytearray(encode(unrun))))
-        self.queues[TAG_READY].append(ready_message(dest, work.token))
+        _answer_not_run(self, dest, work.token,
+                        "cannot start '/opt/t': [Errno 13] Permission denied\nmore")
 
 
 @pytest.mark.timeout(60)
@@ -835,9 +839,7 @@ class BrokenBesideGone(InstantWorkers):
     def send_work(self, data: bytes, dest: int) -> None:
         work = decode_work(data)
         if dest == 1:
-            unrun = Result(token=work.token, status="not_run", detail="no space")
-            self.queues[TAG_RESULT].append(Received(1, TAG_RESULT, bytearray(encode(unrun))))
-            self.queues[TAG_READY].append(ready_message(1, work.token))
+            _answer_not_run(self, 1, work.token, "no space")
             return
         self.to_2 += 1
         if self.to_2 > 1:
