@@ -161,12 +161,12 @@ class Gate:
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None,
-                 host_ran: Callable[[int, str | None], bool] | None = None):
+                 host_ran: Callable[[Tx, int, str | None], bool] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept. `host_ran`: told of
         each current RESULT's rank and, when none of its tasks ran (all `not_run`), what its
-        host could not do (None when one ran); returns whether the `not_run` ones are charged
-        (`coordinator.cooldown`). None: they always are."""
+        host could not do (None when one ran), in the round's transaction; returns whether
+        the `not_run` ones are charged (`coordinator.cooldown`). None: they always are."""
         self.store = store
         self.validate, self.commit, self.salvage = validate, commit, salvage
         self.host_ran = host_ran
@@ -322,7 +322,7 @@ class Gate:
                     del active[m.rank]
                     continue
                 unrun = _status_of(parsed) == NOT_RUN_STATUS
-                charged = self._charged(m.rank, _not_run_what(parsed) if unrun else None)
+                charged = self._charged(tx, m.rank, _not_run_what(parsed) if unrun else None)
                 if _status_of(parsed) in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
@@ -368,7 +368,7 @@ class Gate:
         # it is known to fail every task while other ranks run them)
         unrun = {t for t, o in zip(task_ids, batch, strict=True)
                  if _status_of(o) == NOT_RUN_STATUS}
-        charged = self._charged(a.rank, _not_run_what(batch[0])
+        charged = self._charged(tx, a.rank, _not_run_what(batch[0])
                                 if len(unrun) == len(task_ids) else None)
         free = () if charged else unrun
         # What each failed run wrote before it was killed is kept, as for a task on its own.
@@ -387,8 +387,8 @@ class Gate:
         out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
         return None
 
-    def _charged(self, rank: int, unrun: str | None) -> bool:
-        return True if self.host_ran is None else self.host_ran(rank, unrun)
+    def _charged(self, tx: Tx, rank: int, unrun: str | None) -> bool:
+        return True if self.host_ran is None else self.host_ran(tx, rank, unrun)
 
     def _salvaged(self, tx: Tx, a: dsp.ActiveDispatch, outcome: Any, task_id: int,
                   charged: bool = True) -> str:

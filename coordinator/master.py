@@ -35,6 +35,7 @@ from store.semantic import content_hash
 from store.stats import REFUSED_DETAIL, other_messages_text, stats_text
 from store.workers import (
     idle_ranks,
+    note_unrun,
     parked_detail,
     ranks_in_state,
     set_workers,
@@ -45,7 +46,7 @@ from store.workers import (
 from .batching import AutoBatch
 from .cooldown import HostCooldown
 from .expected_answers import ExpectedAnswers
-from .gate import Gate, Inbound, Stray
+from .gate import NOT_RUN_REASON_CHARS, Gate, Inbound, Stray
 from .observer import Observer
 from .output import TestcaseWriter, input_id, replace_text
 from .processes import describe_process, fence, process_exists
@@ -681,13 +682,18 @@ class Master:
         yield from (r for r in self._idle if r not in gone)
         yield from (r for r in self._unsent_plan if r not in gone)
 
-    def _host_ran(self, rank: int, unrun: str | None) -> bool:
-        """A current RESULT's rank: whether its `not_run` tasks are charged. Said on stderr
-        when its host is known to fail (its second such answer in a row) and when it runs
-        tasks again: a rank that only cools down defers nothing, so neither `status`'s held
+    def _host_ran(self, tx: Tx, rank: int, unrun: str | None) -> bool:
+        """A current RESULT's rank: whether its `not_run` tasks are charged. Written to the
+        rank's row for `status` at each such answer, and said on stderr when its host is
+        known to fail (its second such answer in a row); both again when it runs tasks
+        again: a rank that only cools down defers nothing, so neither `status`'s held
         reasons nor the deferred count would show the operator a host to fix."""
         streak = self._cooldown.streak.get(rank, 0)
         charged = self._cooldown.answered(rank, unrun is None)
+        if unrun is not None:
+            note_unrun(tx, rank, streak + 1, unrun[:NOT_RUN_REASON_CHARS])
+        elif streak:
+            note_unrun(tx, rank, None)
         if self._stop_signal is not None:
             return charged  # (no more work for anyone: nothing to say about its next)
         said = self._host_said.get(rank)

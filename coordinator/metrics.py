@@ -53,6 +53,9 @@ _HELP = {
     "coordinator_throughput_tasks_per_second": ("gauge", "Tasks done per second, by window."),
     "coordinator_active_ranks": ("gauge", "Worker ranks holding a dispatch."),
     "coordinator_ranks": ("gauge", "Worker ranks by state."),
+    "coordinator_ranks_unable_to_run": (
+        "gauge", "Worker ranks whose host ran none of the tasks of their last answers "
+        "(not_run: a full disk, the target gone); their tasks go to the other ranks."),
     "coordinator_commit_duration_seconds": (
         "summary", "The master's COMMITs (with their fsync), since it started."),
     "coordinator_commit_duration_max_seconds": (
@@ -119,6 +122,7 @@ def metrics_text(s: Snapshot, campaign: str, commits: CommitTimes | None = None,
     add("coordinator_active_ranks", st.dispatches)  # (not the tasks: a batch holds many)
     for state, n in sorted(_with_zeros(s.ranks, WorkerState).items()):
         add("coordinator_ranks", n, state=state)
+    add("coordinator_ranks_unable_to_run", s.unrun_ranks)
     if commits is not None:
         add("coordinator_commit_duration_seconds_count", commits.count)
         add("coordinator_commit_duration_seconds_sum", commits.total_s)

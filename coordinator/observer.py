@@ -91,7 +91,8 @@ class Observer:
             at=now, stats=seen.stats, found=seen.found,
             started_at=seen.times.incarnation_started_at,
             rates=rates(samples, now, done), finite=self.finite, ranks=seen.worker_states,
-            results_by_status=seen.results_by_status, running=running)
+            results_by_status=seen.results_by_status, running=running,
+            unrun_ranks=seen.unrun_ranks)
 
     def record(self, s: Snapshot) -> None:
         """The observation: its row and the ranks' loads, then the metrics file."""

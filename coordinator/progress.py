@@ -76,6 +76,7 @@ class Snapshot:
     ranks: dict[str, int] = field(default_factory=dict)  # worker state -> ranks
     results_by_status: dict[str, int] = field(default_factory=dict)
     running: bool = True
+    unrun_ranks: int = 0  # ranks whose host could not run their last answers' tasks
 
     @property
     def tasks(self) -> dict[str, int]:

@@ -62,7 +62,8 @@ def status(db: Path, as_json: bool) -> int:
         got["last_minute"] = got["last_hour"] = None
     snap = Snapshot(at=end, stats=s, found=seen.found, started_at=times.incarnation_started_at,
                     rates=got, finite=times.source != "afl", ranks=seen.worker_states,
-                    results_by_status=by_status, running=running)
+                    results_by_status=by_status, running=running,
+                    unrun_ranks=seen.unrun_ranks)
     oldest = times.oldest_dispatch
     if as_json:
         print(json.dumps({
@@ -92,7 +93,10 @@ def status(db: Path, as_json: bool) -> int:
                        "incarnation": r.incarnation, "busy": r.busy,
                        "busy_window_s": r.window_s, "busy_at": r.load_at,
                        "task_id": r.task_id,
-                       "task_age_s": None if r.since is None else end - r.since}
+                       "task_age_s": None if r.since is None else end - r.since,
+                       "unrun": None if not r.unrun_streak else {
+                           "dispatches": r.unrun_streak, "since": r.unrun_since,
+                           "detail": r.unrun_detail}}
                       for r in ranks],
         }, indent=2, sort_keys=True))
         return 0
@@ -178,6 +182,18 @@ def _print_ranks(ranks: list[RankView], now: float, incarnation: int, ages_at: f
         states = ", ".join(f"{n} {st}" for st, n in sorted(
             {st: sum(r.state == st for r in rest) for st in {r.state for r in rest}}.items()))
         print(f"  ... and {len(rest)} more ({states}; `--json` lists them all)")
+    failing = [r for r in current if r.unrun_streak]
+    if failing:
+        # Every one, past RANKS_SHOWN too: a host to fix, which nothing else here shows (its
+        # tasks go to the other ranks uncharged, so no count of deferred or failed grows).
+        print("hosts that cannot run tasks (the rank's last answers ran nothing; fix the "
+              "host):")
+        for r in failing:
+            since = ("" if r.unrun_since is None else
+                     f" since {clock_utc(r.unrun_since)} ({duration(ages_at - r.unrun_since)})")
+            print(f"  rank {r.rank} on {r.host or 'an unknown host'}: its last "
+                  f"{r.unrun_streak} dispatch{'es' * (r.unrun_streak != 1)}{since}: "
+                  f"{detail_summary(r.unrun_detail, 160)}")
 
 
 

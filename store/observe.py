@@ -89,12 +89,15 @@ class RankView:
     busy: float | None         # fraction of `window_s` it held a dispatch (the master's sample)
     window_s: float | None
     load_at: float | None      # when the master wrote that fraction
-    parked_since: float | None = None
+    unrun_streak: int | None = None    # its host's answers in a row that ran nothing
+    unrun_since: float | None = None
+    unrun_detail: str | None = None    # what its host could not do
 
 
 _RANKS = (
     "SELECT w.rank, w.state, w.incarnation, w.host, w.pid, d.task_id, d.created_at, "
-    "l.busy, l.window_s, l.at FROM workers w "
+    "l.busy, l.window_s, l.at, w.unrun_streak, w.unrun_since, w.unrun_detail "
+    "FROM workers w "
     "LEFT JOIN dispatches d ON d.rank = w.rank "
     "LEFT JOIN rank_load l ON l.rank = w.rank AND l.incarnation = w.incarnation "
     "ORDER BY w.rank")
@@ -213,6 +216,7 @@ class Observed:
     worker_states: dict[str, int]
     times: Times
     results_by_status: dict[str, int]
+    unrun_ranks: int = 0  # ranks whose host could not run their last answers' tasks
 
     @property
     def worker_deaths(self) -> int:
@@ -225,7 +229,8 @@ def read_observed(conn: Connection) -> Observed:
     results)."""
     s = read_stats(conn)
     return Observed(s, read_found(conn), worker_state_counts(conn), read_times(conn),
-                    results_by_status(conn, s.results))
+                    results_by_status(conn, s.results), conn.exec_driver_sql(
+                        "SELECT count(*) FROM workers WHERE unrun_streak IS NOT NULL").scalar())
 
 
 # -- plots -------------------------------------------------------------------------------------

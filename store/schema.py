@@ -184,6 +184,11 @@ workers = Table(
     Column("host", Text, nullable=True),
     Column("pid", Integer, nullable=True),
     Column("last_seen", Float, nullable=True),
+    # Its host cannot run tasks (revision 0016): its answers in a row whose every task was
+    # `not_run`, since when, and what the host could not do; NULL once one ran.
+    Column("unrun_streak", Integer, nullable=True),
+    Column("unrun_since", Float, nullable=True),
+    Column("unrun_detail", Text, nullable=True),
     _enum_check("state", WorkerState),
 )
 

@@ -73,7 +73,24 @@ def forget_incarnation(tx: Tx, ranks: int | None = None) -> None:
     if ranks is not None:
         tx.db.execute("DELETE FROM workers WHERE rank >= ?", (ranks,))
     tx.conn.execute(update(workers).values(state=WorkerState.UNKNOWN.value, parked_token=None,
-                                           incarnation=tx.incarnation))
+                                           incarnation=tx.incarnation, unrun_streak=None,
+                                           unrun_since=None, unrun_detail=None))
+
+
+_NOTE_UNRUN = ("UPDATE workers SET unrun_streak = ?, unrun_detail = ?, unrun_since = "
+               "CASE WHEN ? THEN ? ELSE coalesce(unrun_since, ?) END WHERE rank = ?")
+_END_UNRUN = ("UPDATE workers SET unrun_streak = NULL, unrun_since = NULL, unrun_detail = NULL "
+              "WHERE rank = ?")
+
+
+def note_unrun(tx: Tx, rank: int, streak: int | None, detail: str | None = None) -> None:
+    """A rank's host could not run its last `streak` answers (what it could not do:
+    `detail`), for `status` to show; None: an answer of it ran a task. Written on failures
+    and on the answer that ends them only, never on a healthy rank's round."""
+    if streak is None:
+        tx.db.execute(_END_UNRUN, (rank,))
+    else:
+        tx.db.execute(_NOTE_UNRUN, (streak, detail, streak == 1, tx.now, tx.now, rank))
 
 
 def where_they_run(conn: Connection) -> dict[int, tuple[str, int, float]]:

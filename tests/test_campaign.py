@@ -23,6 +23,7 @@ from store.errors import CampaignExistsError, CampaignLockedError, StoreWriteErr
 from store.journal import RetryPolicy
 from store.schema import dispatches, events, leases, tasks
 from store.tasks import NewTask, enqueue_tasks, get_task, requeue_tasks
+from store.workers import note_unrun
 
 
 def test_deferred_tasks_come_back_first_and_rebuilt_exactly(db_path, tmp_path):
@@ -109,11 +110,17 @@ def test_a_resume_with_fewer_ranks_forgets_the_ranks_it_lacks(db_path):
     farm = Farm(db_path, ranks=4)
     for rank in (1, 2, 3):
         farm.ready(rank, "")
+    with farm.store.transaction("a host that fails") as tx:
+        note_unrun(tx, 2, 3, "no space")
     farm.close()
     farm = Farm(db_path, resume=True, ranks=3)
     with farm.store.reading() as conn:
         assert conn.exec_driver_sql("SELECT rank, state FROM workers ORDER BY rank").fetchall(
         ) == [(1, "unknown"), (2, "unknown")]
+        # (nor what its host failed: the new job's rank 2 may run elsewhere)
+        assert conn.exec_driver_sql("SELECT count(*) FROM workers WHERE unrun_streak IS NOT "
+                                    "NULL OR unrun_since IS NOT NULL OR unrun_detail IS NOT "
+                                    "NULL").scalar() == 0
     farm.close()
 
 

@@ -289,7 +289,7 @@ def test_a_host_known_to_fail_every_task_has_its_next_failures_charged_nothing(t
     node deferred a healthy campaign's tasks one by one). Alone and in a batch."""
     farm = Farm(tmp_path / "c.db", policy=RetryPolicy(retries=0, max_attempts=4))
     cooldown = HostCooldown(lambda: [1, 2])
-    farm.gate.host_ran = lambda rank, unrun: cooldown.answered(rank, unrun is None)
+    farm.gate.host_ran = lambda tx, rank, unrun: cooldown.answered(rank, unrun is None)
     disk_full = "cannot materialise input: [Errno 28] No space left on device"
     try:
         first, second, *batch = farm.enqueue(*({"path": f"/seeds/{i}"} for i in range(5)))

@@ -31,6 +31,7 @@ from sqlalchemy import func, select
 import coordinator.master as master_module
 from coordinator.cooldown import HostCooldown
 from coordinator.master import Master, MasterConfig
+from coordinator.progress import clock_utc
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import ANY_TAG, Received, SendFailed
 from coordinator.wire import (
@@ -825,6 +826,53 @@ def test_a_host_that_fails_and_recovers_is_said_once_each_way(tmp_path, capsys,
                      "ranks, not charged, and it gets work again after a pause (up to 30 s "
                      "while it keeps failing); fix the host") == 1, err
     assert err.count("rank 1 runs tasks again") == 1, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fails", [3, 10**9])
+def test_a_host_that_fails_shows_in_status_until_it_runs_again(tmp_path, capsys,
+                                                               monkeypatch, fails):
+    """Said on stderr only, a failing host was out of sight of an operator whose batch job's
+    log no one reads: `status` showed the rank idle or busy like any other, and counted no
+    deferred task (its failures are charged nothing). Its row now holds the streak, shown
+    until an answer of the rank runs a task."""
+    import json
+
+    from coordinator.cli import main
+    monkeypatch.setattr(HostCooldown, "FIRST_S", 0.001)
+    db = tmp_path / "c.db"
+    store = _campaign_of_demo_tasks(db, 200)
+    began = time.time()
+    try:
+        summary = Master(store, HostFailsThenRuns(fails=fails), MasterConfig(
+            linger_s=0.0, stop_wait_s=0.5, stats_file=None,
+            metrics_file=tmp_path / "m.prom")).run()
+        with store.reading() as conn:
+            [row] = conn.exec_driver_sql("SELECT unrun_streak, unrun_since, unrun_detail "
+                                         "FROM workers WHERE rank = 1").fetchall()
+            clean = conn.exec_driver_sql("SELECT count(*) FROM workers WHERE rank = 2 AND "
+                                         "unrun_streak IS NULL").scalar()
+    finally:
+        store.close()
+    capsys.readouterr()
+    assert summary.committed == 200 and clean == 1
+    gauge = [line for line in (tmp_path / "m.prom").read_text().splitlines()
+             if line.startswith("coordinator_ranks_unable_to_run{")]
+    assert gauge == [f'coordinator_ranks_unable_to_run{{campaign="c.db"}} {int(fails > 3)}']
+    assert main(["status", "--db", str(db), "--json"]) == 0
+    shown = {r["rank"]: r["unrun"] for r in json.loads(capsys.readouterr().out)["ranks"]}
+    assert main(["status", "--db", str(db)]) == 0
+    text = capsys.readouterr().out
+    if fails == 3:  # it ran tasks after its third failure
+        assert tuple(row) == (None, None, None) and shown == {1: None, 2: None}
+        assert "hosts that cannot run tasks" not in text
+        return
+    streak, since, detail = row
+    assert streak >= 2 and began <= since <= time.time()
+    assert detail == "cannot start '/opt/t': [Errno 13] Permission denied"
+    assert shown == {1: {"dispatches": streak, "since": since, "detail": detail}, 2: None}
+    assert (f"  rank 1 on test: its last {streak} dispatches since "
+            f"{clock_utc(since)}") in text and text.rstrip().count("Permission denied") == 1
 
 
 class BrokenBesideGone(InstantWorkers):

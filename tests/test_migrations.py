@@ -818,3 +818,26 @@ def test_0015_shows_a_batchs_events_in_each_of_its_tasks_history_and_goes_back(t
     assert "recovered" not in seen(third)  # (0010's view)
     versioning.upgrade(db)
     assert "recovered" in seen(third)
+
+
+def test_0016_adds_the_unrun_columns_empty_and_goes_back(tmp_path: Path):
+    """0016 adds three nullable columns to `workers`: every earlier row is kept, with nothing
+    failing known of its rank, and the downgrade gives back the file as it was."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0015")
+    with sqlite3.connect(db) as conn:
+        conn.execute("INSERT INTO workers (rank, state, incarnation, host, pid, last_seen) "
+                     "VALUES (1, 'busy', 1, 'n7', 42, 10.0), (2, 'idle', 1, 'n8', 43, 9.0)")
+    before = _dump(db)
+    assert versioning.upgrade(db, "0016") == ("0015", "0016")
+    assert _rows_of(db, "SELECT rank, state, host, unrun_streak, unrun_since, unrun_detail "
+                        "FROM workers ORDER BY rank") == [
+        (1, "busy", "n7", None, None, None), (2, "idle", "n8", None, None, None)]
+    _run_alembic(db, "downgrade", "0015")
+    assert _dump(db) == before
+
+
+def _rows_of(db: Path, sql: str) -> list[tuple]:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return conn.execute(sql).fetchall()

@@ -302,6 +302,13 @@ def test_one_node_whose_disk_is_full_defers_nothing_the_others_can_run(tmp_path,
                       r"the task's directory: .*\); its tasks go back to the other ranks, "
                       r"not charged, and it gets work again after a pause", done.stderr)
     assert len(said) == 1, done.stderr[-3000:]
+    # and `status` shows it, from the row its failures wrote (its disk stayed full)
+    shown = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db),
+                            "--json"], capture_output=True, text=True, timeout=60)
+    unrun = {r["rank"]: r["unrun"] for r in json.loads(shown.stdout)["ranks"]}
+    assert unrun[2] is None and unrun[3] is None, unrun
+    assert unrun[1]["dispatches"] >= 2 and unrun[1]["detail"].startswith(
+        "cannot make the task's directory"), unrun
 
 
 def test_test_cases_fed_back_after_their_directory_was_emptied_all_run(tmp_path):

@@ -102,6 +102,8 @@ def test_the_metrics_file_parses_and_its_counters_equal_status_json(campaign, ca
     assert value("coordinator_last_find_timestamp_seconds") == pytest.approx(
         got["testcases"]["last_at"])
     assert value("coordinator_running") == 0 and value("coordinator_active_ranks") == 0
+    assert value("coordinator_ranks_unable_to_run") == sum(
+        r["unrun"] is not None for r in got["ranks"])
     assert value("coordinator_commit_duration_seconds", "coordinator_commit_duration_seconds_count"
                  ) > 100  # a commit per round: 300 tasks on 3 ranks
     assert families["coordinator_commit_duration_seconds"].type == "summary"
@@ -121,8 +123,9 @@ def test_the_metrics_count_ranks_not_tasks_and_every_quarantine_channel():
                   requeued=0, deferred=0, watchdog_timeouts=0, watchdog_recoveries=0,
                   incarnation=1, schema_revision=None, dispatches=2)
     text = metrics_text(Snapshot(at=1.0, stats=stats, found=Found(0, 0, None), started_at=0.0,
-                                 rates={}, finite=True), "c.db")
+                                 rates={}, finite=True, unrun_ranks=1), "c.db")
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert [s.value for s in samples if s.name == "coordinator_ranks_unable_to_run"] == [1]
     quarantined = {(s.labels["channel"], s.labels["reason"]): s.value for s in samples
                    if s.name == "coordinator_quarantined_messages_total"}
     assert {k: v for k, v in quarantined.items() if v} == {
@@ -155,6 +158,7 @@ def test_every_series_is_in_the_metrics_file_from_the_first_write_at_zero():
     assert series("coordinator_ranks", "state") == {**{s.value: 0 for s in WorkerState},
                                                     "idle": 3}
     assert series("coordinator_results_total", "status") == dict.fromkeys(RESULT_STATUSES, 0)
+    assert [s.value for s in samples if s.name == "coordinator_ranks_unable_to_run"] == [0]
     refused = {(s.labels["channel"], s.labels["reason"]): s.value for s in samples
                if s.name == "coordinator_quarantined_messages_total"}
     assert set(refused.values()) == {0}
