@@ -30,6 +30,7 @@ from store.campaign import Store
 from store.engine import write_lock_holders
 from store.errors import StoreError
 from store.journal import Tx
+from store.observe import record_salvaged
 from store.schema import Channel, EventKind, QuarantineReason, TaskState, WorkerState
 from store.semantic import content_hash
 from store.stats import REFUSED_DETAIL, other_messages_text, stats_text
@@ -757,8 +758,11 @@ class Master:
     def _salvage(self, tx: Tx, active: dsp.ActiveDispatch, res: Result, task_id: int) -> int:
         """A timed-out run of `task_id` (the dispatch's, or one of its batch's) is retried,
         but the test cases it wrote before it was killed are real (SymCC writes each as it
-        finds it, and its own helper keeps them): kept."""
-        return self._keep_testcases(tx, task_id, res.testcases)[0]
+        finds it, and its own helper keeps them): kept, and counted with the results'."""
+        kept = self._keep_testcases(tx, task_id, res.testcases)[0]
+        if kept:
+            record_salvaged(tx, active.rank, active.token, task_id, kept)
+        return kept
 
     def _keep_testcases(self, tx: Tx, task_id: int,
                         testcases: Sequence[tuple[str, bytes]]) -> tuple[int, int]:

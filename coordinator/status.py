@@ -80,6 +80,7 @@ def status(db: Path, as_json: bool) -> int:
             "rate": got,
             "eta_s": snap.eta_s,
             "testcases": {"written": seen.found.testcases, "results": seen.found.results,
+                          "retried_runs": seen.found.retried,
                           "last_at": seen.found.last_at,
                           "since_last_s": None if seen.found.last_at is None
                           else now - seen.found.last_at},
@@ -132,6 +133,8 @@ def status(db: Path, as_json: bool) -> int:
           + (duration(snap.eta_s) if snap.finite else "never (an AFL queue is watched)"))
     found = seen.found
     print(f"test cases: {found.testcases} written by {found.results} results"
+          + (f" and {found.retried} run{'s' * (found.retried != 1)} killed at the timeout "
+             f"(retried, their test cases kept)" if found.retried else "")
           + (f"; the last {duration(now - found.last_at)} ago" if found.last_at else ""))
     shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
     print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))

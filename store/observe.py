@@ -49,25 +49,36 @@ class CommitTimes:
 
 # -- the finds ---------------------------------------------------------------------------------
 
-#: Through `ix_results_found` alone: only the results that wrote test cases are read.
-_FOUND = f"SELECT count(*), total(testcases), max(committed_at) FROM results WHERE {FOUND_SQL}"
+#: Through `ix_results_found` alone: only the results that wrote test cases are read; and
+#: the few rows of the retried runs' kept ones.
+_FOUND = (f"SELECT * FROM (SELECT count(*), total(testcases), max(committed_at) FROM results "
+          f"WHERE {FOUND_SQL}), (SELECT count(*), total(testcases), max(at) FROM salvaged)")
 
 
 @dataclass(frozen=True)
 class Found:
-    """Test cases written by committed results (a timed-out run's kept ones are counted in
-    its `task_failed` event, not here)."""
+    """Test cases written by committed results and by runs that were retried (killed at
+    their timeout, their test cases kept: `salvaged`)."""
 
     testcases: int
     results: int            # results that wrote any
-    last_at: float | None   # when the latest of them committed
+    last_at: float | None   # when the latest of them committed (or its run was retried)
+    retried: int = 0        # runs that were retried after writing some (of `testcases`)
 
 
 def read_found(conn: Connection) -> Found:
     # Plain driver SQL here and below: the master reads these every few seconds, and
     # building a Core statement costs more than running one of them.
-    n, total, last = conn.exec_driver_sql(_FOUND).one()
-    return Found(int(total), n, last)
+    n, total, last, k, kept, kept_last = conn.exec_driver_sql(_FOUND).one()
+    return Found(int(total + kept), n, max(last, kept_last, key=lambda t: t or -math.inf),
+                 k)
+
+
+def record_salvaged(tx: Tx, rank: int, token: str, task_id: int, testcases: int) -> None:
+    """A run of `task_id` that is retried wrote `testcases` new files before it ended."""
+    tx.db.execute("INSERT INTO salvaged (at, incarnation, rank, token, task_id, testcases) "
+                  "VALUES (?, ?, ?, ?, ?, ?)",
+                  (tx.now, tx.incarnation, rank, token, task_id, testcases))
 
 
 # -- ranks -------------------------------------------------------------------------------------
@@ -251,7 +262,7 @@ class PlotSeries:
     done: list[int]            # results committed in each bucket
     not_ok: list[int]          # of those, status not ok
     created: list[int]         # tasks created in each bucket
-    testcases: list[int]       # test cases written by the results of each bucket
+    testcases: list[int]       # test cases written in each bucket (results and retried runs)
     busy: dict[int, list[float]]  # rank -> seconds of each bucket it held a dispatch
     events: dict[str, list[int]]  # what -> count per bucket (quarantine/<channel>, kinds)
     incarnations: list[tuple[int, float]] = field(default_factory=list)
@@ -326,6 +337,10 @@ def plot_series(conn: Connection, now: float | None = None) -> PlotSeries:
         not_ok[b] += bad or 0
         testcases[b] += int(tc)
         spread(rank, bs, be, count, s_sum, e_sum)
+    for b, tc in conn.exec_driver_sql(  # (kept from runs that were retried)
+            "SELECT CAST((at - :t0) / :w AS INTEGER), total(testcases) FROM salvaged "
+            "GROUP BY 1", params):
+        testcases[max(0, min(b, n - 1))] += int(tc)
     if now is not None:  # what is in flight counts as busy up to now
         for rank, bs, s in conn.exec_driver_sql(
                 "SELECT rank, CAST((created_at - :t0) / :w AS INTEGER), created_at - :t0 "

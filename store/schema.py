@@ -308,6 +308,23 @@ rank_load = Table(
     CheckConstraint("busy >= 0 AND busy <= 1", name="fraction"),
 )
 
+# -- the test cases of retried runs (revision 0017) --------------------------------------------
+
+salvaged = Table(
+    "salvaged",
+    metadata,
+    # One row per run that was retried (killed at its timeout) after it had written test
+    # cases, which were kept: counted with the results' own (`observe.read_found`).
+    Column("id", Integer, primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("incarnation", Integer, nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("token", Text, nullable=False),
+    Column("task_id", Integer, ForeignKey("tasks.id"), nullable=False),
+    Column("testcases", Integer, nullable=False),  # files written (new content only)
+    CheckConstraint("testcases > 0", name="found"),
+)
+
 # -- what a start imported (revision 0011) ---------------------------------------------------
 
 imports = Table(

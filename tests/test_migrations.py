@@ -841,3 +841,28 @@ def test_0016_adds_the_unrun_columns_empty_and_goes_back(tmp_path: Path):
 def _rows_of(db: Path, sql: str) -> list[tuple]:
     with contextlib.closing(sqlite3.connect(db)) as conn:
         return conn.execute(sql).fetchall()
+
+
+def test_0017_counts_what_earlier_code_kept_from_its_events_and_goes_back(tmp_path: Path):
+    """Before 0017 a retried run's kept test cases were said only in its `task_failed` event's
+    text: 0017 makes a `salvaged` row of each such event (and of nothing else), and the
+    downgrade leaves the file as it was."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0016")
+    with sqlite3.connect(db) as conn:
+        conn.executemany(
+            "INSERT INTO events (at, incarnation, kind, rank, token, task_id, detail) "
+            "VALUES (?, 1, ?, 2, ?, ?, ?)",
+            [(20.0, "task_failed", "e" * 64, 1, "timeout (3 test cases kept)"),
+             (21.0, "task_failed", "f" * 64, 1, "timeout"),
+             (22.0, "task_failed", "9" * 64, 4, "timeout (1 test case kept)"),
+             (23.0, "task_failed", "8" * 64, 5, "not_run on rank 2: no space (kept)"),
+             (24.0, "retried", "e" * 64, 1, "timeout (3 test cases kept)")])
+    before = _dump(db)
+    assert versioning.upgrade(db, "0017") == ("0016", "0017")
+    assert _rows_of(db, "SELECT at, incarnation, rank, token, task_id, testcases FROM salvaged "
+                        "ORDER BY id") == [(20.0, 1, 2, "e" * 64, 1, 3),
+                                           (22.0, 1, 2, "9" * 64, 4, 1)]
+    _run_alembic(db, "downgrade", "0016")
+    assert _dump(db) == before

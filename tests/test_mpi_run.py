@@ -415,6 +415,18 @@ def test_a_timed_out_run_is_retried_and_its_test_cases_are_kept(tmp_path):
     assert len(details) == 2, details
     assert details[0].startswith("timeout (1 test case kept)")
     assert "kept" not in details[1]  # the retry found the same one: nothing new to keep
+    _status_counts_the_kept_test_case(db)
+
+
+def _status_counts_the_kept_test_case(db: Path) -> None:
+    """The one file in the output directory, written by a run that was retried, is counted
+    with the results' own (it was not: "test cases: 0")."""
+    assert query(db, "SELECT testcases FROM salvaged") == [(1,)]
+    shown = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db),
+                            "--json"], capture_output=True, text=True, timeout=60)
+    found = json.loads(shown.stdout)["testcases"]
+    assert (found["written"], found["retried_runs"]) == (1, 1), found
+    assert found["last_at"] == query(db, "SELECT at FROM salvaged")[0][0]
 
 
 BATCH_SLOW_TARGET = textwrap.dedent("""\
@@ -451,6 +463,7 @@ def test_a_timed_out_run_in_a_batch_keeps_its_test_cases(tmp_path):
     assert query(db, "SELECT count(*) FROM results") == [(1,)]
     assert query(db, "SELECT detail FROM events WHERE kind = 'task_failed'") == [
         ("timeout (1 test case kept)",)]
+    _status_counts_the_kept_test_case(db)
 
 
 def test_afl_queue_filled_while_running(tmp_path):

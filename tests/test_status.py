@@ -91,6 +91,29 @@ def _stats(db: Path):
     return read_file(db, read_stats)[0]
 
 
+def test_the_test_cases_of_retried_runs_count_with_the_results_own(campaign, tmp_path,
+                                                                  capsys):
+    """A run killed at its timeout is retried, its test cases kept (written, fed back): they
+    were in the output directory but in no figure ("test cases: 60" beside 64 files). Now
+    status, the plot's series and the master's observations (one reader) count them, and the
+    latest of them is the last find."""
+    from store.observe import plot_series, read_found
+    copy = copy_of(campaign, tmp_path)
+    with sqlite3.connect(copy) as c:
+        (last,) = c.execute("SELECT max(committed_at) FROM results").fetchone()
+        c.executemany("INSERT INTO salvaged (at, incarnation, rank, token, task_id, testcases) "
+                      "VALUES (?, 1, 2, ?, ?, ?)",
+                      [(last - 5, "a" * 64, 3, 1), (last + 1, "b" * 64, 4, 3)])
+    got = _status(copy, capsys)["testcases"]
+    assert (got["written"], got["results"], got["retried_runs"]) == (64, 60, 2)
+    assert got["last_at"] == last + 1
+    assert main(["status", "--db", str(copy)]) == ExitStatus.OK
+    assert ("test cases: 64 written by 60 results and 2 runs killed at the timeout (retried, "
+            "their test cases kept); the last ") in capsys.readouterr().out
+    found, series = read_file(copy, lambda conn: (read_found(conn), plot_series(conn)))[0]
+    assert found.testcases == sum(series.testcases) == 64
+
+
 def test_status_of_a_live_dispatch_shows_the_rank_its_task_and_age(campaign, tmp_path, capsys):
     copy = copy_of(campaign, tmp_path)
     with sqlite3.connect(copy) as c:
