@@ -70,7 +70,9 @@ DETAIL_MAX_BYTES = 2048
 
 @dataclass
 class ExecOutcome:
-    status: str  # "ok" | "timeout" | "error" (exception / nonzero exit / bad input) | "not_run"
+    # "ok" | "timeout" | "error" (exception / nonzero exit / bad input) | "not_run" |
+    # "interrupted" (`worker.cut_short`)
+    status: str
     value: Any = None  # JSON-serialisable result (python/demo executors); None for command
     testcases: list[tuple[str, bytes]] = field(default_factory=list)  # (basename, content)
     returncode: int | None = None

@@ -33,6 +33,7 @@ from .protocol import (
     ready_problem,
 )
 from .wire import (
+    INTERRUPTED_STATUS,
     MAX_COUNT,
     NOT_RUN_STATUS,
     RESULT_STATUSES,
@@ -52,6 +53,8 @@ SPLIT_MARK = "split: "
 NOT_RUN_REASON_CHARS = 240
 #: Ends the reason of a `not_run` that was charged nothing (`coordinator.cooldown`).
 NOT_CHARGED = " (not charged: the rank's host failed its previous tasks too)"
+#: Ends the reason of an `interrupted` run retried while the master stops.
+STOP_NOT_CHARGED = " (not charged: cut short by the job's stop)"
 
 
 @dataclass(frozen=True)
@@ -161,15 +164,18 @@ class Gate:
                  = validate_result,
                  commit: Callable[..., dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None,
-                 host_ran: Callable[[Tx, int, str | None], bool] | None = None):
+                 host_ran: Callable[[Tx, int, str | None], bool] | None = None,
+                 stopping: Callable[[], bool] = lambda: False):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept. `host_ran`: told of
         each current RESULT's rank and, when none of its tasks ran (all `not_run`), what its
         host could not do (None when one ran), in the round's transaction; returns whether
-        the `not_run` ones are charged (`coordinator.cooldown`). None: they always are."""
+        the `not_run` ones are charged (`coordinator.cooldown`). None: they always are.
+        `stopping`: whether the master is stopping, when an `interrupted` run (cut short by the
+        signal that stops the job) is charged nothing."""
         self.store = store
         self.validate, self.commit, self.salvage = validate, commit, salvage
-        self.host_ran = host_ran
+        self.host_ran, self.stopping = host_ran, stopping
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
@@ -321,11 +327,13 @@ class Gate:
                     committed_from[m.rank] = a
                     del active[m.rank]
                     continue
-                unrun = _status_of(parsed) == NOT_RUN_STATUS
+                ran = _status_of(parsed)
+                unrun = ran == NOT_RUN_STATUS
                 charged = self._charged(tx, m.rank, _not_run_what(parsed) if unrun else None)
-                if _status_of(parsed) in RETRY_STATUSES:
+                if ran in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
+                    charged = charged and not (ran == INTERRUPTED_STATUS and self.stopping())
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
                                          reason=self._salvaged(tx, a, parsed, a.task_id,
                                                                charged),
@@ -370,9 +378,12 @@ class Gate:
                  if _status_of(o) == NOT_RUN_STATUS}
         charged = self._charged(tx, a.rank, _not_run_what(batch[0])
                                 if len(unrun) == len(task_ids) else None)
-        free = () if charged else unrun
+        free = set() if charged else set(unrun)
+        if self.stopping():  # (the runs the job's stop cut short)
+            free |= {t for t, o in zip(task_ids, batch, strict=True)
+                     if _status_of(o) == INTERRUPTED_STATUS}
         # What each failed run wrote before it was killed is kept, as for a task on its own.
-        failed = {t: self._salvaged(tx, a, o, t, charged)
+        failed = {t: self._salvaged(tx, a, o, t, t not in free)
                   for t, o, r in zip(task_ids, batch, retry, strict=True) if r}
         if len(failed) == len(task_ids):
             dsp.retry_all(tx, a.rank, a.token, failed, unrun, free)
@@ -401,7 +412,8 @@ class Gate:
                     [:NOT_RUN_REASON_CHARS].rstrip()
                     + ("" if charged else NOT_CHARGED))
         kept = self.salvage(tx, a, outcome, task_id) if self.salvage is not None else 0
-        return status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
+        return (status + (f" ({kept} test case{'s' * (kept != 1)} kept)" if kept else "")
+                + ("" if charged else STOP_NOT_CHARGED))
 
     def apply_strays(self, tx: Tx, strays: Sequence[Stray]) -> None:
         for m in strays:

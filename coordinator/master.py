@@ -136,7 +136,8 @@ class Master:
         self.sources, self.writer = list(sources), writer
         self._cooldown = HostCooldown(self._able)  # ranks whose host fails tasks
         self.gate = Gate(store, validate=check_result, commit=self._commit,
-                         salvage=self._salvage, host_ran=self._host_ran)
+                         salvage=self._salvage, host_ran=self._host_ran,
+                         stopping=lambda: self._stop_signal is not None)
         self.summary = Summary()
         self._stop_signal: str | None = None
         #: What became of the campaign file's name, once it no longer reaches the open file.

@@ -133,8 +133,8 @@ def status(db: Path, as_json: bool) -> int:
           + (duration(snap.eta_s) if snap.finite else "never (an AFL queue is watched)"))
     found = seen.found
     print(f"test cases: {found.testcases} written by {found.results} results"
-          + (f" and {found.retried} run{'s' * (found.retried != 1)} killed at the timeout "
-             f"(retried, their test cases kept)" if found.retried else "")
+          + (f" and {found.retried} run{'s' * (found.retried != 1)} cut short (a timeout or "
+             f"the job's stop: retried, their test cases kept)" if found.retried else "")
           + (f"; the last {duration(now - found.last_at)} ago" if found.last_at else ""))
     shown = ", ".join(f"{st}={n}" for st, n in sorted(by_status.items()))
     print(f"committed results: {s.results}" + (f" ({shown})" if shown else ""))

@@ -32,10 +32,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 #: A task the worker's host could not run (its disk full, no process to be had, the program
 #: gone): not the task's outcome, so never its result. The task goes to the retry policy.
 NOT_RUN_STATUS = "not_run"
+#: A command killed by the signal that is stopping the job (a batch system's SIGTERM reaches
+#: every process of the job, the targets too): its run was cut short, so it is not the task's
+#: outcome either. Retried, and charged nothing while the master stops.
+INTERRUPTED_STATUS = "interrupted"
 #: What a RESULT's `status` may say: the executor's outcome of the run.
-RESULT_STATUSES = frozenset({"ok", "error", "timeout", NOT_RUN_STATUS})
+RESULT_STATUSES = frozenset({"ok", "error", "timeout", NOT_RUN_STATUS, INTERRUPTED_STATUS})
 #: The outcomes that are retried instead of committed (the command was killed, or never ran).
-RETRY_STATUSES = frozenset({"timeout", NOT_RUN_STATUS})
+RETRY_STATUSES = frozenset({"timeout", NOT_RUN_STATUS, INTERRUPTED_STATUS})
 #: A batch's RESULT that says only this (its token, and why in `detail`): the batch ran, but
 #: its outcomes together are over the master's bound on a message. The master splits it in
 #: halves, none charged, as any broken batch; each half's outcomes come back in a smaller
@@ -335,7 +339,7 @@ def _task_result(msg: _TaskResultIn, left: list[int]) -> tuple[TaskResult, None]
     """One task's outcome, checked: its status, its value's size, its test cases (at most
     `left[0]` taken, which it lowers by as many; the rest counted as dropped)."""
     if msg.status not in RESULT_STATUSES:
-        return None, f"status {msg.status!r:.40} is not ok/error/timeout/not_run"
+        return None, f"status {msg.status!r:.40} is not {'/'.join(sorted(RESULT_STATUSES))}"
     value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
     if len(value_raw) > MAX_VALUE_BYTES:
         return None, (f"payload: its value is {len(value_raw)} bytes, over the "

@@ -10,9 +10,11 @@ authoritative one from WORK: a forged or stale token in a payload never survives
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -34,6 +36,7 @@ from .protocol import is_token
 from .transport import Backoff, MasterGone, SendFailed, Transport
 from .wire import (
     ENCODE_ERRORS,
+    INTERRUPTED_STATUS,
     NOT_RUN_STATUS,
     SPLIT_STATUS,
     TAG_STOP,
@@ -62,6 +65,44 @@ WAIT_CAP_S = 1e-3
 
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
+
+#: The signals that stop a job (a terminal's Ctrl-C, a batch system's SIGTERM; the master
+#: takes both as the start of a graceful stop), and those this worker has received.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_stop_signals_seen: set[int] = set()
+
+#: How long a worker whose command was killed by one of STOP_SIGNALS waits for the same signal
+#: to reach itself: sent to every process of the job at once, it may reach the target first.
+OWN_SIGNAL_WAIT_S = 0.5
+
+
+def note_stop_signal(signum: int, _frame: object = None) -> None:
+    """The worker's handler of STOP_SIGNALS: the master decides when the job stops, so the
+    worker goes on; only `cut_short` needs to know."""
+    _stop_signals_seen.add(signum)
+
+
+def cut_short(outcome: ExecOutcome, wait_s: float = OWN_SIGNAL_WAIT_S) -> ExecOutcome:
+    """A command killed by a signal that stops the job, which this worker received too, did
+    not fail: the job's stop cut its run short (Slurm's SIGTERM at a time limit or a
+    `scancel` reaches the targets as well as the ranks). It was committed as an `error` result,
+    the task done for ever. Now `interrupted`: the master retries it, charged nothing while it
+    stops. What the run wrote is kept, as for a timeout. A command killed by such a signal
+    that the worker did not receive (another cause: a user's `kill`) stays an `error`."""
+    if outcome.status != "error" or outcome.returncode is None or outcome.returncode >= 0:
+        return outcome
+    signum = -outcome.returncode
+    if signum not in STOP_SIGNALS:
+        return outcome
+    deadline = time.monotonic() + wait_s
+    while signum not in _stop_signals_seen and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the handler runs between two sleeps)
+    if signum not in _stop_signals_seen:
+        return outcome
+    return dataclasses.replace(
+        outcome, status=INTERRUPTED_STATUS,
+        detail=clip_detail(f"cut short by the job's stop: {signal.Signals(signum).name} "
+                           f"reached the command and its rank\n{outcome.detail}"))
 
 
 def torn_down(signum: int, _frame: object) -> None:
@@ -205,7 +246,7 @@ def run_task(executor: Executor, task: dict, input_bytes: bytes | None,
     except OSError as e:  # this host's disk, not the task: retried, and the rank lives on
         return not_run("cannot make the task's directory", e)
     try:
-        return executor.run(task, input_bytes, workdir)
+        return cut_short(executor.run(task, input_bytes, workdir))
     except Exception as e:  # the task failed, not the worker: report it as data
         return ExecOutcome(status="error", detail=f"{type(e).__name__}: {e}\n"
                                                   f"{traceback.format_exc(limit=5)}")

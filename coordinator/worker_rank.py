@@ -17,11 +17,7 @@ from .faults import FaultPlan, FaultySender
 from .processes import TEARDOWN_SIGNAL, exit_now
 from .transport import MasterGone, Transport, worker_spin_default
 from .wire import TAG_STOP, decode_start
-from .worker import Sender, answer_stop, serve, torn_down
-
-
-def _leave_it_to_the_master(_signum: int, _frame: object) -> None:
-    pass
+from .worker import STOP_SIGNALS, Sender, answer_stop, note_stop_signal, serve, torn_down
 
 
 def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
@@ -31,8 +27,9 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
     # with their tasks through the grace period. Caught by a handler that does nothing, not
     # ignored: an ignored signal stays ignored across exec, and the targets the command
     # executor starts could then not be stopped by Ctrl-C or SIGTERM at all.
-    signal.signal(signal.SIGINT, _leave_it_to_the_master)
-    signal.signal(signal.SIGTERM, _leave_it_to_the_master)
+    # Noted, for a command that such a signal killed too (`worker.cut_short`).
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, note_stop_signal)
     signal.signal(TEARDOWN_SIGNAL, torn_down)  # the master gave up on this rank
     try:
         got = transport.wait_for_start()

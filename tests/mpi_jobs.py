@@ -161,6 +161,17 @@ def ranks_of(db: Path) -> list[int]:
     return [pid for pid, parent in parents.items() if parent not in parents]
 
 
+def children_of(parents: list[int]) -> list[int]:
+    """PIDs of the processes whose parent is one of `parents` (a worker's commands: their own
+    sessions keep them out of the job's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) \
+                and int(fields[1]) in parents:
+            found.append(int(entry.name))
+    return found
+
+
 def kill_ranks(db: Path, timeout: float = 30) -> None:
     """SIGKILL every rank of the job for `db`, and wait until none runs: a kill is delivered
     when the process next runs, so a master on the other core could still commit a round

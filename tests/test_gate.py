@@ -14,7 +14,7 @@ from conftest import Farm, rows, snapshot, started, task_state, worker_state
 from sqlalchemy import text
 
 from coordinator.cooldown import HostCooldown
-from coordinator.gate import NOT_CHARGED, Gate, Inbound
+from coordinator.gate import NOT_CHARGED, STOP_NOT_CHARGED, Gate, Inbound
 from coordinator.protocol import ReadyStatus, ResultStatus
 from store import dispatches as dsp
 from store.campaign import Store
@@ -315,6 +315,40 @@ def test_a_host_known_to_fail_every_task_has_its_next_failures_charged_nothing(t
         assert kinds["task_failed"] == 5 and kinds["retried"] == 4
         assert kinds["task_deferred"] == 1
         assert farm.state()["results"] == []
+    finally:
+        farm.close()
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_a_run_the_jobs_stop_cut_short_is_retried_and_charged_only_outside_a_stop(
+        tmp_path, stopping):
+    """`interrupted`: the command was killed by the signal that stops the job, which its
+    worker got too. Never a result; while the master stops (it got the signal as well) its
+    tasks are charged nothing, alone and in a batch. Outside a stop (the master was not
+    signalled: not a stop of the job) it is charged as a timeout, so a target that signals its
+    own worker cannot run for ever."""
+    farm = Farm(tmp_path / "c.db", policy=RetryPolicy(retries=3, max_attempts=4))
+    farm.gate.stopping = lambda: stopping
+    cut = {"status": "interrupted", "detail": "cut short by the job's stop: SIGTERM ..."}
+    try:
+        alone, *batch = farm.enqueue(*({"path": f"/seeds/{i}"} for i in range(3)))
+        farm.ready(1)
+        token = farm.dispatch(1, sent=True)[1]
+        farm.result_raw(1, {"token": token, **cut})
+        farm.ready(1, token)
+        [p] = farm.plan(1, sent=True, batch=2)
+        farm.result_raw(1, {"token": p.token, "status": "ok",
+                            "batch": [cut, {"status": "ok", "value": 7}]})
+        with farm.store.reading() as conn:
+            got = conn.exec_driver_sql("SELECT id, state, attempts, budget_used, reason "
+                                       "FROM tasks ORDER BY id").fetchall()
+        charge, why = ((0, "interrupted" + STOP_NOT_CHARGED) if stopping
+                       else (1, "interrupted"))
+        # (the batch took the head: `alone`, cut short again, and the next task, done)
+        assert [tuple(r) for r in got] == [(alone, "queued", 2 * charge, 2 * charge, why),
+                                           (batch[0], "done", 0, 0, None),
+                                           (batch[1], "queued", 0, 0, None)]
+        assert len(farm.state()["results"]) == 1
     finally:
         farm.close()
 

@@ -21,6 +21,7 @@ from mpi_jobs import (
     MPIEXEC,
     Done,
     check_conservation,
+    children_of,
     finish,
     kill_job,
     kill_ranks,
@@ -704,6 +705,63 @@ def test_runs_in_flight_at_a_sigterm_finish_and_commit(tmp_path, signalled):
     assert query(db, "SELECT state FROM workers") == [("stopped",)] * 3
     assert query(db, "SELECT count(*) FROM quarantine") == [(0,)]
     assert status_json(db)["quarantine"] == quarantined()
+
+
+HELD_TARGET = textwrap.dedent("""\
+    import os, sys, time
+    data = open(sys.argv[1], "rb").read()
+    with open(os.path.join(os.environ["SYMCC_OUTPUT_DIR"], "000000"), "wb") as f:
+        f.write(data + b"-found-before-the-stop")
+    hold = os.path.join(os.path.dirname(sys.argv[0]), "hold")
+    if os.path.exists(hold):
+        open(f"{hold}.{os.getpid()}", "w").close()  # (running: the test may signal it)
+        time.sleep(600)
+    """)
+
+
+def test_a_stop_that_signals_the_targets_too_requeues_their_runs_uncharged(tmp_path):
+    """Slurm's SIGTERM at a time limit or a `scancel` reaches every process of the job, the
+    targets too. They died of it, and their runs were committed as `error` results ("target
+    killed by SIGTERM"): their tasks done for ever, a campaign's runs in flight lost at every
+    stop (a review: 3 of 3). Now such a run is `interrupted`: back to the queue, charged
+    nothing, its test cases kept and counted; `--resume` runs it."""
+    target = tmp_path / "held.py"
+    target.write_text(HELD_TARGET)
+    (tmp_path / "hold").touch()
+    db, out = tmp_path / "c.db", tmp_path / "out"
+    proc = start(["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 3)),
+                  "--out", str(out), "--grace", "1", "--no-feedback", "--no-progress", "--",
+                  sys.executable, str(target), "@@"])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("hold.*"))) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, "no 3 targets running"
+            time.sleep(0.05)
+        ranks = ranks_of(db)
+        targets = [p for p in children_of(ranks) if str(target).encode()
+                   in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(targets) == 3, targets
+        for pid in targets + ranks:  # (as a batch system does: every process, in no order)
+            os.kill(pid, signal.SIGTERM)
+        done = finish(proc, timeout=90)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=3)
+    assert query(db, "SELECT count(*) FROM results") == [(0,)]
+    assert query(db, "SELECT state, attempts, budget_used FROM tasks") == [("queued", 0, 0)] * 3
+    failed = [d for (d,) in query(db, "SELECT detail FROM events WHERE kind = 'task_failed'")]
+    assert len(failed) == 3 and all(d.startswith(
+        "interrupted (1 test case kept) (not charged: cut short by the job's stop)")
+        for d in failed), failed
+    assert sorted(p.read_bytes() for p in out.iterdir()) == [
+        b"%d-found-before-the-stop" % i for i in range(3)]
+    assert status_json(db)["testcases"]["written"] == 3
+    (tmp_path / "hold").unlink()
+    again = run(["run", "--db", str(db), "--resume", "--no-progress"], timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_conservation(db, expected_tasks=3)
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY 1") == [("ok", 3)]
 
 
 def test_a_full_disk_during_the_import_stops_cleanly_and_resume_finishes(tmp_path, tiny_fs):

@@ -108,8 +108,8 @@ def test_the_test_cases_of_retried_runs_count_with_the_results_own(campaign, tmp
     assert (got["written"], got["results"], got["retried_runs"]) == (64, 60, 2)
     assert got["last_at"] == last + 1
     assert main(["status", "--db", str(copy)]) == ExitStatus.OK
-    assert ("test cases: 64 written by 60 results and 2 runs killed at the timeout (retried, "
-            "their test cases kept); the last ") in capsys.readouterr().out
+    assert ("test cases: 64 written by 60 results and 2 runs cut short (a timeout or the "
+            "job's stop: retried, their test cases kept); the last ") in capsys.readouterr().out
     found, series = read_file(copy, lambda conn: (read_found(conn), plot_series(conn)))[0]
     assert found.testcases == sum(series.testcases) == 64
 

@@ -155,3 +155,38 @@ def test_a_host_that_keeps_failing_pauses_its_ready_longer_each_time_until_a_tas
     # A stop waits --stop-wait for the rank's READY and acknowledgement: half of it at most.
     short = HostFailures(sleep=slept.append, stop_wait_s=1.0)
     assert [short.pause(not_run) for _ in range(4)] == [0.25, 0.5, 0.5, 0.5]
+
+
+def test_a_command_the_jobs_stop_signal_killed_is_interrupted_not_an_error(tmp_path,
+                                                                            monkeypatch):
+    """A batch system's SIGTERM reaches the targets as well as the ranks: a command killed by
+    it was committed as an `error` result. When the worker got the same signal (its handler
+    notes it), the run was cut short: `interrupted`, its test cases kept. The same kill with
+    no such signal to the worker (a user's `kill` of the target) stays an `error`; so does
+    any other signal."""
+    import signal
+
+    import coordinator.worker as worker
+    from coordinator.worker import note_stop_signal, run_task
+    monkeypatch.setattr(worker, "_stop_signals_seen", set())
+    monkeypatch.setattr(worker, "OWN_SIGNAL_WAIT_S", 0.05)
+    target = tmp_path / "killed.sh"
+    target.write_text('#!/bin/sh\nprintf found > "$SYMCC_OUTPUT_DIR/a"\nkill -"$1" $$\n')
+    target.chmod(0o755)
+
+    def run(sig: str):
+        ex = CommandExecutor([str(target), sig], timeout_s=30)
+        return run_task(ex, {"data": 1}, b"x", tmp_path / "scratch")
+
+    assert (run("TERM").status, run("TERM").returncode) == ("error", -signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, note_stop_signal)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # (the handler notes it: nothing else happens)
+        out = run("TERM")
+        assert out.status == "interrupted" and out.testcases == [("a", b"found")]
+        assert out.detail.startswith("cut short by the job's stop: SIGTERM reached the "
+                                     "command and its rank\ntarget killed by SIGTERM")
+        assert run("INT").status == "error"  # (its rank got no SIGINT)
+        assert run("KILL").status == "error"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
