@@ -787,11 +787,13 @@ class Master:
                     # An input the campaign already has (often the task's own, unchanged):
                     # AFL has it, and writing it back would only make AFL run it again.
                     continue
-                path, fresh = self.writer.store(content, src=src, taken=taken)
+                path, fresh = self.writer.store(content, src=src, taken=taken, sync=False)
                 written += fresh
                 if feedback:
                     new.append(task_ops.NewTask({"path": str(path)}, content, origin="result",
                                                 depth=depth, parent_id=task.id))
+        if self.writer is not None:
+            self.writer.sync()  # (the names durable before the commit that records them)
         # Content already known as some task's input is not run again.
         created = task_ops.enqueue_tasks(tx, new, skip_known_content=True) if new else []
         return written, len(created)
