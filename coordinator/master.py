@@ -790,7 +790,8 @@ class Master:
                 path, fresh = self.writer.store(content, src=src, taken=taken, sync=False)
                 written += fresh
                 if feedback:
-                    new.append(task_ops.NewTask({"path": str(path)}, content, origin="result",
+                    new.append(task_ops.NewTask({"path": str(path)}, content,
+                                                origin=task_ops.FEEDBACK_ORIGIN,
                                                 depth=depth, parent_id=task.id))
         if self.writer is not None:
             self.writer.sync()  # (the names durable before the commit that records them)

@@ -75,9 +75,31 @@ class NewTask:
     canonical: tuple[str, str] | None = None
 
 
+#: The origin of a task made of a committed result's test case (the feedback loop).
+FEEDBACK_ORIGIN = "result"
+
+#: Where the fed-back test cases queue: behind every input (an AFL queue entry, a tasks file's
+#: line), which goes to the end of the inputs instead of the end of the queue. With feedback
+#: unbounded (the default) each SymCC run adds tasks faster than the ranks drain them, and a
+#: new AFL entry, the fuzzer's own new coverage, waited behind a backlog that only grew (a
+#: review: position 759, behind 500 test cases of our own). The fed-back ones run when no
+#: input waits. (One that AFL imports as new keeps its place: its queue entry, known content,
+#: is not a task of its own; finding the task by its content would take an index on it.)
+FEEDBACK_QUEUE_POS = 1 << 50
+
+
 def tail_position(tx: Tx) -> int:
+    """Past every queued task (a manual requeue's place)."""
     top = tx.db.execute("SELECT max(queue_pos) FROM tasks INDEXED BY ix_tasks_queue "
                         "WHERE state = 'queued'").fetchone()[0]
+    return (top or 0) + 1
+
+
+def inputs_tail_position(tx: Tx) -> int:
+    """Past every queued input, ahead of the fed-back test cases (FEEDBACK_QUEUE_POS)."""
+    top = tx.db.execute("SELECT max(queue_pos) FROM tasks INDEXED BY ix_tasks_queue "
+                        "WHERE state = 'queued' AND queue_pos < ?",
+                        (FEEDBACK_QUEUE_POS,)).fetchone()[0]
     return (top or 0) + 1
 
 
@@ -102,7 +124,8 @@ def origins_starting_with(conn: Connection, prefix: str) -> list[str]:
 
 def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
                   skip_known_content: bool = False) -> list[int]:
-    """Enqueue at the tail; returns the ids of tasks that were not already known.
+    """Enqueue at the tail (of the inputs, or for fed-back test cases, of the whole queue:
+    FEEDBACK_QUEUE_POS); returns the ids of tasks that were not already known.
 
     The same semantic payload twice is one task (UNIQUE semantic_id, ON CONFLICT DO NOTHING).
     Input bytes are stored content-addressed, so the task no longer needs the file. With
@@ -111,7 +134,7 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
     """
     db = tx.db
     created: list[int] = []
-    pos = tail_position(tx)
+    tails = {False: inputs_tail_position(tx), True: max(tail_position(tx), FEEDBACK_QUEUE_POS)}
     for item in new:
         canon, sid = item.canonical or canonical_form(item.payload)
         ihash = None
@@ -125,12 +148,13 @@ def enqueue_tasks(tx: Tx, new: Iterable[NewTask], *,
             if not known:
                 db.execute("INSERT INTO blobs (hash, data) VALUES (?, ?)",
                            (ihash, bytes(item.input_bytes)))
-        cur = db.execute(_INSERT_TASK, (sid, canon, ihash, pos, item.depth, item.parent_id,
-                                        item.origin, tx.now, tx.now))
+        fed_back = item.origin == FEEDBACK_ORIGIN
+        cur = db.execute(_INSERT_TASK, (sid, canon, ihash, tails[fed_back], item.depth,
+                                        item.parent_id, item.origin, tx.now, tx.now))
         if cur.rowcount == 1:
             created.append(cur.lastrowid)
             tx.event(EventKind.ENQUEUED, task_id=cur.lastrowid, detail=item.origin or None)
-            pos += 1
+            tails[fed_back] += 1
     return created
 
 

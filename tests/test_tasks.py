@@ -106,3 +106,33 @@ def test_done_tasks_whose_run_failed_can_be_requeued(farm):
     assert (ev.task_id, ev.token) == (bad_id, sent[2])
     assert ev.detail.startswith("from done: its error result from rank 2 discarded")
     assert queue_order(farm) == [bad_id]
+
+
+def test_an_input_queues_ahead_of_the_fed_back_test_cases_behind_the_retries(farm):
+    """With feedback unbounded (the default) every SymCC run queued its test cases faster
+    than the ranks ran them, and a new AFL entry, the fuzzer's own new coverage, waited at
+    the tail behind them (a review: position 759 behind 500 of our own). Inputs now go to the
+    end of the inputs, the test cases fed back behind them; a retry still goes to the head,
+    and a manual requeue to the very end."""
+    from store.tasks import FEEDBACK_ORIGIN, NewTask, enqueue_tasks, requeue_tasks
+
+    def add(*items: tuple[str, str]) -> list[int]:
+        with farm.store.transaction() as tx:
+            return enqueue_tasks(tx, [NewTask({"path": p}, p.encode(), origin=o)
+                                      for p, o in items], skip_known_content=True)
+
+    [a1] = add(("/afl/a1", "afl"))
+    f1, f2 = add(("/ours/f1", FEEDBACK_ORIGIN), ("/ours/f2", FEEDBACK_ORIGIN))
+    [a2] = add(("/afl/a2", "afl"))
+    assert queue_order(farm) == [a1, a2, f1, f2]
+    [first] = fail_once(farm)  # a1 taken, failed, requeued at the head
+    assert first.task_id == a1 and queue_order(farm) == [a1, a2, f1, f2]
+    [a3] = add(("/afl/a3", "afl"))
+    [f3] = add(("/ours/f3", FEEDBACK_ORIGIN))
+    assert queue_order(farm) == [a1, a2, a3, f1, f2, f3]
+    [second] = fail_once(farm)  # a1 again: past its budget, deferred
+    assert second.outcome is TaskState.DEFERRED
+    assert queue_order(farm) == [a2, a3, f1, f2, f3]
+    with farm.store.transaction() as tx:
+        requeue_tasks(tx, ids=[a1])
+    assert queue_order(farm) == [a2, a3, f1, f2, f3, a1]
