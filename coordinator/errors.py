@@ -23,6 +23,11 @@ class UsageError(CoordinatorError):
     """A setting, file or command line the user gave cannot be used; the message names it."""
 
 
+class OutputInUseError(UsageError):
+    """The directory a run would write its test cases to is held by another master
+    (`output_lock`); the message names it, the holder, and the flag that chooses another."""
+
+
 @contextlib.contextmanager
 def refusing_os_errors() -> Iterator[None]:
     """An OSError of the system (a path the user cannot search, a name too long, a file

@@ -43,7 +43,8 @@ from .master import (
     Summary,
 )
 from .output import TestcaseWriter, replace_text
-from .preflight import check_run
+from .output_lock import OutputLock, lock_output
+from .preflight import check_run, output_directory
 from .preflight import writer as test_case_writer
 from .processes import exit_now, host_and_pid
 from .sources import (
@@ -84,6 +85,7 @@ class MasterRank:
         self.started = time.monotonic()
         self.started_at = time.time()  # the master rank is up: --resume's clock starts here
         self.store: Store | None = None
+        self.output_lock: OutputLock | None = None
         self.master: Master | None = None
         #: A stop asked for while the start is still going on (opening the database,
         #: importing a large tasks file): honoured as soon as the master runs.
@@ -139,6 +141,10 @@ class MasterRank:
         initial = self._initial_tasks(checked.known)
         sources = [AflQueueSource(cfg.afl_out, cfg.fuzzer)] if cfg.afl_out is not None else []
         writer = test_case_writer(cfg)
+        # Before the database is opened: a start refused here (another campaign writes there,
+        # having passed the check before MPI at the same moment as this one) changes nothing
+        # in it, and the user can start it again, in a directory of its own, as a new campaign.
+        self.output_lock = lock_output(*output_directory(cfg), db=cfg.db)
         self.store = Store.open(
             cfg.db, resume=cfg.resume, synchronous=cfg.synchronous,
             policy=RetryPolicy(cfg.retries, cfg.max_attempts),
@@ -246,6 +252,7 @@ class MasterRank:
             _say("internal error before the run started")
         if store is not None:
             store.close()
+        self._release_output()
         # A write that failed (disk full) is the storage's fault, not the command line's.
         status = self._record_exit(ExitStatus.STORE if isinstance(e, StoreWriteError) else
                                    ExitStatus.USAGE if refused else ExitStatus.INTERNAL)
@@ -261,6 +268,12 @@ class MasterRank:
             _say(f"ranks {untaken} never took the start verdict; leaving without MPI_Finalize")
             exit_now(status)
         return status
+
+    def _release_output(self) -> None:
+        """For a master run in-process (the tests): the process's end releases it anyway."""
+        if self.output_lock is not None:
+            self.output_lock.release()
+            self.output_lock = None
 
     def _tell_workers(self, start: Start) -> None:
         """The start verdict to each worker, one send each: a rank that died meanwhile fails
@@ -333,6 +346,7 @@ class MasterRank:
         # (Asked again here: the name may have gone since the master's last look.)
         lost = master.file_lost or store.lost_name()
         saved = store.close(rescue=lost is not None)
+        self._release_output()
         if lost is not None:
             _say(f"{lost} while the master ran: the campaign, everything committed in it, was "
                  f"copied to {saved}" + ("" if saved == Path(cfg.db) else

@@ -59,8 +59,9 @@ class TestcaseWriter:
     def __init__(self, out_dir: pathlib.Path, afl_style: bool, *, scan: bool = True,
                  afl_sync: tuple[pathlib.Path, str] | None = None) -> None:
         """`scan=False` only checks the directory; `scan()` then reads it (and removes the
-        temp files a killed master left) once this process holds the campaign: before that,
-        those temp files may be a live master's writes in progress. `afl_sync` is (AFL's -o
+        temp files a killed master left) once this process holds the campaign and the
+        directory (`output_lock`): before that, those temp files may be a live master's writes
+        in progress, this campaign's or another's. `afl_sync` is (AFL's -o
         directory, our instance name): ids then also start past what AFL's instances already
         imported from us."""
         self.out_dir = pathlib.Path(out_dir)
@@ -87,7 +88,7 @@ class TestcaseWriter:
             self.scan()
 
     def scan(self) -> None:
-        if self.out_dir.exists():  # created on the first write: no empty dirs left behind
+        if self.out_dir.exists():  # an AFL queue is made at its first write
             self._scan_files()
         if self.afl_sync is not None:
             # AFL's sync imports from us only from the exact id its counter names onwards: after

@@ -1,10 +1,11 @@
 """What can refuse a run, checked before any rank does work.
 
 `coordinator run` checks it before it launches MPI, so a missing tasks file, a bad callable, a
-foreign or locked database or an existing campaign without `--resume` is said in a fraction of
-a second instead of after an MPI start of 2-8 s; the master checks it again (the file may have
-changed meanwhile, and under the user's own `mpiexec` nobody checked before). Nothing here
-writes: the database is only read (`store.campaign.probe`).
+foreign or locked database, an output directory another campaign's master writes to or an
+existing campaign without `--resume` is said in a fraction of a second instead of after an MPI
+start of 2-8 s; the master checks it again (the file may have changed meanwhile, and under the
+user's own `mpiexec` nobody checked before). Nothing here writes: the database is only read
+(`store.campaign.probe`), and so is the output directory's lock (`output_lock.check_free`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .config import (
 from .errors import UsageError
 from .executors import EXECUTOR_KINDS, build_executor
 from .output import TestcaseWriter
+from .output_lock import check_free
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def check_run(cfg: RunConfig) -> Checked:
         _check_tasks_file(cfg.tasks_file)
     argv = getattr(build_executor(cfg), "argv", None)
     writer(cfg)
+    check_free(*output_directory(cfg), db=cfg.db)
     return Checked(cfg, argv, notes, found, _imported_before(cfg, found))
 
 
@@ -135,13 +138,21 @@ def _valid_setting(key: str, value: object) -> bool:
 
 def writer(cfg: RunConfig) -> TestcaseWriter:
     """The test-case writer; raises (a refusal) if its directory cannot be used. It creates
-    and removes nothing: it reads its directory only once the master holds the campaign
-    (`TestcaseWriter.scan`)."""
+    and removes nothing: it reads its directory only once the master holds the campaign and
+    that directory (`TestcaseWriter.scan`, `output_lock`)."""
     if cfg.afl_out is not None:
         return TestcaseWriter(cfg.afl_out / cfg.name / "queue", afl_style=True, scan=False,
                               afl_sync=(cfg.afl_out, cfg.name))
-    return TestcaseWriter(cfg.out or cfg.db.with_name(cfg.db.name + ".out"), afl_style=False,
-                          scan=False)
+    return TestcaseWriter(output_directory(cfg)[0], afl_style=False, scan=False)
+
+
+def output_directory(cfg: RunConfig) -> tuple[Path, str]:
+    """The directory one campaign alone may write its test cases to (`output_lock`), and the
+    flag that chooses another: with --afl-out the whole instance directory, since AFL keys
+    what it imported by the instance's name, not by its queue."""
+    if cfg.afl_out is not None:
+        return cfg.afl_out / cfg.name, "--name"
+    return cfg.out or cfg.db.with_name(cfg.db.name + ".out"), "--out"
 
 
 def _check_tasks_file(path: Path) -> None:

@@ -286,6 +286,12 @@ def _unless_the_job_ended(what: str, end_it: bool = False) -> None:
                          f"{(out or '')[-2000:]}\n--- stderr\n{(err or '')[-4000:]}")
 
 
+def output_files(directory: Path) -> list[Path]:
+    """The test cases in an output directory: its dot files are the master's own (its lock,
+    `coordinator/output_lock.py`, and its writes in progress)."""
+    return [p for p in directory.iterdir() if not p.name.startswith(".")]
+
+
 def query(db: Path, sql: str) -> list[tuple]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
         return c.execute(sql).fetchall()

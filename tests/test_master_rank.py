@@ -67,6 +67,7 @@ def started(db_path, *args: str) -> master_rank.MasterRank:
     finally:
         if rank.store is not None:
             rank.store.close()
+        rank._release_output()
     return rank
 
 

@@ -27,6 +27,7 @@ from mpi_jobs import (
     kill_ranks,
     master_pid,
     mpi_kind,
+    output_files,
     quarantined,
     query,
     ranks_of,
@@ -408,7 +409,7 @@ def test_a_timed_out_run_is_retried_and_its_test_cases_are_kept(tmp_path):
                 "--no-progress", "--", sys.executable, str(target), "@@"], timeout=120)
     assert done.returncode == 0, done.stderr
     check_conservation(db, expected_tasks=1)
-    assert [p.read_bytes() for p in out.iterdir()] == [b"SLOW-found-before-the-timeout"]
+    assert [p.read_bytes() for p in output_files(out)] == [b"SLOW-found-before-the-timeout"]
     assert query(db, "SELECT count(*) FROM results") == [(0,)]
     assert query(db, "SELECT state, attempts FROM tasks") == [("failed", 2)]
     details = [d for (d,) in query(db, "SELECT detail FROM events WHERE kind = 'task_failed' "
@@ -460,7 +461,7 @@ def test_a_timed_out_run_in_a_batch_keeps_its_test_cases(tmp_path):
                np=2, timeout=120)
     assert done.returncode == 0, done.stderr
     check_conservation(db, expected_tasks=2)
-    assert [p.read_bytes() for p in out.iterdir()] == [b"SLOW-found-before-the-timeout"]
+    assert [p.read_bytes() for p in output_files(out)] == [b"SLOW-found-before-the-timeout"]
     assert query(db, "SELECT count(*) FROM results") == [(1,)]
     assert query(db, "SELECT detail FROM events WHERE kind = 'task_failed'") == [
         ("timeout (1 test case kept)",)]
@@ -545,6 +546,52 @@ def test_afl_sync_counter_no_feedback_and_inputs_not_written_back(tmp_path):
     assert query(db, "SELECT count(*) FROM tasks") == [(3,)]
     assert query(db, "SELECT sum(testcases) FROM results") == [(3,)]
     check_conservation(db)
+
+
+@pytest.mark.timeout(300)
+def test_a_second_campaign_on_one_afl_instance_directory_is_refused(tmp_path):
+    """Two campaigns (two --db) with the default --name symcc wrote one AFL instance
+    directory at once: its queue held id:000002 to id:000011 twice each, and AFL's sync,
+    past one campaign's ids, never imported the other's lower ones. The second is refused
+    before MPI starts; the first, killed with kill -9, resumes without meeting a stale lock."""
+    target = write_target(tmp_path)
+    afl = tmp_path / "afl"
+    for fuzzer in ("main", "sec"):
+        entry = afl / fuzzer / "queue" / "id:000000,orig:seed"
+        entry.parent.mkdir(parents=True)
+        entry.write_bytes(fuzzer.encode())
+        os.utime(entry, (time.time() - 60,) * 2)
+    first_db, second_db = tmp_path / "ct1.db", tmp_path / "ct2.db"
+
+    def args(fuzzer: str) -> list[str]:
+        return ["--afl-out", str(afl), "--fuzzer", fuzzer, "--max-depth", "2", "--",
+                sys.executable, str(target), "@@"]
+    first = self_launch(first_db, *args("main"), np=2)
+    try:
+        wait_for(first_db, "SELECT count(*) FROM results", lambda n: n >= 1, timeout=120)
+        pid = master_pid(first_db)
+        second = self_run(second_db, *args("sec"), np=2, timeout=60)
+        kill_ranks(first_db)
+        first.communicate(timeout=60)
+    finally:
+        end_launch(first, first_db)
+    assert second.returncode == ExitStatus.USAGE, second.stderr[-3000:]
+    assert second.stderr.startswith(
+        f"coordinator: {afl / 'symcc'} is in use by another campaign's master (pid {pid}, "
+        f"--db {first_db}): "), second.stderr
+    assert "another --name" in second.stderr and not second_db.exists()
+    # A crash: the same campaign goes on, its ids after its own.
+    resumed = self_launch(first_db, "--resume", *args("main"), np=2)
+    try:
+        wait_for(first_db, "SELECT count(*) FROM tasks WHERE state = 'done'",
+                 lambda n: n == 7, timeout=120)  # the seed, its 2 test cases, their 4
+        _, err = ctrl_c(resumed, timeout=120)
+    finally:
+        end_launch(resumed, first_db)
+    assert resumed.returncode == 0, err[-3000:]
+    # Each of the 7 runs wrote 2 test cases, each under an id of its own.
+    ids = [p.name.split(",")[0] for p in (afl / "symcc" / "queue").iterdir()]
+    assert len(ids) == len(set(ids)) == 14
 
 
 def test_sigkill_of_the_whole_job_then_resume_commits_each_task_once(tmp_path):
@@ -1011,7 +1058,7 @@ def test_every_worker_runs_the_program_the_master_resolved(tmp_path):
     done = finish(start([], command=command), timeout=120)
     assert done.returncode == 0, done.stderr
     check_conservation(db, expected_tasks=6)
-    assert [p.read_text() for p in out.iterdir()] == ["master"]  # 6 results, one content
+    assert [p.read_text() for p in output_files(out)] == ["master"]  # 6 results, one content
     assert query(db, "SELECT status, sum(testcases) FROM results GROUP BY status") == [("ok", 1)]
 
 
