@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--fuzzer", action=Once, default=None,
                      help="the AFL instance whose queue is read")
     src.add_argument("--name", action=Once, default="symcc",
-                     help="this coordinator's AFL instance directory (default symcc)")
+                     help="this coordinator's AFL instance directory (default symcc); one "
+                          "campaign's at a time: another campaign's master there is refused")
     ex = r.add_argument_group("executors")
     ex.add_argument("--executor", action=Once, choices=EXECUTOR_KINDS, default=None,
                     help="default: command if a command follows --, python with --callable, "
@@ -139,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
                         "with --afl-out, --no-feedback leaves it to AFL to pick the ones worth "
                         "a run, as SymCC's own helper does; a --resume keeps the campaign's)")
     r.add_argument("--out", action=Once, type=Path, default=None,
-                   help="where committed test cases go without --afl-out (default DB.out/)")
+                   help="where committed test cases go without --afl-out (default DB.out/); "
+                        "one campaign's at a time: another campaign's master there is refused")
     r.add_argument("--stats-file", action=Once, type=Path, default=None,
                    help="stats text, rewritten every --stats-interval and at exit "
                         "(default DB.stats)")
