@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                         "one campaign's at a time: another campaign's master there is refused")
     r.add_argument("--stats-file", action=Once, type=Path, default=None,
                    help="stats text, rewritten every --stats-interval and at exit "
-                        "(default DB.stats)")
+                        "(default DB.stats; an existing file holding anything else is "
+                        "refused)")
     r.add_argument("--stats-interval", action=Once, type=non_negative_float, default=60.0,
                    metavar="S",
                    help="seconds between rewrites of the stats file (default 60)")
@@ -191,10 +192,12 @@ def _parser() -> argparse.ArgumentParser:
                         "live display (a batch job's log; default 30, 0: none)")
     r.add_argument("--metrics-file", action=Once, type=Path, default=None, metavar="PATH",
                    help="Prometheus text file for node_exporter's textfile collector, "
-                        "rewritten every 10 s and at exit (e.g. DIR/campaign.prom)")
+                        "rewritten every 10 s and at exit (e.g. DIR/campaign.prom; an "
+                        "existing file holding anything else is refused)")
     r.add_argument("--summary-json", action=Once, type=Path, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
-                        "peak memory) as JSON at exit, for scripts")
+                        "peak memory) as JSON at exit, for scripts (an existing file "
+                        "holding anything else is refused)")
     # Set by the self-launch for rank 0 (see _self_launch), not by users.
     r.add_argument("--master-pid-file", type=Path, default=None, help=argparse.SUPPRESS)
     r.add_argument("--np", action=Once, type=int_range(2), default=4,

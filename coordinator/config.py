@@ -348,6 +348,7 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         summary_json=ns.summary_json, master_pid_file=ns.master_pid_file,
     )
     refuse_overwriting(cfg)
+    refuse_foreign_files(cfg)
     return cfg
 
 
@@ -404,6 +405,68 @@ def refuse_overwriting(cfg: RunConfig) -> None:
                     raise ConfigError(f"{flag} {path} would overwrite {name} ({other}"
                                       + (f", through {mine}" if mine is tmp else "")
                                       + "); choose another path")
+
+
+#: The first bytes of every SQLite database (its file format's header).
+_SQLITE_HEADER = b"SQLite format 3\x00"
+#: How the files this code writes begin (`store.stats.stats_text`, `metrics.metrics_text`): an
+#: existing file that begins otherwise is someone else's.
+_STATS_START = b"Quarantined worker results: "
+_METRICS_START = b"# HELP coordinator_"
+#: A key every --summary-json has held since the flag exists (`master_rank`).
+_SUMMARY_KEY = "committed_this_run"
+#: Past this size a file is not one of ours (a summary is ~1 KB, a metrics file ~10 KB).
+_SNIFF_BYTES = 1 << 20
+
+
+def _looks_like(head: bytes) -> str:
+    """What an existing file seems to hold, for a refusal to name."""
+    if _SQLITE_HEADER in head:
+        return "an SQLite database (a campaign's?)"
+    if b"\x00" in head:
+        return "binary data"
+    first = head.split(b"\n", 1)[0].strip()
+    if first.startswith(b"{"):
+        return "JSON (a tasks file?)"
+    return f"text starting {first[:40].decode('utf-8', 'replace')!r}"
+
+
+def _summary_of_ours(head: bytes) -> bool:
+    import json
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and _SUMMARY_KEY in doc
+
+
+def refuse_foreign_files(cfg: RunConfig) -> None:
+    """A --stats-file, --metrics-file or --summary-json that names an existing file holding
+    something else than that flag writes is refused: each is replaced whole, and `--stats-file
+    other.db` destroyed another campaign's database with exit 0. A missing or empty file, or
+    one this flag wrote before (the same command run again), is taken."""
+    for flag, path, ours, what in (
+        ("--stats-file", cfg.stats_file, lambda h: h.startswith(_STATS_START),
+         "the stats text a run writes"),
+        ("--metrics-file", cfg.metrics_file, lambda h: h.startswith(_METRICS_START),
+         "a coordinator's metrics"),
+        ("--summary-json", cfg.summary_json, _summary_of_ours, "a run's summary"),
+    ):
+        if path is None or not os.path.exists(path):
+            continue
+        if not path.is_file():
+            # A FIFO would block the read below, and a device (/dev/null) would be replaced by
+            # a regular file at the end of the run.
+            raise ConfigError(f"{flag} {path} is not a regular file; it names the file to "
+                              f"write (choose another path)")
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES + 1)
+        if not head or (len(head) <= _SNIFF_BYTES and _SQLITE_HEADER not in head
+                        and ours(head)):
+            continue
+        raise ConfigError(f"{flag} {path} exists and holds {_looks_like(head)}, not "
+                          f"{what}: the run would replace it; choose another path (or remove "
+                          f"the file if it is not needed)")
 
 
 #: How a campaign's tasks run, kept from its first run: a --resume that does not give one

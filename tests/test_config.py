@@ -355,3 +355,36 @@ def test_an_output_written_through_its_tmp_file_or_a_linked_db_is_refused_too(tm
                                           r"overwrite .*p\.exit \(--db\)"):
         resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "p.exit"),
                                           "--master-pid-file", str(tmp_path / "p")]))
+
+
+@pytest.mark.parametrize("flag", ["--stats-file", "--metrics-file", "--summary-json"])
+def test_an_end_of_run_file_that_holds_something_else_is_refused(tmp_path, flag):
+    """`--stats-file victim.db` (or --metrics-file, --summary-json) replaced another
+    campaign's database with text, exit 0, and `--stats-file t.jsonl` a tasks file: an
+    existing file is replaced only if it is empty or what that flag itself writes."""
+    from store.campaign import Store
+    victim = tmp_path / "victim.db"
+    Store.open(victim).close()
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text('{"data": 1}\n')
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for path, held in ((victim, "an SQLite database"), (tasks, r"JSON \(a tasks file\?\)"),
+                       (notes, "text starting 'my notes'")):
+        before = path.read_bytes()
+        with pytest.raises(ConfigError, match=f"^{flag} .*{path.name} exists and holds {held}"):
+            resolve(tmp_path, "--demo", "5", flag, str(path))
+        assert path.read_bytes() == before
+    ours = {"--stats-file": "Quarantined worker results: 0\nProtocol-requeued dispatches: 0\n",
+            "--metrics-file": "# HELP coordinator_tasks Tasks by state.\n",
+            "--summary-json": '{\n  "tasks": {}, "committed_this_run": 5\n}\n'}[flag]
+    again = tmp_path / "again"
+    for text in ("", ours):  # an empty file (mktemp), or this flag's own from the last run
+        again.write_text(text)
+        assert resolve(tmp_path, "--demo", "5", flag, str(again))
+    if flag == "--summary-json":  # JSON, but not a summary
+        again.write_text('{"data": 1}\n')
+        with pytest.raises(ConfigError, match="holds JSON"):
+            resolve(tmp_path, "--demo", "5", flag, str(again))
+    with pytest.raises(ConfigError, match=f"^{flag} /dev/null is not a regular file"):
+        resolve(tmp_path, "--demo", "5", flag, "/dev/null")

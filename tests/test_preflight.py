@@ -218,6 +218,11 @@ def test_a_resume_may_not_write_over_the_callable_the_campaign_stored(tmp_path):
     spec.write_text("def solve(task):\n    return 1\n")
     _stored_campaign(db, campaign_settings(config(db, "--tasks", str(tasks), "--callable",
                                                   f"{spec}:solve")))
+    # (Refused before the take-over now: the file holds no run summary. The take-over's own
+    # check stays for a callable's file that is still empty.)
+    with pytest.raises(ConfigError, match=r"--summary-json .*work\.py exists and holds text"):
+        check_run(config(db, "--resume", "--tasks", str(tasks), "--summary-json", str(spec)))
+    spec.write_text("")
     with pytest.raises(ConfigError, match=r"--summary-json .*work\.py would overwrite .*"
                                           r"\(--callable's file\)"):
         check_run(config(db, "--resume", "--tasks", str(tasks), "--summary-json", str(spec)))
