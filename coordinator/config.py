@@ -501,10 +501,11 @@ def setting_text(key: str, value: object) -> str:
 
 def how_it_runs(cfg: RunConfig) -> str:
     """The executor as the command line gives it: `--callable X`, `-- CMD ...`, or none."""
-    return _how(campaign_settings(cfg))
+    return how_stored(campaign_settings(cfg))
 
 
-def _how(s: dict) -> str:
+def how_stored(s: dict) -> str:
+    """As `how_it_runs`, for the settings a campaign stored (campaign.settings)."""
     if s.get("executor") == "python":
         return f"--callable {s.get('callable')}"
     if s.get("executor") == "command":
@@ -529,8 +530,8 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
     if stored.get("executor") not in (None, given["executor"]):
         raise ConfigError(
             f"{cfg.db} runs its tasks with the {stored.get('executor')} executor "
-            f"({_how(stored)}); this --resume would use the {given['executor']} executor "
-            f"({_how(given)}): give the campaign's executor again (or choose a new --db)")
+            f"({how_stored(stored)}); this --resume would use the {given['executor']} executor "
+            f"({how_stored(given)}): give the campaign's executor again (or choose a new --db)")
     if stored.get("source") == "afl" and given["source"] != "afl":
         raise ConfigError(
             f"{cfg.db} watches an AFL queue (--afl-out {stored.get('afl_out')} --fuzzer "
@@ -541,8 +542,8 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
     if key is not None and stored.get(key) not in (None, given[key]):
         # The user's call (a fixed target, a renamed module), but results committed from now
         # on come from another program than the earlier ones: said, not refused.
-        notes.append(f"this campaign's earlier runs used {_how(stored)}; this --resume runs "
-                     f"{_how(given)}")
+        notes.append(f"this campaign's earlier runs used {how_stored(stored)}; this --resume runs "
+                     f"{how_stored(given)}")
     if stored.get("source") != "afl" or given["source"] != "afl":
         return notes
 

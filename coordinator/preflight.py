@@ -28,6 +28,7 @@ from .config import (
     RunConfig,
     default_watchdog,
     how_it_runs,
+    how_stored,
     refuse_overwriting,
     setting_text,
 )
@@ -101,6 +102,7 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
     notes = []
     kind = stored.get("executor")
     if not cfg.executor_given and kind in EXECUTOR_KINDS and kind != cfg.executor:
+        _refuse_demo_tasks(cfg, stored)
         cfg = dataclasses.replace(
             cfg, executor=kind, executor_given=True,
             callable_spec=stored.get("callable") if kind == "python" else None,
@@ -124,6 +126,28 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         notes.append("--resume keeps the campaign's " + " ".join(
             setting_text(k, v) for k, v in kept.items()) + ", as its first run had them")
     return cfg, notes
+
+
+def _refuse_demo_tasks(cfg: RunConfig, stored: dict) -> None:
+    """The demo payloads are the demo executor's alone, as for a new campaign (`config`):
+    `--resume --demo 10` on a command's campaign added 10 tasks committed as `error` for
+    ever (a demo task has no input file), and on a callable's tasks file or AFL queue it fed
+    them to the callable unasked. A callable's campaign started on demo payloads (`--callable
+    X --demo N`) takes more of them, and naming the callable again says the user means it, as
+    for a new campaign."""
+    if cfg.demo is None:
+        return
+    kind = stored.get("executor")
+    if kind == "command":
+        raise UsageError(
+            f"--demo: {cfg.db} runs its tasks with a command ({how_stored(stored)}), which runs on "
+            f"each task's input file, and --demo tasks have none: give it --tasks FILE "
+            f"(payloads with a \"path\") or --afl-out DIR")
+    if kind == "python" and stored.get("source") != "demo":
+        raise UsageError(
+            f"--demo: {cfg.db} runs its tasks with {how_stored(stored)}; --demo would feed it "
+            f"{cfg.demo} built-in demo payloads: give it --tasks FILE, or name the callable "
+            f"again (--callable {stored.get('callable')}) if that is what you mean")
 
 
 def _valid_setting(key: str, value: object) -> bool:

@@ -226,3 +226,36 @@ def test_a_resume_may_not_write_over_the_callable_the_campaign_stored(tmp_path):
     with pytest.raises(ConfigError, match=r"--summary-json .*work\.py would overwrite .*"
                                           r"\(--callable's file\)"):
         check_run(config(db, "--resume", "--tasks", str(tasks), "--summary-json", str(spec)))
+
+
+def test_a_resume_with_demo_tasks_on_a_command_or_callable_campaign_is_refused(tmp_path):
+    """`--resume --demo 10` on a command's campaign added 10 tasks committed as `error` for
+    ever (a demo task has no input file), and on a callable's fed them to it unasked: the
+    demo payloads are the demo executor's alone, as for a new campaign."""
+    target, spec = tmp_path / "t.sh", tmp_path / "work.py"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    spec.write_text("def solve(task):\n    return 1\n")
+    cmd, py, demo = tmp_path / "cmd.db", tmp_path / "py.db", tmp_path / "demo.db"
+    _stored_campaign(cmd, campaign_settings(config(cmd, "--tasks", "t.jsonl", "--",
+                                                   str(target), "@@")))
+    _stored_campaign(py, campaign_settings(config(py, "--tasks", "t.jsonl", "--callable",
+                                                  f"{spec}:solve")))
+    _stored_campaign(demo, campaign_settings(config(demo, "--demo", "5")))
+    with pytest.raises(UsageError, match=r"^--demo: .*cmd\.db runs its tasks with a command "
+                                         r"\(-- .*t\.sh @@\), .* --demo tasks have none"):
+        check_run(config(cmd, "--resume", "--demo", "10"))
+    with pytest.raises(UsageError, match=r"^--demo: .*py\.db runs its tasks with --callable "
+                                         r".*work\.py:solve; --demo would feed it 10 built-in"):
+        check_run(config(py, "--resume", "--demo", "10"))
+    # Named again, the callable's demo payloads are the user's call, as for a new campaign;
+    # the demo campaign takes more of its own.
+    named = check_run(config(py, "--resume", "--demo", "10", "--callable", f"{spec}:solve"))
+    assert (named.cfg.executor, named.cfg.demo) == ("python", 10)
+    assert check_run(config(demo, "--resume", "--demo", "10")).cfg.demo == 10
+    # A callable's campaign started on demo payloads takes more of them.
+    py_demo = tmp_path / "py_demo.db"
+    _stored_campaign(py_demo, campaign_settings(config(py_demo, "--demo", "4", "--callable",
+                                                       f"{spec}:solve")))
+    assert check_run(config(py_demo, "--resume", "--demo", "10")).cfg.executor == "python"
+    assert check_run(config(cmd, "--resume")).cfg.executor == "command"
