@@ -484,11 +484,38 @@ def campaign_settings(cfg: RunConfig) -> dict[str, object]:
     `preflight.take_over`."""
     source = ("afl" if cfg.afl_out is not None else "tasks" if cfg.tasks_file is not None
               else "demo")
-    return {"executor": cfg.executor, "callable": cfg.callable_spec, "command": cfg.argv or None,
+    return {"executor": cfg.executor, "callable": cfg.callable_spec,
+            "command": stored_command(cfg.argv) or None,
             "source": source,
             "afl_out": str(cfg.afl_out.absolute()) if cfg.afl_out is not None else None,
             "fuzzer": cfg.fuzzer, "name": cfg.name if cfg.afl_out is not None else None,
             **{key: getattr(cfg, key) for key in RUN_SETTINGS}}
+
+
+def _by_path(program: str) -> bool:
+    """A program named by a path (`./target`, `bin/target`), not a bare name PATH finds."""
+    return os.sep in program or bool(os.altsep and os.altsep in program)
+
+
+def stored_command(argv: list[str]) -> list[str]:
+    """The command as a campaign keeps it: a program named by a relative path made absolute
+    (from the directory the run starts in, as the master resolves it: `executors`), since a
+    --resume from another directory found no `./target.sh` there, or ran another program of
+    that name. A bare name stays as given: PATH finds it wherever the run starts."""
+    if not argv or not _by_path(argv[0]):
+        return list(argv)
+    return [os.path.abspath(argv[0]), *argv[1:]]
+
+
+def _same_command(stored: object, given: object) -> bool:
+    """Whether a --resume's command is the one the campaign stored. One that campaigns kept
+    before programs were stored absolute (`./target.sh`) is its program's path from here,
+    where such a --resume finds it (as before)."""
+    if stored is None or stored == given:
+        return True
+    if not isinstance(stored, list) or not stored or not isinstance(given, list):
+        return False
+    return stored_command([str(a) for a in stored]) == given
 
 
 def setting_text(key: str, value: object) -> str:
@@ -539,7 +566,8 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
             f"or its results would not reach AFL")
     notes = []
     key = {"python": "callable", "command": "command"}.get(given["executor"])
-    if key is not None and stored.get(key) not in (None, given[key]):
+    if key is not None and not (_same_command(stored.get(key), given[key]) if key == "command"
+                                else stored.get(key) in (None, given[key])):
         # The user's call (a fixed target, a renamed module), but results committed from now
         # on come from another program than the earlier ones: said, not refused.
         notes.append(f"this campaign's earlier runs used {how_stored(stored)}; this --resume runs "

@@ -163,7 +163,8 @@ def test_resume_with_another_executor_or_without_the_afl_queue_is_refused(tmp_pa
     cmd = campaign_settings(resolve(tmp_path, "--tasks", "t.jsonl", "--", "./a", "@@"))
     assert check_resume(resolve(tmp_path, "--resume", "--", "./a", "@@"), cmd) == []
     assert check_resume(resolve(tmp_path, "--resume", "--", "./b", "@@"), cmd) == [
-        "this campaign's earlier runs used -- ./a @@; this --resume runs -- ./b @@"]
+        f"this campaign's earlier runs used -- {Path.cwd() / 'a'} @@; this --resume runs -- "
+        f"{Path.cwd() / 'b'} @@"]
     check_resume(resolve(tmp_path, "--resume"), None)  # a campaign from before 0004
     check_resume(resolve(tmp_path, "--resume"), {})  # keys it lacks are not compared
     afl = campaign_settings(resolve(tmp_path, "--afl-out", str(tmp_path), "--fuzzer", "main",

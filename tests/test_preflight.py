@@ -259,3 +259,35 @@ def test_a_resume_with_demo_tasks_on_a_command_or_callable_campaign_is_refused(t
                                                        f"{spec}:solve")))
     assert check_run(config(py_demo, "--resume", "--demo", "10")).cfg.executor == "python"
     assert check_run(config(cmd, "--resume")).cfg.executor == "command"
+
+
+def test_a_command_given_by_a_relative_path_is_kept_absolute(tmp_path, monkeypatch):
+    """The command was stored as given (`./target.sh`), --afl-out absolute: a --resume from
+    another directory failed ("command './target.sh': no such file"), or ran another program
+    of that name. A bare name stays as given (PATH finds it wherever the run starts)."""
+    from coordinator.config import check_resume
+
+    first_dir, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    for d in (first_dir, elsewhere):
+        d.mkdir()
+        target = d / "target.sh"
+        target.write_text("#!/bin/sh\n")
+        target.chmod(0o755)
+    db = tmp_path / "c.db"
+    monkeypatch.chdir(first_dir)
+    first = config(db, "--tasks", "t.jsonl", "--", "./target.sh", "@@")
+    assert campaign_settings(first)["command"] == [str(first_dir / "target.sh"), "@@"]
+    assert campaign_settings(config(db, "--tasks", "t.jsonl", "--", "sh", "x"))["command"] \
+        == ["sh", "x"]
+    _stored_campaign(db, campaign_settings(first))
+    monkeypatch.chdir(elsewhere)  # which has a target.sh of its own
+    checked = check_run(config(db, "--resume"))
+    assert checked.argv == [str(first_dir / "target.sh"), "@@"]
+    # A campaign kept before: its relative command runs from the directory it was started
+    # in, as it did, and given again there it is the same command, without a note.
+    old = tmp_path / "old.db"
+    _stored_campaign(old, {**campaign_settings(first), "command": ["./target.sh", "@@"]})
+    monkeypatch.chdir(first_dir)
+    assert check_run(config(old, "--resume")).argv == [str(first_dir / "target.sh"), "@@"]
+    again = config(old, "--resume", "--", "./target.sh", "@@")
+    assert check_resume(again, {"executor": "command", "command": ["./target.sh", "@@"]}) == []
