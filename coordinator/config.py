@@ -202,6 +202,11 @@ def _same_directory(a: Path, b: Path) -> bool:
         return False
 
 
+#: The demo executor on AFL's inputs would commit made-up results, and tie the campaign to it.
+AFL_NEEDS_COMMAND = ("--afl-out needs the command to run on AFL's inputs, e.g. "
+                     "-- ./target_symcc @@ (or a --callable)")
+
+
 def resolve_run(ns: argparse.Namespace) -> RunConfig:
     """Merge flags with the environment and check the combinations (raises ConfigError)."""
     resume = bool(ns.resume) or _env_flag(ENV_RESUME)
@@ -305,10 +310,10 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
     if executor != "command" and argv:
         raise ConfigError(f"a command after -- is only used with --executor command "
                           f"(executor is {executor})")
-    if executor == "demo" and ns.afl_out is not None:
-        # It would commit made-up results for AFL's inputs, and tie the campaign to it.
-        raise ConfigError("--afl-out needs the command to run on AFL's inputs, e.g. "
-                          "-- ./target_symcc @@ (or a --callable)")
+    if executor == "demo" and ns.afl_out is not None and (executor_given or not resume):
+        # (A --resume that names no executor runs the campaign's: judged once it is known,
+        # `preflight`; a moved AFL directory is given again without its command.)
+        raise ConfigError(AFL_NEEDS_COMMAND)
 
     if ns.db.is_dir() or ns.db.name in ("", ".", ".."):
         raise ConfigError(f"--db {ns.db} is a directory; it names the campaign's database "

@@ -22,9 +22,11 @@ from store.lock import refuse_read_only
 from store.probe import Probe, probe
 
 from .config import (
+    AFL_NEEDS_COMMAND,
     DEFAULT_DEMO_TASKS,
     MAX_TIMEOUT_S,
     RUN_SETTINGS,
+    ConfigError,
     RunConfig,
     default_watchdog,
     how_it_runs,
@@ -74,6 +76,9 @@ def check_run(cfg: RunConfig) -> Checked:
                 f"--resume: {cfg.db} holds no campaign yet, and {how_it_runs(cfg)} needs "
                 f"tasks: add --tasks FILE or --afl-out DIR")
         cfg = dataclasses.replace(cfg, demo=DEFAULT_DEMO_TASKS)
+    if cfg.executor == "demo" and cfg.afl_out is not None:
+        # A --resume --afl-out without a command, on a campaign that has none to take.
+        raise ConfigError(AFL_NEEDS_COMMAND)
     if cfg.tasks_file is not None:
         _check_tasks_file(cfg.tasks_file)
     argv = getattr(build_executor(cfg), "argv", None)

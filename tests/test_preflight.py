@@ -291,3 +291,33 @@ def test_a_command_given_by_a_relative_path_is_kept_absolute(tmp_path, monkeypat
     assert check_run(config(old, "--resume")).argv == [str(first_dir / "target.sh"), "@@"]
     again = config(old, "--resume", "--", "./target.sh", "@@")
     assert check_resume(again, {"executor": "command", "command": ["./target.sh", "@@"]}) == []
+
+
+def test_a_resume_with_a_moved_afl_directory_takes_the_campaigns_command(tmp_path):
+    """`--resume --afl-out NEW --fuzzer main` without the command (a moved AFL directory)
+    was refused ("--afl-out needs the command"), although a --resume needs no executor and
+    another --afl-out is allowed."""
+    from coordinator.config import ConfigError, check_resume
+
+    db = tmp_path / "c.db"
+    for d in ("afl", "moved"):
+        (tmp_path / d / "main" / "queue").mkdir(parents=True)
+    target = tmp_path / "target"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    first = config(db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--",
+                   str(target), "@@")
+    _stored_campaign(db, campaign_settings(first))
+    checked = check_run(config(db, "--resume", "--afl-out", str(tmp_path / "moved"),
+                               "--fuzzer", "main"))
+    assert (checked.cfg.executor, checked.argv) == ("command", [str(target), "@@"])
+    assert checked.cfg.afl_out == tmp_path / "moved"
+    notes = check_resume(checked.cfg, campaign_settings(first))
+    assert len(notes) == 1 and f"--afl-out {tmp_path / 'afl'} (now" in notes[0]
+    # With no command to take (a new file), it is refused as for a new campaign.
+    with pytest.raises(ConfigError, match="--afl-out needs the command to run on AFL's"):
+        check_run(config(tmp_path / "new.db", "--resume", "--afl-out", str(tmp_path / "moved"),
+                         "--fuzzer", "main"))
+    with pytest.raises(ConfigError, match="--afl-out needs the command to run on AFL's"):
+        config(db, "--resume", "--executor", "demo", "--afl-out", str(tmp_path / "moved"),
+               "--fuzzer", "main")
