@@ -13,7 +13,6 @@ import logging
 import math
 import signal
 import sys
-from pathlib import Path
 
 from .config import (
     DEFAULT_DEMO_TASKS,
@@ -27,6 +26,7 @@ from .config import (
     batch_size,
     int_range,
     non_negative_float,
+    path_arg,
     resolve_run,
     start_wait,
     timeout_seconds,
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run (or resume) a campaign under MPI",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=RUN_EPILOG)
-    r.add_argument("--db", action=Once, type=Path, required=True,
+    r.add_argument("--db", action=Once, type=path_arg, required=True,
                    help="campaign database (node-local disk)")
     r.add_argument("--resume", action="store_true",
                    help="continue the campaign stored in --db: interrupted and deferred work "
@@ -107,9 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                                f"{DEFAULT_DEMO_TASKS})")
     src.add_argument("--demo", action=Once, type=int_range(1), default=None, metavar="N",
                      help="N built-in demo tasks")
-    src.add_argument("--tasks", action=Once, type=Path, default=None, metavar="FILE",
+    src.add_argument("--tasks", action=Once, type=path_arg, default=None, metavar="FILE",
                      help="a JSONL file of task payloads (one object per line)")
-    src.add_argument("--afl-out", action=Once, type=Path, default=None, metavar="DIR",
+    src.add_argument("--afl-out", action=Once, type=path_arg, default=None, metavar="DIR",
                      help="AFL output directory; watches DIR/FUZZER/queue for new inputs and "
                           "writes results to DIR/NAME/queue (runs until SIGINT/SIGTERM)")
     src.add_argument("--fuzzer", action=Once, default=None,
@@ -139,10 +139,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="queue the test cases that results find as new tasks (default on; "
                         "with --afl-out, --no-feedback leaves it to AFL to pick the ones worth "
                         "a run, as SymCC's own helper does; a --resume keeps the campaign's)")
-    r.add_argument("--out", action=Once, type=Path, default=None,
+    r.add_argument("--out", action=Once, type=path_arg, default=None,
                    help="where committed test cases go without --afl-out (default DB.out/); "
                         "one campaign's at a time: another campaign's master there is refused")
-    r.add_argument("--stats-file", action=Once, type=Path, default=None,
+    r.add_argument("--stats-file", action=Once, type=path_arg, default=None,
                    help="stats text, rewritten every --stats-interval and at exit "
                         "(default DB.stats; an existing file holding anything else is "
                         "refused)")
@@ -190,16 +190,16 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="S",
                    help="seconds between plain progress lines on stderr when there is no "
                         "live display (a batch job's log; default 30, 0: none)")
-    r.add_argument("--metrics-file", action=Once, type=Path, default=None, metavar="PATH",
+    r.add_argument("--metrics-file", action=Once, type=path_arg, default=None, metavar="PATH",
                    help="Prometheus text file for node_exporter's textfile collector, "
                         "rewritten every 10 s and at exit (e.g. DIR/campaign.prom; an "
                         "existing file holding anything else is refused)")
-    r.add_argument("--summary-json", action=Once, type=Path, default=None, metavar="PATH",
+    r.add_argument("--summary-json", action=Once, type=path_arg, default=None, metavar="PATH",
                    help="write the run's summary (counts, loop rate, transactions, master "
                         "peak memory) as JSON at exit, for scripts (an existing file "
                         "holding anything else is refused)")
     # Set by the self-launch for rank 0 (see _self_launch), not by users.
-    r.add_argument("--master-pid-file", type=Path, default=None, help=argparse.SUPPRESS)
+    r.add_argument("--master-pid-file", type=path_arg, default=None, help=argparse.SUPPRESS)
     r.add_argument("--np", action=Once, type=int_range(2), default=4,
                    help="ranks to launch when started outside mpiexec (default 4)")
     r.add_argument("--ulfm", action=argparse.BooleanOptionalAction, default=True,
@@ -222,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="inject faults, each kind independently per dispatch at its rate (0..1)")
     fi.add_argument("--inject-seed", action=Once, type=int, default=0, metavar="N",
                     help="the same seed reproduces the same faults (default 0)")
-    fi.add_argument("--inject-log", action=Once, type=Path, default=None, metavar="DIR",
+    fi.add_argument("--inject-log", action=Once, type=path_arg, default=None, metavar="DIR",
                     help="append every injected fault to DIR/faults-rank<R>.jsonl")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- COMMAND ARGS...: the command executor's command; @@ is replaced "
@@ -230,7 +230,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="one screen for a campaign: tasks, rates, ETA, test "
                                       "cases, ranks, faults (read-only)")
-    s.add_argument("--db", type=Path, required=True)
+    s.add_argument("--db", type=path_arg, required=True)
     s.add_argument("--json", action="store_true",
                    help="machine-readable, stable keys (a file it refuses, exit 2: an object "
                         "whose error says why)")
@@ -243,8 +243,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "the timestamps the campaign file holds. Read-only: works "
                                     "on a finished campaign, a copy, or a live one. Needs "
                                     "matplotlib (pip install -e '.[plot]').")
-    pl.add_argument("--db", type=Path, required=True)
-    pl.add_argument("outdir", type=Path, metavar="OUTDIR",
+    pl.add_argument("--db", type=path_arg, required=True)
+    pl.add_argument("outdir", type=path_arg, metavar="OUTDIR",
                     help="where the charts and index.html go (made if missing)")
 
     c = sub.add_parser("check", help="audit a campaign file's consistency (read-only)",
@@ -256,13 +256,13 @@ def _parser() -> argparse.ArgumentParser:
                                    "a copy, on read-only media, and while a master runs. Exit "
                                    "0 when consistent, 1 with one line per violation, 2 when "
                                    "the file is refused (not a campaign, no campaign yet).")
-    c.add_argument("--db", type=Path, required=True)
+    c.add_argument("--db", type=path_arg, required=True)
     c.add_argument("--json", action="store_true",
                    help="machine-readable report (for a refused file too: its error says why)")
 
     q = sub.add_parser("requeue", help="put failed or deferred tasks back in the queue, or "
                                        "done tasks whose run failed (--state error)")
-    q.add_argument("--db", type=Path, required=True)
+    q.add_argument("--db", type=path_arg, required=True)
     q.add_argument("--state", choices=("failed", "deferred", "all", "error"), default="all",
                    help="all (default): failed and deferred tasks; error: done tasks whose "
                         "result status is not ok (their result is discarded), e.g. after "
@@ -281,7 +281,7 @@ def _parser() -> argparse.ArgumentParser:
     dsub = d.add_subparsers(dest="db_cmd", required=True, metavar="upgrade")
     u = dsub.add_parser("upgrade", help="create or bring a campaign database to the code's "
                                         "schema (same as `alembic -x db=PATH upgrade head`)")
-    u.add_argument("--db", type=Path, required=True)
+    u.add_argument("--db", type=path_arg, required=True)
     return p
 
 

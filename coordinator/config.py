@@ -58,6 +58,14 @@ def non_negative_float(text: str) -> float:
 MIN_START_WAIT_S = 1.0
 
 
+def path_arg(text: str) -> Path:
+    """A path flag's value. An empty one is refused: Path("") is ".", so `--db ""` was said
+    to be "--db . is a directory", and `--out ""` or `--afl-out ""` named the current one."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty")
+    return Path(text)
+
+
 def start_wait(text: str) -> float:
     value = non_negative_float(text)
     if value < MIN_START_WAIT_S:
@@ -326,7 +334,10 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
             continue
         where = path.absolute().parent
         if not where.is_dir():
-            raise ConfigError(f"{flag} {path}: the directory {where} does not exist")
+            # (as `store.readonly.no_directory`: this module does not load the store)
+            raise ConfigError(f"{flag} {path}: " + (f"{where} is not a directory"
+                                                    if where.exists() else
+                                                    f"the directory {where} does not exist"))
         if not os.access(where, os.W_OK | os.X_OK):  # a read-only mount too, even as root
             raise ConfigError(f"{flag} {path}: the directory {where} is not writable")
         if path.is_dir():

@@ -18,7 +18,7 @@ from typing import Any
 from .errors import DatabaseOpenError, NoCampaignYet, SchemaVersionError
 from .imports import Imported, read_imports
 from .lock import lock_holder, refuse_aliases
-from .readonly import cannot_open, path_too_long, readonly_connector
+from .readonly import cannot_open, no_directory, path_too_long, readonly_connector
 from .revisions import head, known_revisions, revision_of
 
 
@@ -45,13 +45,13 @@ def probe(path: str | os.PathLike[str], *, current: bool = True) -> Probe:
         raise DatabaseOpenError(f"{path} is a directory; --db names the campaign's database "
                                 f"file, e.g. --db {path / 'campaign.db'}")
     if not path.absolute().parent.is_dir():
-        raise DatabaseOpenError(f"{path} cannot be created: the directory "
-                                f"{path.absolute().parent} does not exist")
+        raise DatabaseOpenError(f"{path} cannot be created: "
+                                f"{no_directory(path.absolute().parent)}")
     if path.is_symlink():  # (a link to a new file in a directory that exists is fine)
         target = Path(os.path.realpath(path))
         if not target.parent.is_dir():
             raise DatabaseOpenError(f"{path} is a symbolic link to {target}, which cannot be "
-                                    f"created: the directory {target.parent} does not exist")
+                                    f"created: {no_directory(target.parent)}")
     if not path.exists():
         # Refused here, before a run launches MPI, creates the file and its master fails to
         # open it. (SQLite's limit as built by default: a build with a larger one is refused

@@ -130,7 +130,8 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
         raise DatabaseOpenError(f"{db_path} is a directory; --db names the campaign's "
                                 f"database file")
     if not db_path.exists():
-        raise DatabaseOpenError(f"{db_path} does not exist (nothing was created)")
+        where = "" if db_path.parent.is_dir() else f": {no_directory(db_path.parent)}"
+        raise DatabaseOpenError(f"{db_path} does not exist{where} (nothing was created)")
     if not db_path.is_file():
         raise DatabaseOpenError(f"{db_path} is not a regular file (a campaign is a file on a "
                                 f"node-local disk)")
@@ -270,12 +271,20 @@ def damaged(path: Path, e: BaseException) -> DatabaseOpenError:
                              f"`sqlite3 {path} .recover` may save what is left")
 
 
+def no_directory(directory: Path) -> str:
+    """Why a file cannot be made in `directory`, which is not one: `txt.db/x.db` was said to
+    be in "the directory txt.db", which "does not exist", while txt.db was a regular file."""
+    if directory.exists():
+        return f"{directory} is not a directory"
+    return f"the directory {directory} does not exist"
+
+
 def cannot_open(path: Path, e: BaseException) -> DatabaseOpenError:
     cause = getattr(e, "orig", None) or e
     if path.is_dir():
         why = "is a directory; --db names the campaign's database file"
     elif not path.parent.is_dir():
-        why = f"cannot be created: the directory {path.parent} does not exist"
+        why = f"cannot be created: {no_directory(path.parent)}"
     elif isinstance(cause, sqlite3.DatabaseError) and "not a database" in str(cause):
         why = "is not an SQLite database (some other kind of file, or a damaged one)"
     elif (too_long := path_too_long(path)) is not None:

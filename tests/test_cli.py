@@ -104,3 +104,36 @@ def test_a_path_the_console_cannot_encode_is_still_said_on_one_line(tmp_path):
                          env={**os.environ, "PYTHONIOENCODING": "ascii"}, check=False)
     assert got.returncode == ExitStatus.USAGE, got.stderr
     assert got.stderr.endswith(b"\\xe9.db does not exist (nothing was created)\n")
+
+
+@pytest.mark.parametrize("command", [["run"], ["status"], ["check"], ["requeue"],
+                                     ["db", "upgrade"], ["plot"]])
+def test_an_empty_db_path_is_said_to_be_empty(command, capsys):
+    """`--db ""` is Path("."): it was said to be "--db . is a directory"."""
+    with pytest.raises(SystemExit) as ended:
+        _parser().parse_args([*command, "--db", "", *(["o"] if command == ["plot"] else [])])
+    assert ended.value.code == ExitStatus.USAGE
+    assert "argument --db: the path is empty" in capsys.readouterr().err
+
+
+def test_a_path_under_a_regular_file_is_said_to_be_under_no_directory(tmp_path):
+    """`--db txt.db/x.db`, txt.db a regular file, was said to be in "the directory txt.db",
+    which "does not exist"."""
+    from coordinator.config import ConfigError, resolve_run
+    from store.errors import DatabaseOpenError
+    from store.probe import probe
+    from store.readonly import readonly_connector
+
+    (tmp_path / "txt.db").write_text("notes\n")
+    db = tmp_path / "txt.db" / "x.db"
+    with pytest.raises(DatabaseOpenError, match=r"x\.db cannot be created: .*txt\.db is not a "
+                                                r"directory$"):
+        probe(db)
+    with pytest.raises(DatabaseOpenError, match=r"x\.db does not exist: .*txt\.db is not a "
+                                                r"directory \(nothing was created\)$"):
+        readonly_connector(db)
+    with pytest.raises(ConfigError, match=r"^--stats-file .*s: .*txt\.db is not a directory$"):
+        resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "c.db"),
+                                          "--stats-file", str(db.with_name("s"))]))
+    with pytest.raises(DatabaseOpenError, match="the directory .*missing does not exist"):
+        probe(tmp_path / "missing" / "x.db")  # (a missing one is still said so)
