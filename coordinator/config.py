@@ -485,7 +485,7 @@ def refuse_foreign_files(cfg: RunConfig) -> None:
                           f"the file if it is not needed)")
 
 
-#: How a campaign's tasks run, kept from its first run: a --resume that does not give one
+#: How a campaign's tasks run, kept from its last run: a --resume that does not give one
 #: keeps the campaign's (a job script's bare `--resume` had turned `--no-feedback` into
 #: unbounded feedback: 3 queued tasks became 3,993). RunConfig field -> its flag.
 RUN_SETTINGS = {"feedback": "--feedback", "max_depth": "--max-depth", "timeout_s": "--timeout"}
@@ -496,8 +496,9 @@ def default_watchdog(timeout_s: float) -> float:
 
 
 def campaign_settings(cfg: RunConfig) -> dict[str, object]:
-    """What a campaign keeps of its first run (campaign.settings), for `check_resume` and
-    `preflight.take_over`."""
+    """What a campaign keeps of its runs (campaign.settings), for `check_resume` and
+    `preflight.take_over`: its first run's executor kind and task source, and its last run's
+    command or callable, AFL directories and RUN_SETTINGS (`renewed_settings`)."""
     source = ("afl" if cfg.afl_out is not None else "tasks" if cfg.tasks_file is not None
               else "demo")
     return {"executor": cfg.executor, "callable": cfg.callable_spec,
@@ -557,7 +558,7 @@ def how_stored(s: dict) -> str:
 
 
 def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
-    """Refuse a --resume that would run the campaign differently from its first run in a way
+    """Refuse a --resume that would run the campaign differently from its earlier runs in a way
     that commits wrong results for good: another executor (a forgotten `--callable` runs every
     stored task through the demo executor, which fails them all), or an AFL campaign resumed
     without its `--afl-out` (its results would no longer reach AFL). Another callable or
@@ -600,10 +601,26 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
     changed = [f"--{key.replace('_', '-')} {stored.get(key)} (now {given[key]})"
                for key in ("afl_out", "fuzzer", "name") if not same(key)]
     if changed:
-        notes.append(f"this campaign was started with {', '.join(changed)}; its new test cases "
+        notes.append(f"this campaign last ran with {', '.join(changed)}; its new test cases "
                      f"now go to {cfg.afl_out / str(given['name']) / 'queue'} and it reads "
                      f"{cfg.afl_out / str(given['fuzzer']) / 'queue'}")
     return notes
+
+
+def renewed_settings(cfg: RunConfig, stored: dict | None) -> dict[str, object]:
+    """What a --resume that `check_resume` let through changes in campaign.settings: the
+    command or callable it runs, an AFL campaign's --afl-out, --fuzzer and --name, and the
+    RUN_SETTINGS it gave. Without this, a later bare `--resume` went back to the first run's:
+    the target before its fix, or an AFL directory that was moved away (its queue waited for
+    for ever). The executor's kind and the task source stay the first run's."""
+    if stored is None:  # (the store then keeps this start's whole)
+        return {}
+    given = campaign_settings(cfg)
+    keys = [*RUN_SETTINGS, {"python": "callable", "command": "command"}.get(
+        str(given["executor"]), "")]
+    if stored.get("source") == "afl" and given["source"] == "afl":
+        keys += ["afl_out", "fuzzer", "name"]
+    return {k: given[k] for k in keys if k in given and given[k] != stored.get(k)}
 
 
 def describe(cfg: RunConfig) -> str:

@@ -30,6 +30,7 @@ from .config import (
     check_resume,
     describe,
     dispatch_batch,
+    renewed_settings,
 )
 from .errors import UsageError
 from .exits import ExitStatus
@@ -150,7 +151,7 @@ class MasterRank:
             policy=RetryPolicy(cfg.retries, cfg.max_attempts),
             note=f"master pid={self.pid} host={self.host} ranks={self.transport.size}",
             settings=campaign_settings(cfg),
-            check_settings=lambda stored: self.notes.extend(check_resume(cfg, stored)),
+            check_settings=self._check_settings,
             lock_wait_s=cfg.lock_wait_s, on_lock_wait=LockWaiter(cfg.db, cfg.lock_wait_s),
             ranks=self.transport.size)
         if initial is not None:
@@ -158,6 +159,12 @@ class MasterRank:
         self.master = self._make_master(sources, writer)
         if self.early_stops:
             self.master.request_stop(self.early_stops[0])
+
+    def _check_settings(self, stored: dict | None) -> dict:
+        """A --resume against what the campaign stores: refused, or noted, and what it
+        changes there (written in the start's transaction, so only a start that goes on)."""
+        self.notes.extend(check_resume(self.cfg, stored))
+        return renewed_settings(self.cfg, stored)
 
     def _initial_tasks(self, known: Imported | None) -> DemoTasks | TasksFile | None:
         """The tasks this start imports: none of a tasks file an earlier start imported and

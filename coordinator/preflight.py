@@ -100,7 +100,7 @@ def _imported_before(cfg: RunConfig, found: Probe) -> Imported | None:
 
 def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]]:
     """A --resume that does not name the executor (or, for an AFL campaign, the queue) runs
-    the campaign's own, as its first run stored them, and says so; one that names another is
+    the campaign's own, as its last run stored them, and says so; one that names another is
     for `config.check_resume` to judge (a real conflict is refused there)."""
     if not stored:
         return cfg, []
@@ -112,14 +112,14 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
             cfg, executor=kind, executor_given=True,
             callable_spec=stored.get("callable") if kind == "python" else None,
             argv=[str(a) for a in stored.get("command") or []] if kind == "command" else [])
-        notes.append(f"--resume runs the campaign's own executor, as its first run did: "
+        notes.append(f"--resume runs the campaign's own executor, as its last run did: "
                      f"{how_it_runs(cfg)}")
     if (stored.get("source") == "afl" and stored.get("afl_out") and stored.get("fuzzer")
             and cfg.afl_out is None and cfg.tasks_file is None and cfg.demo is None):
         cfg = dataclasses.replace(cfg, afl_out=Path(str(stored["afl_out"])),
                                   fuzzer=str(stored["fuzzer"]),
                                   name=str(stored.get("name") or cfg.name))
-        notes.append(f"--resume watches the campaign's own AFL queue, as its first run did: "
+        notes.append(f"--resume watches the campaign's own AFL queue, as its last run did: "
                      f"--afl-out {cfg.afl_out} --fuzzer {cfg.fuzzer} --name {cfg.name}")
     kept = {key: stored[key] for key in RUN_SETTINGS
             if key not in cfg.given and key in stored and stored[key] != getattr(cfg, key)
@@ -129,7 +129,7 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         if "timeout_s" in kept and "watchdog_s" not in cfg.given:
             cfg = dataclasses.replace(cfg, watchdog_s=default_watchdog(cfg.timeout_s))
         notes.append("--resume keeps the campaign's " + " ".join(
-            setting_text(k, v) for k, v in kept.items()) + ", as its first run had them")
+            setting_text(k, v) for k, v in kept.items()) + ", as its last run had them")
     return cfg, notes
 
 

@@ -79,7 +79,8 @@ class Store:
              available: Callable[[Mapping[str, Any]], bool] = task_ops.input_available,
              clock: Callable[[], float] = time.time, note: str | None = None,
              settings: Mapping[str, Any] | None = None,
-             check_settings: Callable[[Mapping[str, Any] | None], None] | None = None,
+             check_settings: Callable[[Mapping[str, Any] | None],
+                                      Mapping[str, Any] | None] | None = None,
              lock_wait_s: float = 0.0,
              on_lock_wait: Callable[[float], None] | None = None,
              ranks: int | None = None,
@@ -88,9 +89,10 @@ class Store:
         master's included, if given: rows of ranks past them are dropped at a resume).
 
         `settings` (JSON-able) are stored with a new campaign; on resume the stored ones go to
-        `check_settings`, whose exception refuses the start before anything is written. A
-        campaign without them (from before revision 0004, or unreadable: None to the check)
-        takes this start's.
+        `check_settings`, whose exception refuses the start before anything is written, and
+        which returns the settings this start changes (written over the stored ones, in the
+        start's transaction), if any. A campaign without them (from before revision 0004, or
+        unreadable: None to the check) takes this start's.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
         existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used,
@@ -291,7 +293,8 @@ def _parse_settings(text: str | None) -> dict[str, Any] | None:
 
 def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
                      settings: Mapping[str, Any] | None,
-                     check_settings: Callable[[Mapping[str, Any] | None], None] | None,
+                     check_settings: Callable[[Mapping[str, Any] | None],
+                                              Mapping[str, Any] | None] | None,
                      ) -> tuple[int, str]:
     epoch = secrets.token_hex(16)
     row = conn.execute(select(campaign.c.incarnation, campaign.c.settings)).first()
@@ -307,17 +310,18 @@ def _new_incarnation(conn: Connection, path: Path, resume: bool, now: float,
         n_tasks = conn.execute(select(func.count()).select_from(tasks)).scalar_one()
         raise CampaignExistsError(str(path), n_tasks)
     stored = _parse_settings(row.settings)
-    if check_settings is not None:
-        check_settings(stored)
+    renewed = check_settings(stored) if check_settings is not None else None
     if stored is None and settings is not None:
         # A campaign from before revision 0004 (or one whose settings are unreadable): this
         # run's become the reference the next resume is checked against.
         conn.execute(update(campaign).values(settings=json.dumps(settings, sort_keys=True)))
-    elif stored is not None and settings is not None and set(settings) - set(stored):
+    elif stored is not None:
         # Kept by a newer version than the one that began it (feedback, depth, timeout):
-        # this run's, from now on; what the campaign already kept stays.
-        conn.execute(update(campaign).values(
-            settings=json.dumps({**settings, **stored}, sort_keys=True)))
+        # this run's, from now on; what the campaign already kept stays, unless this start
+        # changed it (`renewed`).
+        kept = {**(settings or {}), **stored, **(renewed or {})}
+        if kept != stored:
+            conn.execute(update(campaign).values(settings=json.dumps(kept, sort_keys=True)))
     incarnation = row.incarnation + 1
     conn.execute(update(campaign).values(incarnation=incarnation, epoch=epoch))
     return incarnation, epoch

@@ -176,7 +176,7 @@ def test_resume_with_another_executor_or_without_the_afl_queue_is_refused(tmp_pa
     # Another instance name or fuzzer is allowed (a moved AFL directory is a reason), but said.
     notes = check_resume(resolve(tmp_path, "--resume", "--afl-out", str(tmp_path), "--fuzzer",
                                  "main", "--name", "symc", "--callable", "m:f"), afl)
-    assert notes == [(f"this campaign was started with --name symcc (now symc); its new test "
+    assert notes == [(f"this campaign last ran with --name symcc (now symc); its new test "
                       f"cases now go to {tmp_path / 'symc' / 'queue'} and it reads "
                       f"{tmp_path / 'main' / 'queue'}")]
     assert check_resume(resolve(tmp_path, "--resume", "--callable", "m:f"), first) == []

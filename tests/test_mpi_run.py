@@ -377,7 +377,7 @@ def test_a_resume_keeps_the_campaigns_feedback_and_timeout_on_every_rank(tmp_pat
         done = run([*args, "--no-feedback", "--timeout", "2", *command] if name == "a" else
                    [*args, "--resume", *command], timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
-    assert ("--resume keeps the campaign's --no-feedback --timeout 2, as its first run had "
+    assert ("--resume keeps the campaign's --no-feedback --timeout 2, as its last run had "
             "them") in done.stderr
     check_conservation(db, expected_tasks=2)  # no test case fed back
     # Killed at the campaign's 2 s on its worker: deferred (--retries 0), not committed.
@@ -1025,7 +1025,7 @@ def test_a_resume_without_the_callable_runs_the_campaigns_own(tmp_path):
         kill_job(proc)
     again = run(["run", "--db", str(db), "--resume", "--no-progress"], timeout=120)
     assert again.returncode == ExitStatus.OK, again.stderr[-3000:]
-    assert f"runs the campaign's own executor, as its first run did: --callable {spec}:square" \
+    assert f"runs the campaign's own executor, as its last run did: --callable {spec}:square" \
         in again.stderr
     check_conservation(db, expected_tasks=40)
     assert query(db, "SELECT count(*) FROM results WHERE status = 'ok' AND value = "
@@ -1304,7 +1304,7 @@ def test_a_bare_resume_runs_the_campaigns_own_executor(tmp_path):
     assert query(db, "SELECT count(*), max(incarnation) FROM campaign, tasks") == [(4, 1)]
     bare = run(["run", "--db", str(db), "--resume", "--no-progress"])
     assert bare.returncode == 0, bare.stderr[-2000:]
-    assert "--resume runs the campaign's own executor, as its first run did" in bare.stderr
+    assert "--resume runs the campaign's own executor, as its last run did" in bare.stderr
     assert query(db, "SELECT count(*) FROM tasks") == [(4,)]  # no demo tasks added
     assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [("ok", 4)]
     more = run(["run", "--db", str(db), "--resume", "--demo", "6", "--no-progress"])

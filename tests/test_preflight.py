@@ -40,7 +40,7 @@ def test_a_resume_without_the_executor_takes_the_campaigns_own_and_says_so(tmp_p
     _stored_campaign(db, campaign_settings(first))
     checked = check_run(config(db, "--resume"))
     assert (checked.cfg.executor, checked.cfg.callable_spec) == ("python", f"{spec}:solve")
-    assert checked.notes == [f"--resume runs the campaign's own executor, as its first run "
+    assert checked.notes == [f"--resume runs the campaign's own executor, as its last run "
                              f"did: --callable {spec}:solve"]
     # Another callable of the same kind is the user's call: run, with a note at the start.
     other = check_run(config(db, "--resume", "--callable", f"{spec}:solve"))
@@ -62,7 +62,7 @@ def test_a_resume_keeps_the_campaigns_run_settings_unless_given_again(tmp_path, 
     assert (kept.cfg.feedback, kept.cfg.max_depth, kept.cfg.timeout_s, kept.cfg.watchdog_s) \
         == (False, 3, 7.5, 120.0)
     assert kept.notes[-1] == ("--resume keeps the campaign's --no-feedback --max-depth 3 "
-                              "--timeout 7.5, as its first run had them")
+                              "--timeout 7.5, as its last run had them")
     # Given again (or through SYMCC_TIMEOUT): this run's, without a word.
     monkeypatch.setenv("SYMCC_TIMEOUT", "60")
     mine = check_run(config(db, "--resume", "--feedback", "--max-depth", "0"))
@@ -321,3 +321,50 @@ def test_a_resume_with_a_moved_afl_directory_takes_the_campaigns_command(tmp_pat
     with pytest.raises(ConfigError, match="--afl-out needs the command to run on AFL's"):
         config(db, "--resume", "--executor", "demo", "--afl-out", str(tmp_path / "moved"),
                "--fuzzer", "main")
+
+
+def test_what_a_resume_changes_is_what_the_next_bare_resume_runs(tmp_path, monkeypatch):
+    """A fixed command, a moved AFL directory or another --timeout given on a --resume were
+    not written back: a later bare `--resume` (a job script's) went back to the first run's,
+    the target before its fix, or a queue that no longer exists."""
+    from coordinator.config import check_resume, renewed_settings
+    from store.campaign import Store
+
+    def resume(*args: str):
+        """A start as the master makes it: checked, then its changes kept."""
+        cfg = check_run(config(db, "--resume", *args)).cfg
+        Store.open(db, resume=True, settings=campaign_settings(cfg),
+                   check_settings=lambda stored: (check_resume(cfg, stored),
+                                                  renewed_settings(cfg, stored))[1]).close()
+        return cfg
+
+    db = tmp_path / "c.db"
+    for d in ("afl", "moved"):
+        (tmp_path / d / "main" / "queue").mkdir(parents=True)
+    old, fixed = tmp_path / "old.sh", tmp_path / "fixed.sh"
+    for target in (old, fixed):
+        target.write_text("#!/bin/sh\n")
+        target.chmod(0o755)
+    _stored_campaign(db, campaign_settings(config(
+        db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--no-feedback", "--",
+        str(old), "@@")))
+    resume("--afl-out", str(tmp_path / "moved"), "--fuzzer", "main", "--timeout", "60",
+           "--", str(fixed), "@@")
+    bare = check_run(config(db, "--resume"))
+    assert (bare.argv, bare.cfg.afl_out, bare.cfg.timeout_s, bare.cfg.feedback) == (
+        [str(fixed), "@@"], tmp_path / "moved", 60.0, False)
+    assert bare.notes[0].endswith(f"as its last run did: -- {fixed} @@")
+    # The executor's kind and the task source stay the first run's.
+    from store.probe import probe
+    kept = probe(db).settings
+    assert (kept["executor"], kept["source"], kept["command"]) == (
+        "command", "afl", [str(fixed), "@@"])
+    # A bare resume changes nothing.
+    resume()
+    assert probe(db).settings == kept
+    # A campaign that kept a relative command keeps it absolute once resumed where it ran.
+    db = tmp_path / "rel.db"  # (the `db` that resume() opens)
+    _stored_campaign(db, {**kept, "command": ["./old.sh", "@@"]})
+    monkeypatch.chdir(tmp_path)
+    resume()
+    assert probe(db).settings["command"] == [str(old), "@@"]
