@@ -17,7 +17,9 @@ class ExitStatus(enum.IntEnum):
     #: not started within `--start-timeout`, or whose master was killed without a status.
     #: `coordinator check`: the campaign has violations.
     FAILED = 1
-    #: Refused, nothing changed: a bad flag, variable, file or database.
+    #: Refused, nothing changed: a bad flag, variable, file or database. Also a damaged
+    #: campaign file met by a round: the run ends without another write to it, and a
+    #: `--resume` would only meet the page again (`store.errors.DamagedDatabaseError`).
     USAGE = 2
     #: The storage failed under the run (disk full, I/O error, the campaign file removed or
     #: replaced): continue with `--resume`.

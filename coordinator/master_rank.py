@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from store.campaign import Store
-from store.errors import StoreError, StoreWriteError
+from store.errors import DamagedDatabaseError, StoreError, StoreWriteError
 from store.imports import DEMO_SOURCE, Imported, ImportKind, identity_of, record_import
 from store.journal import RetryPolicy
 from store.stats import other_messages_text, read_stats, result_statuses, stats_text
@@ -248,7 +248,10 @@ class MasterRank:
                       f" --demo {cfg.demo}" if cfg.demo is not None else "")
             again = (f" with --resume{source} (tasks already imported are not added twice)"
                      if store is not None else "")
-            if isinstance(e, StoreWriteError):
+            if isinstance(e, DamagedDatabaseError):
+                # A --resume would meet the same page again (and charge what it rolls back).
+                _say("stopped before the run; nothing more is written to the damaged file")
+            elif isinstance(e, StoreWriteError):
                 _say("stopped before the run; nothing is lost — fix the storage and start it "
                      "again" + again)
             elif store is not None:
@@ -318,6 +321,15 @@ class MasterRank:
         assert self.master is not None
         try:
             summary = self.master.run()
+        except DamagedDatabaseError as e:
+            # Every later round, and every --resume, would meet the same page: each resume
+            # had charged an attempt to every task it found in flight before it did. The
+            # round that met it rolled back (its WORK never left); what was sent before is
+            # recorded in the file, so the job ends without another write to it.
+            print(f"coordinator: {e}", file=sys.stderr, flush=True)
+            _say("stopped without writing to the damaged file again: do not --resume it; "
+                 "a --resume of a restored or recovered copy goes on from what it holds")
+            return self._end_job(self._record_exit(ExitStatus.USAGE))
         except StoreWriteError as e:
             # A failed COMMIT has an unknown outcome: stop, and let restart recovery decide.
             print(f"coordinator: {e}", file=sys.stderr, flush=True)

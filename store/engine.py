@@ -200,12 +200,14 @@ def open_engine(path: str | os.PathLike[str], *, synchronous: str = DEFAULT_SYNC
 
 def _name_damage(engine: Engine, db_path: Path) -> None:
     """A damaged page read by `status`, `check`, `requeue`, `db upgrade` or a start raises a
-    driver error: it becomes a DatabaseOpenError that says so and what to do. A master's
-    write transaction keeps its own outcome (StoreWriteError: exit 3); a file that is no
-    database at all is said so by `cannot_open`."""
+    driver error: it becomes a DamagedDatabaseError that says so and what to do (inside a
+    write transaction `write_tx` does the same); a file that is no database at all is said
+    so by `cannot_open`."""
     @event.listens_for(engine, "handle_error")
     def _damaged(ctx: exc.ExceptionContext) -> None:
-        info = ctx.connection.info if ctx.connection is not None else {}
+        if ctx.connection is None:
+            return  # opening it: a file that is no database (NOTADB) is `cannot_open`'s
+        info = ctx.connection.info
         if is_corrupt(ctx.original_exception) and not (info.get(WRITING)
                                                         or info.get(RAW_ERRORS)):
             raise damaged(db_path, ctx.original_exception) from None
@@ -289,6 +291,10 @@ def write_tx(conn: Connection, operation: str, *, lock_wait_s: float = 0.0,
         cause = getattr(e, "orig", None) or e
         if is_schema_changed(cause):  # not the storage failing: nothing was written
             raise schema_changed(Path(conn.engine.url.database or ""), cause) from e
+        if is_corrupt(cause):
+            # Not a failure that passes: the next transaction meets the same page, so the
+            # run must stop writing, and a --resume would only meet it again.
+            raise damaged(Path(conn.engine.url.database or ""), cause) from e
         raise StoreWriteError(operation, cause) from e
     finally:
         conn.info[WRITING] = False

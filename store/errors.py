@@ -38,6 +38,27 @@ class NoCampaignYet(DatabaseOpenError):
                          f"used as it is by the next `coordinator run`)")
 
 
+def restore_hint(path: object) -> str:
+    """How to put a copy back: SQLite applies a `-wal` it finds beside a file to it, so a
+    copy put over a crashed campaign's file was silently turned back into the old one by
+    the old campaign's `-wal`."""
+    return (f"restore a copy (remove {path}-wal and {path}-shm first: SQLite would apply "
+            f"the old -wal to the copy)")
+
+
+class DamagedDatabaseError(DatabaseOpenError):
+    """Pages of the file are damaged (SQLITE_CORRUPT, SQLITE_NOTADB: "database disk image
+    is malformed"), wherever that was met: a start, a master's round, its COMMIT, a command.
+    Not a storage failure that `--resume` gets past once fixed: every resume ran until the
+    same page was read again, charging an attempt to each task it had in flight."""
+
+    def __init__(self, path: object, cause: BaseException):
+        self.path, self.cause = path, cause
+        super().__init__(f"{path} is damaged ({cause}): `coordinator check --db {path}` says "
+                         f"where; {restore_hint(path)}, or `sqlite3 {path} .recover` may save "
+                         f"what is left")
+
+
 class SchemaVersionError(StoreError):
     """The database's schema revision is not the one this code was written for: an older one
     (`coordinator db upgrade` brings it forward), a newer one (a newer coordinator wrote it),

@@ -18,7 +18,14 @@ from typing import Any
 from .errors import DatabaseOpenError, NoCampaignYet, SchemaVersionError
 from .imports import Imported, read_imports
 from .lock import lock_holder, refuse_aliases
-from .readonly import cannot_open, no_directory, path_too_long, readonly_connector
+from .readonly import (
+    cannot_open,
+    damaged,
+    is_corrupt,
+    no_directory,
+    path_too_long,
+    readonly_connector,
+)
 from .revisions import head, known_revisions, revision_of
 
 
@@ -76,10 +83,8 @@ def probe(path: str | os.PathLike[str], *, current: bool = True) -> Probe:
         except sqlite3.DatabaseError as e:
             if not view.unchanged():
                 continue  # written meanwhile (a master started): read it as it is now
-            if "malformed" in str(e):
-                raise DatabaseOpenError(
-                    f"{path} is damaged ({e}): restore a copy; `sqlite3 {path} .recover` may "
-                    f"save what is left") from None
+            if is_corrupt(e):
+                raise damaged(path, e) from None
             raise cannot_open(path, e) from e
         finally:
             db.close()

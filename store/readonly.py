@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from .errors import DatabaseOpenError, NoCampaignYet, StoreError, UnsafeDatabaseError
+from .errors import (
+    DamagedDatabaseError,
+    DatabaseOpenError,
+    NoCampaignYet,
+    StoreError,
+    UnsafeDatabaseError,
+)
 from .lock import refuse_aliases
 
 T = TypeVar("T")
@@ -241,11 +247,32 @@ def _connector(db_path: Path, *, immutable: bool) -> Callable[[], sqlite3.Connec
     return connect
 
 
+def quick_check(path: Path) -> list[str]:
+    """What SQLite's `quick_check` finds wrong in every page of the file ([] when nothing),
+    on a connection of its own: read-only, it took a third of the time one that may write
+    did (0.08 s against 0.24 s for 17 MB)."""
+    conn = _connector(Path(path).absolute(), immutable=False)()
+    try:
+        rows = [row[0] for row in conn.execute("PRAGMA quick_check")]
+    except sqlite3.DatabaseError as e:
+        if not is_corrupt(e):
+            raise
+        return [str(e)]
+    finally:
+        conn.close()
+    return [] if rows == ["ok"] else rows
+
+
 def is_corrupt(e: BaseException) -> bool:
+    """SQLITE_CORRUPT (11) or SQLITE_NOTADB (26) met on a file that opened: damaged pages
+    (26 when the damage is in a page's header or the file's own)."""
+    e = getattr(e, "orig", None) or e
     if not isinstance(e, sqlite3.DatabaseError):
         return False
     code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
-    return code & 0xFF == 11 if code is not None else "malformed" in str(e)  # SQLITE_CORRUPT
+    if code is not None:
+        return code & 0xFF in (11, 26)
+    return "malformed" in str(e) or "not a database" in str(e)
 
 
 def is_schema_changed(e: BaseException) -> bool:
@@ -264,11 +291,10 @@ def schema_changed(path: Path, e: BaseException) -> DatabaseOpenError:
         f"schema shows (`sqlite3 {path} .schema` shows what the file has)")
 
 
-def damaged(path: Path, e: BaseException) -> DatabaseOpenError:
-    """What a damaged page read by a command or a start becomes: it says so, and what to do
-    (`engine` and `read_file` raise it; a master's write keeps its own outcome)."""
-    return DatabaseOpenError(f"{path} is damaged ({e}): restore a copy; "
-                             f"`sqlite3 {path} .recover` may save what is left")
+def damaged(path: Path, e: BaseException) -> DamagedDatabaseError:
+    """What a damaged page met by a command, a start or a master's round becomes: it says
+    so, and what to do (`engine` and `read_file` raise it, `engine.write_tx` too)."""
+    return DamagedDatabaseError(path, getattr(e, "orig", None) or e)
 
 
 def no_directory(directory: Path) -> str:

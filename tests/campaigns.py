@@ -3,6 +3,7 @@ file, the stats file, `plot` and the views are tested on."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from coordinator.sources import demo_tasks
 from coordinator.transport import Received
 from coordinator.wire import TAG_READY, TAG_RESULT, Result, decode_work, encode
 from store.campaign import Store
-from store.tasks import enqueue_tasks
+from store.tasks import NewTask, enqueue_tasks
 
 
 class FindingWorkers(InstantWorkers):
@@ -64,3 +65,26 @@ def copy_of(campaign: Path, tmp_path: Path) -> Path:
     with sqlite3.connect(campaign) as src, sqlite3.connect(copy) as dst:
         src.backup(dst)
     return copy
+
+
+def queued_campaign(db: Path, n: int = 3000) -> None:
+    """A campaign of `n` queued tasks, checkpointed into the file (nothing in its -wal)."""
+    with Store.open(db) as store, store.transaction("import") as tx:
+        enqueue_tasks(tx, [NewTask({"data": i}) for i in range(n)])
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def damage_a_tasks_page(db: Path, which: int = -1) -> int:
+    """200 bytes at the start of one of the `tasks` table's leaf pages overwritten, as a
+    failing disk or a stray write leaves them; the page's number."""
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = [p for (p,) in conn.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'tasks' AND pagetype = 'leaf' "
+            "ORDER BY pageno")]
+    page = pages[which]
+    with open(db, "r+b") as f:
+        f.seek((page - 1) * size)
+        f.write(b"\xff" * 200)
+    return page

@@ -358,7 +358,9 @@ def test_a_damaged_file_is_named_as_such_by_every_command(tmp_path):
         done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db", str(db)],
                               capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == ExitStatus.USAGE, (command, done.stderr[-2000:])
-        assert "is damaged (database disk image is malformed): restore a copy" in done.stderr
+        assert (f"is damaged (database disk image is malformed): `coordinator check --db "
+                f"{db}` says where; restore a copy (remove {db}-wal and {db}-shm first"
+                in done.stderr)
         assert "Traceback" not in done.stderr
     with pytest.raises(DatabaseOpenError, match="is damaged"):
         Store.open(db, resume=True)

@@ -9,9 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from campaigns import damage_a_tasks_page, queued_campaign
 from conftest import write_lock_held_elsewhere
 from sqlalchemy import text
 
+from store import campaign as campaign_module
 from store.campaign import Store
 from store.engine import (
     BUSY_TIMEOUT_MS,
@@ -23,6 +25,7 @@ from store.engine import (
 )
 from store.errors import (
     CampaignLockedError,
+    DamagedDatabaseError,
     DatabaseOpenError,
     ReadOnlyDatabaseError,
     StoreWriteError,
@@ -248,3 +251,39 @@ def test_a_failed_switch_to_wal_says_its_likely_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "statvfs", lambda p: full)
     why = _why_no_wal(path, sqlite3.OperationalError("disk I/O error"))
     assert why.startswith("the filesystem holding it is full (0 bytes free)")
+
+
+# -- a damaged file --------------------------------------------------------------------------
+
+def test_a_damaged_page_met_by_a_write_is_the_files_damage_not_a_storage_failure(
+        tmp_path, monkeypatch):
+    """A write transaction that met a damaged page raised StoreWriteError, which a master
+    answers with "fix the storage and continue with --resume" (exit 3): every resume then
+    ran until it met the page again. It is a DamagedDatabaseError (exit 2), which says to
+    run `coordinator check` and to restore a copy."""
+    db = tmp_path / "c.db"
+    queued_campaign(db)
+    damage_a_tasks_page(db)
+    monkeypatch.setattr(campaign_module, "START_CHECK_BYTES", 0)  # (met by a round, then)
+    with (Store.open(db, resume=True) as store, pytest.raises(DamagedDatabaseError) as got,
+          store.transaction() as tx):
+        tx.conn.execute(text("UPDATE tasks SET updated_at = updated_at + 1"))
+    assert not isinstance(got.value, StoreWriteError)
+    message = str(got.value)
+    assert f"{db} is damaged (database disk image is malformed)" in message
+    assert f"`coordinator check --db {db}`" in message and "--resume" not in message
+    assert f"remove {db}-wal and {db}-shm first" in message and ".recover" in message
+
+
+def test_a_start_refuses_a_damaged_file_before_it_writes_anything(tmp_path):
+    """A start read only the pages its own reads went through, so each `--resume` of a
+    damaged file began an incarnation, charged an attempt to every task the last one had in
+    flight, and dispatched until a round met the page. A file small enough to read whole at
+    start (`START_CHECK_BYTES`) is refused first, unchanged."""
+    db = tmp_path / "c.db"
+    queued_campaign(db)
+    damage_a_tasks_page(db)
+    before = db.read_bytes()
+    with pytest.raises(DamagedDatabaseError, match="coordinator check --db"):
+        Store.open(db, resume=True)
+    assert db.read_bytes() == before

@@ -9,13 +9,17 @@ import contextlib
 import sqlite3
 
 import pytest
-from fakes import VerdictTransport
+from campaigns import damage_a_tasks_page, queued_campaign
+from fakes import InstantWorkers, VerdictTransport
 
 from coordinator import master_rank
 from coordinator.cli import _parser
 from coordinator.config import resolve_run
 from coordinator.errors import UsageError
 from coordinator.exits import ExitStatus
+from coordinator.master import Master
+from store import campaign as campaign_module
+from store.errors import DamagedDatabaseError
 
 
 def start(db_path, *args: str) -> tuple[int, VerdictTransport]:
@@ -140,3 +144,68 @@ def test_an_import_that_is_undone_leaves_no_import_row(db_path, tmp_path):
     assert got == ExitStatus.USAGE
     assert rows(db_path, "SELECT count, added FROM imports") == [(1, 1)]
     assert rows(db_path, "SELECT count(*) FROM tasks") == [(1,)]
+
+
+# -- a file damaged under the run ---------------------------------------------------------------
+
+class AbortingInstantWorkers(InstantWorkers):
+    """Instant workers of a job without ULFM, whose end the master asks for with MPI_Abort."""
+
+    def __init__(self) -> None:
+        super().__init__(3)
+        self.aborted: list[int] = []
+        self.starts: list[int] = []
+
+    def send_start(self, data: bytes, dest: int) -> None:
+        self.starts.append(dest)
+
+    def abort(self, status: int) -> None:
+        self.aborted.append(int(status))
+
+
+def test_a_page_damaged_under_the_run_ends_it_as_a_damaged_file_without_a_write(
+        tmp_path, monkeypatch, capsys):
+    """A round that met a damaged page stopped the run with exit 3 and "nothing is lost —
+    fix the storage and continue with --resume": each resume charged an attempt to the tasks
+    in flight and ran until it met the page again. It ends as a damaged file (exit 2), says
+    to run `coordinator check` and to restore a copy, and writes nothing more to it."""
+    db = tmp_path / "k.db"
+    queued_campaign(db)
+    damage_a_tasks_page(db, which=len(_tasks_leaf_pages(db)) // 2)
+    monkeypatch.setattr(campaign_module, "START_CHECK_BYTES", 0)  # met by a round, then
+    transactions = []
+    real_write_tx = campaign_module.write_tx
+
+    def write_tx(conn, operation, **kwargs):
+        transactions.append(operation)
+        return real_write_tx(conn, operation, **kwargs)
+    monkeypatch.setattr(campaign_module, "write_tx", write_tx)
+    cfg = resolve_run(_parser().parse_args(["run", "--db", str(db), "--resume",
+                                            "--batch", "1", "--no-progress"]))
+    transport = AbortingInstantWorkers()
+    rank = master_rank.MasterRank(cfg, transport)
+    damaged_at = []
+    real_round = Master._round
+
+    def round_(self):
+        try:
+            return real_round(self)
+        except DamagedDatabaseError:
+            damaged_at.append(len(transactions))
+            raise
+    monkeypatch.setattr(Master, "_round", round_)
+    got = rank.run()
+    err = capsys.readouterr().err
+    assert got == ExitStatus.USAGE and transport.aborted == [ExitStatus.USAGE]
+    assert rank.master.summary.committed > 0  # it ran, and met the page in a round
+    assert damaged_at == [len(transactions)]  # no transaction after it
+    assert f"{db} is damaged (database disk image is malformed)" in err
+    assert f"`coordinator check --db {db}`" in err and "restore a copy" in err
+    assert "fix the storage" not in err and "continue with --resume" not in err
+    assert "Traceback" not in err
+
+
+def _tasks_leaf_pages(db) -> list[int]:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'tasks' "
+                                           "AND pagetype = 'leaf'")]
