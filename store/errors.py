@@ -59,6 +59,12 @@ class DamagedDatabaseError(DatabaseOpenError):
                          f"what is left")
 
 
+class UnreadWalError(DatabaseOpenError):
+    """A reader on read-only media, where SQLite reads a `-wal` only through a `-shm` it
+    cannot make, that could not read a copy either (`readonly.ReadOnlyView.no_copy`): the
+    file without its -wal holds no campaign, which is not to say the campaign has none."""
+
+
 class SchemaVersionError(StoreError):
     """The database's schema revision is not the one this code was written for: an older one
     (`coordinator db upgrade` brings it forward), a newer one (a newer coordinator wrote it),

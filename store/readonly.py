@@ -23,6 +23,7 @@ from .errors import (
     DatabaseOpenError,
     NoCampaignYet,
     StoreError,
+    UnreadWalError,
     UnsafeDatabaseError,
 )
 from .lock import refuse_aliases
@@ -66,7 +67,8 @@ class ReadOnlyView:
     - `immutable`: a WAL file whose `-shm` cannot be created (a read-only directory or
       medium), with no `-wal` beside it (or one that holds no commit, or no copy could be
       made): read as immutable. The view may be stale if a master is live, or leave out
-      what the `-wal` holds; `note()` says so.
+      what the `-wal` holds; `note()` says so, and a refusal made from such a view says it
+      too (`read_consistently`): the file without its -wal may hold no campaign at all.
     - `copy`: the same, with a `-wal` beside it. SQLite reads a `-wal` only through a
       `-shm`; read as immutable, the campaign's latest commits (all of them, for a file
       whose every commit is still in its `-wal`) were not seen, and `status` and `check`
@@ -82,6 +84,8 @@ class ReadOnlyView:
     named: Path | None = None  # the path as given (absolute), for messages
 
     copied_to: Path | None = None  # `copy`: the directory read
+    #: `immutable` with a -wal that holds commits: why no copy of it could be read
+    no_copy: str | None = None
 
     SHARED = "shared"
     AT_REST = "at rest"
@@ -97,6 +101,12 @@ class ReadOnlyView:
         are isolated by SQLite's own locks)."""
         return self.stamp is None or _file_stamp(self.path) == self.stamp
 
+    @property
+    def wal_unread(self) -> bool:
+        """Commits in the `-wal` were left out: what was read may be an older campaign, or
+        none at all (a campaign whose every commit is still in its -wal)."""
+        return self.mode == self.IMMUTABLE and self.wal_bytes > _WAL_HEADER_BYTES
+
     def note(self) -> str | None:
         if self.mode == self.COPY:
             return (f"read from a copy in {self.copied_to}: SQLite cannot create "
@@ -104,12 +114,21 @@ class ReadOnlyView:
                     f"reads the {self.wal_bytes} bytes of its -wal only through one")
         if self.mode != self.IMMUTABLE:
             return None
-        unseen = (f"; the {self.wal_bytes} bytes of its -wal (commits not yet copied into "
-                  f"the file) are not read: no copy could be made in TMPDIR"
-                  if self.wal_bytes > _WAL_HEADER_BYTES else "")
+        unseen = f"; {self.unread_wal()}" if self.wal_unread else ""
         return (f"opened as immutable: SQLite cannot create {self.path.name}-shm beside it "
                 f"(read-only directory or medium), so the view may be stale if a master is "
                 f"live{unseen}")
+
+
+    def unread_wal(self) -> str:
+        """What was left out, why, and what to do about it."""
+        name = self.named or self.path
+        need = self.wal_bytes + (_file_stamp(self.path) or (0, 0, 0))[2]
+        return (f"the {self.wal_bytes} bytes of its -wal (commits not yet copied into the "
+                f"file) are not read: no copy could be made in TMPDIR "
+                f"({tempfile.gettempdir()}: {self.no_copy or 'unknown why'}); point TMPDIR at "
+                f"a directory with {need} bytes free, or copy {name} and {name}-wal to a "
+                f"writable directory and read the copy")
 
 
 def _file_stamp(path: Path) -> tuple[int, ...] | None:
@@ -169,16 +188,19 @@ def readonly_connector(path: str | os.PathLike[str], *, at_rest: bool = True
         # SQLITE_CANTOPEN / SQLITE_READONLY: the -shm a WAL reader shares cannot be made.
         if not (wal and mode == ReadOnlyView.SHARED and code in (8, 14)):
             raise cannot_open(db_path, e) from e
+        no_copy = None
         if wal_bytes > _WAL_HEADER_BYTES:  # (a header alone holds no commit)
             copied = _read_a_copy(db_path, real, wal_file)
-            if copied is not None:
+            if not isinstance(copied, str):
                 return copied
+            no_copy = copied
         mode = ReadOnlyView.IMMUTABLE
         connect = _connector(db_path, immutable=True)
         try:
             connect().close()
         except sqlite3.Error as e2:
             raise cannot_open(db_path, e2) from e2
+        return connect, ReadOnlyView(real, mode, wal_bytes, None, db_path, no_copy=no_copy)
     return connect, ReadOnlyView(real, mode, wal_bytes,
                                  stamp if mode == ReadOnlyView.AT_REST else None, db_path)
 
@@ -189,17 +211,17 @@ _COPY_PREFIX = "coordinator-read-"
 
 
 def _read_a_copy(db_path: Path, real: Path, wal_file: Path
-                 ) -> tuple[Callable[[], sqlite3.Connection], ReadOnlyView] | None:
+                 ) -> tuple[Callable[[], sqlite3.Connection], ReadOnlyView] | str:
     """A WAL file and its `-wal` where no `-shm` can be made, read from a copy of both in a
-    temporary directory, where SQLite makes one (`ReadOnlyView.COPY`); None if no copy can
-    be made there (the caller reads the file as immutable, and says what it leaves out).
+    temporary directory, where SQLite makes one (`ReadOnlyView.COPY`); why not, if no copy
+    can be made there (the caller reads the file as immutable, and says what it leaves out).
     The directory goes at exit; one whose process was killed first, at the next copy."""
     tmp = Path(tempfile.gettempdir())
     _remove_orphaned_copies(tmp)
     try:
         where = Path(tempfile.mkdtemp(prefix=f"{_COPY_PREFIX}{os.getpid()}-", dir=tmp))
-    except OSError:
-        return None
+    except OSError as e:
+        return e.strerror or str(e)
     atexit.register(shutil.rmtree, where, True)
     copy = where / real.name
     try:
@@ -207,9 +229,12 @@ def _read_a_copy(db_path: Path, real: Path, wal_file: Path
         shutil.copyfile(wal_file, copy.with_name(copy.name + "-wal"))
         connect = _connector(copy, immutable=False)
         connect().close()
-    except (OSError, sqlite3.Error):
+    except OSError as e:
         shutil.rmtree(where, ignore_errors=True)
-        return None
+        return e.strerror or str(e)
+    except sqlite3.Error as e:
+        shutil.rmtree(where, ignore_errors=True)
+        return f"the copy could not be opened: {e}"
     wal_bytes = copy.with_name(copy.name + "-wal").stat().st_size
     return connect, ReadOnlyView(real, ReadOnlyView.COPY, wal_bytes, None, db_path, where)
 
@@ -400,13 +425,33 @@ def read_consistently(path: str | os.PathLike[str],
         connect, view = readonly_connector(path, at_rest=at_rest)
         try:
             got = read(connect, view)
-        except (StoreError, sqlite3.Error, *errors):
+        except StoreError as e:
+            if not view.unchanged():
+                continue
+            if view.wal_unread:
+                # What refused it may be only what the -wal was not read for: a campaign
+                # whose every commit is still there was said to hold none.
+                raise _without_its_wal(e, view) from e
+            raise
+        except (sqlite3.Error, *errors):
             if view.unchanged():
                 raise
             continue
         if view.unchanged():
             return got, view
     raise AssertionError("not reached: the second reading is not at rest")
+
+
+def _without_its_wal(e: StoreError, view: ReadOnlyView) -> StoreError:
+    """A refusal made from a view that left the `-wal` out, saying so."""
+    name = view.named or view.path
+    if isinstance(e, NoCampaignYet):
+        return UnreadWalError(
+            f"{name}: the file holds no campaign without its -wal, which may hold all of it: "
+            f"{view.unread_wal()}")
+    # (Its own class, so that what catches it still does: the text alone says more.)
+    e.args = (f"{e}; and {view.unread_wal()}",)
+    return e
 
 
 def read_file(path: str | os.PathLike[str], read: Callable[[Reader], T]

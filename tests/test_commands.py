@@ -545,3 +545,57 @@ def test_a_path_too_long_for_sqlite_is_said_so_by_run_status_and_check(tmp_path)
     assert got.stderr == (f"coordinator: {too_long}: the path is too long for SQLite (600 "
                           f"bytes, of which it takes at most 511 before it resolves the "
                           f"symbolic links in it): name the file by a shorter path\n")
+
+
+_DIES_WITH_ITS_CAMPAIGN_IN_THE_WAL = """
+import os, sys
+from store.campaign import Store
+from store.tasks import NewTask, enqueue_tasks
+store = Store.open(sys.argv[1])
+with store.transaction("import") as tx:
+    enqueue_tasks(tx, [NewTask({"data": i}) for i in range(100)])
+os._exit(0)
+"""
+
+
+def test_a_reader_that_cannot_read_the_wal_says_so_not_that_there_is_no_campaign(tmp_path):
+    """A campaign whose every commit is still in its -wal (a master killed early), on
+    read-only media, where SQLite reads a -wal only through a -shm it cannot make there,
+    and a TMPDIR too small for the copy that is read instead: `status` and `check` said it
+    "holds no campaign yet" (exit 2), `--json` too. The refusal says the -wal was not
+    read, its size, why, and what to do."""
+    import os
+    import shutil
+    import sys
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and `unshare`: a read-only bind mount and a small tmpfs")
+    src = tmp_path / "src"
+    src.mkdir()
+    db = src / "c.db"
+    # A master that dies (os._exit: nothing closed, no checkpoint) once the campaign is made.
+    subprocess.run([sys.executable, "-c", _DIES_WITH_ITS_CAMPAIGN_IN_THE_WAL, str(db)],
+                   check=True, timeout=60)
+    (src / "c.db-shm").unlink()  # (copied without it)
+    with contextlib.closing(sqlite3.connect(f"file:{db}?immutable=1", uri=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM campaign").fetchone() == (0,)
+    wal_bytes = (src / "c.db-wal").stat().st_size
+    ro, small = tmp_path / "ro", tmp_path / "small"
+    ro.mkdir()
+    small.mkdir()
+    script = (f'mount --bind "{src}" "{ro}" && mount -o remount,bind,ro "{ro}" && '
+              f'mount -t tmpfs -o size=64k tmpfs "{small}" || exit 98; exec "$@"')
+    for command in (["status"], ["status", "--json"], ["check"], ["check", "--json"]):
+        got = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+             sys.executable, "-m", "coordinator", *command, "--db", str(ro / "c.db")],
+            capture_output=True, text=True, timeout=60, check=False,
+            env={**os.environ, "TMPDIR": str(small)})
+        if got.returncode == 98 or got.stderr.startswith("unshare:"):
+            pytest.skip(f"no mount can be made here: {got.stderr.strip()[:200]}")
+        assert got.returncode == ExitStatus.USAGE, (command, got.stderr)
+        assert "holds no campaign yet" not in got.stderr + got.stdout
+        said = json.loads(got.stdout)["error"] if "--json" in command else got.stderr
+        assert (f"the {wal_bytes} bytes of its -wal (commits not yet copied into the file) "
+                f"are not read: no copy could be made in TMPDIR ({small}: No space left on "
+                f"device); point TMPDIR at a directory with") in said, (command, said)
+        assert f"or copy {ro / 'c.db'} and {ro / 'c.db'}-wal to a writable directory" in said
