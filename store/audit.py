@@ -45,7 +45,7 @@ from typing import Any
 from sqlalchemy import Connection, exc
 
 from .engine import RAW_ERRORS, read_file
-from .errors import NoCampaignYet, SchemaVersionError
+from .errors import NoCampaignYet, SchemaVersionError, restore_hint
 from .revisions import current_revision, refuse_foreign
 from .schema import DISPATCH_RECORDS_SQL
 from .stats import Stats, count_by_state, read_stats
@@ -478,7 +478,7 @@ def _audit(conn: Connection) -> AuditReport:
                                                f"the schema cannot be read: {e.orig}")]
         return AuditReport(found, None, head, [
             "the file is damaged where its schema is kept: no other rule was run "
-            f"(restore a copy; `sqlite3 {name} .recover` may save what is left)"])
+            f"({restore_hint(name)}; `sqlite3 {name} .recover` may save what is left)"])
     if revision is None:
         refuse_foreign(conn, name)
         raise NoCampaignYet(name)
@@ -492,7 +492,7 @@ def _audit(conn: Connection) -> AuditReport:
     if damaged:
         return AuditReport(damaged, revision, head, [
             "the file is damaged: the other rules were not run (what a damaged page holds "
-            f"would decide them); restore a copy, or `sqlite3 {name} .recover`"])
+            f"would decide them); {restore_hint(name)}, or `sqlite3 {name} .recover`"])
 
     f = _File(conn, revision, order)
     if f.since(ONE_RECORD_SINCE):

@@ -78,7 +78,7 @@ class SchemaVersionError(StoreError):
         if self.unknown:
             msg = (f"{path}: its schema stamp {found!r:.40} (alembic_version) is not a revision "
                    f"this coordinator or a newer one writes (they are four digits; this one's "
-                   f"head is {expected}): another tool changed it; restore a copy")
+                   f"head is {expected}): another tool changed it; {restore_hint(path)}")
         elif self.newer:
             msg = (f"{path}: schema revision {found} is newer than this coordinator knows "
                    f"(head {expected}); upgrade the coordinator, do not open it with this "
@@ -110,7 +110,7 @@ class UnstampedCampaignError(DatabaseOpenError):
     def __init__(self, path: object):
         super().__init__(f"{path} holds a campaign's tables but no schema stamp (its "
                          f"alembic_version table is empty): it was changed by hand or by another "
-                         f"tool; restore a copy, or stamp the revision its tables match with "
+                         f"tool; {restore_hint(path)}, or stamp the revision its tables match with "
                          f"`alembic -x db={path} stamp REVISION`")
 
 

@@ -25,6 +25,7 @@ from .errors import (
     StoreError,
     UnreadWalError,
     UnsafeDatabaseError,
+    restore_hint,
 )
 from .lock import refuse_aliases
 
@@ -312,8 +313,8 @@ def schema_changed(path: Path, e: BaseException) -> DatabaseOpenError:
     before, and a start said to fix the storage)."""
     return DatabaseOpenError(
         f"{path}: its schema is not the one its revision defines ({e}): it was changed outside "
-        f"the coordinator. Restore a copy, or recreate what is missing as docs/sqlite.md's "
-        f"schema shows (`sqlite3 {path} .schema` shows what the file has)")
+        f"the coordinator: {restore_hint(path)}, or recreate what is missing as "
+        f"docs/sqlite.md's schema shows (`sqlite3 {path} .schema` shows what the file has)")
 
 
 def damaged(path: Path, e: BaseException) -> DamagedDatabaseError:

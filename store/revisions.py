@@ -19,6 +19,7 @@ from .errors import (
     NoCampaignYet,
     SchemaVersionError,
     UnstampedCampaignError,
+    restore_hint,
 )
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def revision_of(path: object, tables: set[str], stamps: list[str]) -> str | None
         raise DatabaseOpenError(
             f"{path}: its alembic_version table holds {len(stamps)} revisions "
             f"({', '.join(sorted(stamps))}) where a campaign has one: it was changed by hand or "
-            f"by another tool; restore a copy, or keep only the revision its tables match")
+            f"by another tool; {restore_hint(path)}, or keep only the revision its tables "
+            f"match")
     if stamps:
         return stamps[0]
     ours = {t for t in tables if not t.startswith("sqlite_") and t != "alembic_version"}

@@ -599,3 +599,23 @@ def test_a_reader_that_cannot_read_the_wal_says_so_not_that_there_is_no_campaign
                 f"are not read: no copy could be made in TMPDIR ({small}: No space left on "
                 f"device); point TMPDIR at a directory with") in said, (command, said)
         assert f"or copy {ro / 'c.db'} and {ro / 'c.db'}-wal to a writable directory" in said
+
+
+@pytest.mark.parametrize("change", [
+    "UPDATE alembic_version SET version_num = 'custom'",
+    "DELETE FROM alembic_version",
+    "INSERT INTO alembic_version VALUES ('0003')",
+    "DROP INDEX ix_tasks_queue",
+], ids=["unknown stamp", "no stamp", "two stamps", "index dropped"])
+def test_a_refusal_that_says_to_restore_a_copy_says_to_remove_the_wal_first(tmp_path, change):
+    """A copy put over a campaign's file with the old -wal still beside it is silently turned
+    back into the old campaign (SQLite applies the -wal it finds to the file). The refusals
+    said "restore a copy" and no more."""
+    db = tmp_path / "c.db"
+    _finished_campaign(db)
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute(change)
+    got = _cli("status", "--db", str(db))
+    assert got.returncode == ExitStatus.USAGE, got.stderr
+    assert (f"restore a copy (remove {db}-wal and {db}-shm first: SQLite would apply the old "
+            f"-wal to the copy)") in got.stderr, got.stderr
