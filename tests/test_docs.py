@@ -3,6 +3,7 @@ the code they describe (the SQL queries they give are run by tests/test_docs_sql
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -107,3 +108,23 @@ def test_the_revisions_table_lists_every_revision():
     text = (ROOT / "docs" / "operations.md").read_text()
     table = text[text.index("### Schema revisions"):]
     assert re.findall(r"^\| `(\d{4})` \|", table, re.M) == list(known_revisions())
+
+
+def test_what_protocol_md_says_a_callable_gets_is_what_it_gets(tmp_path):
+    """protocol.md §4 said `data` was "the argument of a `--callable`"; the callable is
+    called with the whole payload (`{"data": …}`), as the README and running.md say."""
+    from coordinator.executors import PythonExecutor
+    from store.semantic import canonical_form
+    module = tmp_path / "echo.py"
+    module.write_text("def one(task):\n    return task\n\n"
+                      "def two(task, input_bytes):\n    return [task, input_bytes is None]\n")
+    payload = {"data": {"n": 42}}
+    task = json.loads(canonical_form(payload)[0])  # what a WORK carries
+    got = PythonExecutor(f"{module}:one").run(task, None, tmp_path)
+    assert got.status == "ok" and got.value == payload  # not {"n": 42}
+    got = PythonExecutor(f"{module}:two").run(task, None, tmp_path)
+    assert got.value == [payload, True]
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    [row] = [line for line in text.splitlines() if line.startswith("| `data` |")]
+    assert "called with the whole payload, `{\"data\": …}`" in row, row
+    assert "the argument of a `--callable`" not in text
