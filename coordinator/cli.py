@@ -242,7 +242,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "faults over time, and an index.html that shows them, from "
                                     "the timestamps the campaign file holds. Read-only: works "
                                     "on a finished campaign, a copy, or a live one. Needs "
-                                    "matplotlib (pip install -e '.[plot]').")
+                                    "matplotlib (pip install -e '.[plot]'). Exit 2 for a file "
+                                    "it refuses or an OUTDIR it cannot write.")
     pl.add_argument("--db", type=path_arg, required=True)
     pl.add_argument("outdir", type=path_arg, metavar="OUTDIR",
                     help="where the charts and index.html go (made if missing)")

@@ -80,9 +80,11 @@ def plot(db: Path, outdir: Path) -> int:
             _render(outdir / name, title, series, draw)
         (outdir / "index.html").write_text(_index(db, series, stats, running))
     except OSError as e:
-        print(f"coordinator: cannot write the charts to {outdir}: {e.strerror or e}",
-              file=sys.stderr)
-        return ExitStatus.STORE
+        # The OUTDIR given cannot be used (read-only, full, a file): a refusal, as for any
+        # path a command is given; the campaign was only read (exit 3 is the run's storage).
+        print(f"coordinator: cannot write the charts to {outdir}: {e.strerror or e} (the "
+              f"campaign was only read; choose an OUTDIR that can be written)", file=sys.stderr)
+        return ExitStatus.USAGE
     if view.note():
         print(f"note: {view.note()}", file=sys.stderr)
     print(f"{outdir / 'index.html'}: {len(CHARTS)} charts of {db} ({series.n} buckets of "

@@ -123,3 +123,17 @@ def test_a_campaign_of_100000_tasks_is_plotted(tmp_path):
         _check_image(out / name)
     assert "index.html" in os.listdir(out)
     shutil.rmtree(out)
+
+
+def test_an_outdir_that_cannot_be_written_is_a_refusal(charts, tmp_path, capsys):
+    """`plot` to an OUTDIR that cannot be written exited 3, which README's table keeps for
+    the storage failing under a run; it is a path the command was given that cannot be
+    used: exit 2, one line."""
+    db, _ = charts
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    assert main(["plot", "--db", str(db), str(taken)]) == ExitStatus.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"coordinator: cannot write the charts to {taken}: ") and \
+        err.count("\n") == 1, err
+    assert taken.read_text() == "not a directory"
