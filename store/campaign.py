@@ -35,8 +35,10 @@ from .engine import (
 from .errors import (
     CampaignExistsError,
     DamagedDatabaseError,
+    NewCampaignNotMade,
     NoCampaignYet,
     StoreError,
+    StoreWriteError,
 )
 from .journal import QuarantineSampler, RetryPolicy, Tx
 from .lock import SIDE_FILES, lock_campaign, lost_name, release_campaign
@@ -158,12 +160,13 @@ class Store:
                     report = ResumeReport(interrupted, reclaimed, refused)
                 tx.flush()
                 bitmap = conn.execute(select(campaign.c.bitmap_version)).scalar_one()
-        except BaseException:
+        except BaseException as e:
             if engine is not None:
                 engine.dispose()
-            if new and path.is_file() and path.stat().st_size == 0:
-                path.unlink()  # refused before it held anything: as if never started
+            removed = new and _remove_what_it_made(path)
             release_campaign(lock_fd)
+            if removed and isinstance(e, StoreWriteError):
+                raise NewCampaignNotMade(path, e.cause) from e
             raise
         store = cls(path, engine, incarnation, epoch, policy, report, clock, bitmap,
                     lock_wait_s, on_lock_wait)
@@ -278,6 +281,19 @@ def _put_back(copy: Path, path: Path) -> Path:
     kept = path.with_name(f"{path.name}.rescued-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
     os.replace(copy, kept)
     return kept
+
+
+def _remove_what_it_made(path: Path) -> bool:
+    """A start that failed on a file it created (a disk too full for the schema, an I/O
+    error) left it half made: a schema at some revision and no campaign, which `status` then
+    said to `db upgrade`. It held nothing before, so it goes, with its -wal and -shm, as if
+    the start had never been; whether anything was there to remove."""
+    removed = False
+    for side in ("", *SIDE_FILES):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{path}{side}")
+            removed = True
+    return removed
 
 
 def check_pages(path: Path) -> None:

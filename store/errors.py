@@ -7,6 +7,7 @@ is a bug, passed on unchanged).
 
 from __future__ import annotations
 
+import os
 import re
 
 
@@ -112,6 +113,23 @@ class UnstampedCampaignError(DatabaseOpenError):
                          f"alembic_version table is empty): it was changed by hand or by another "
                          f"tool; {restore_hint(path)}, or stamp the revision its tables match with "
                          f"`alembic -x db={path} stamp REVISION`")
+
+
+class NewCampaignNotMade(StoreError):
+    """A start on a new file could not write the campaign (a disk too full for its schema or
+    first rows, an I/O error): the file it began was removed, nothing changed (exit 2, as a
+    disk too full to start on)."""
+
+    def __init__(self, path: object, cause: BaseException):
+        self.path, self.cause = path, cause
+        try:
+            fs = os.statvfs(os.path.dirname(os.path.abspath(path)))
+            free = f" ({fs.f_bavail * fs.f_frsize} bytes free there now)"
+        except OSError:
+            free = ""
+        super().__init__(f"{path}: the new campaign could not be written ({cause}){free}; the "
+                         f"file this start began was removed, nothing was changed: free some "
+                         f"space or choose another --db, then run the same command again")
 
 
 class CampaignExistsError(StoreError):

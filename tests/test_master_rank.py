@@ -209,3 +209,23 @@ def _tasks_leaf_pages(db) -> list[int]:
     with contextlib.closing(sqlite3.connect(db)) as conn:
         return [p for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name = 'tasks' "
                                            "AND pagetype = 'leaf'")]
+
+
+# -- a disk too full to start on --------------------------------------------------------------
+
+def test_a_new_campaign_the_disk_has_no_room_for_is_refused_and_leaves_nothing(
+        tiny_fs, capsys):
+    """A start on a disk with room for part of the schema exited 3 ("fix the storage and
+    start it again") and left a file at revision 0004 without a campaign, which `status`
+    then said to `db upgrade`. Nothing is left, and it is exit 2, as README's table says of
+    a disk too full to start on."""
+    filler = tiny_fs / "filler"
+    filler.write_bytes(b"\0" * (1024 - 160) * 1024)  # ~160 KiB left: the schema stops midway
+    db = tiny_fs / "c.db"
+    got, transport = start(db, "--demo", "10")
+    err = capsys.readouterr().err
+    assert got == ExitStatus.USAGE and transport.verdicts == [ExitStatus.USAGE], err
+    assert "database or disk is full" in err and "the new campaign could not be written" in err
+    assert "the file this start began was removed, nothing was changed" in err
+    assert "Traceback" not in err and "fix the storage" not in err
+    assert sorted(p.name for p in tiny_fs.iterdir()) == ["filler"]
