@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from .wire import (
     ENCODE_ERRORS,
     INTERRUPTED_STATUS,
     NOT_RUN_STATUS,
+    RETRY_STATUSES,
     SPLIT_STATUS,
     TAG_STOP,
     Ready,
@@ -67,22 +69,27 @@ WAIT_CAP_S = 1e-3
 _scratch: list[Path] = []
 
 #: The signals that stop a job (a terminal's Ctrl-C, a batch system's SIGTERM; the master
-#: takes both as the start of a graceful stop), and those this worker has received.
+#: takes both as the start of a graceful stop), and when this worker last received each
+#: (monotonic).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_stop_signals_seen: set[int] = set()
+_stop_signals_seen: dict[int, float] = {}
 
 #: How long a worker whose command was killed by one of STOP_SIGNALS waits for the same signal
 #: to reach itself: sent to every process of the job at once, it may reach the target first.
 OWN_SIGNAL_WAIT_S = 0.5
+#: How long before the command's end the worker's own signal may have come: one signal to the
+#: whole job reaches its processes within moments; a worker signalled earlier on its own (an
+#: operator's `kill` of one rank) does not make every later kill of its commands a stop's.
+OWN_SIGNAL_BEFORE_S = 5.0
 
 
 def note_stop_signal(signum: int, _frame: object = None) -> None:
     """The worker's handler of STOP_SIGNALS: the master decides when the job stops, so the
     worker goes on; only `cut_short` needs to know."""
-    _stop_signals_seen.add(signum)
+    _stop_signals_seen[signum] = time.monotonic()
 
 
-def cut_short(outcome: ExecOutcome, wait_s: float = OWN_SIGNAL_WAIT_S) -> ExecOutcome:
+def cut_short(outcome: ExecOutcome, wait_s: float | None = None) -> ExecOutcome:
     """A command killed by a signal that stops the job, which this worker received too, did
     not fail: the job's stop cut its run short (Slurm's SIGTERM at a time limit or a
     `scancel` reaches the targets as well as the ranks). It was committed as an `error` result,
@@ -94,10 +101,15 @@ def cut_short(outcome: ExecOutcome, wait_s: float = OWN_SIGNAL_WAIT_S) -> ExecOu
     signum = -outcome.returncode
     if signum not in STOP_SIGNALS:
         return outcome
-    deadline = time.monotonic() + wait_s
-    while signum not in _stop_signals_seen and time.monotonic() < deadline:
+    ended = time.monotonic()
+
+    def shared() -> bool:
+        return _stop_signals_seen.get(signum, -math.inf) >= ended - OWN_SIGNAL_BEFORE_S
+
+    deadline = ended + (OWN_SIGNAL_WAIT_S if wait_s is None else wait_s)
+    while not shared() and time.monotonic() < deadline:
         time.sleep(0.01)  # (the handler runs between two sleeps)
-    if signum not in _stop_signals_seen:
+    if not shared():
         return outcome
     return dataclasses.replace(
         outcome, status=INTERRUPTED_STATUS,
@@ -190,9 +202,9 @@ class Sender:
 
 
 def _unsent(outcome: ExecOutcome, why: str) -> ExecOutcome:
-    """What is sent for a result the master could not accept: an `error` saying why (a
-    timeout stays one, without its outputs: the master retries it as before)."""
-    return ExecOutcome(status="timeout" if outcome.status == "timeout" else "error",
+    """What is sent for a result the master could not accept: an `error` saying why (a run
+    that is retried stays one, without its outputs: the master retries it as before)."""
+    return ExecOutcome(status=outcome.status if outcome.status in RETRY_STATUSES else "error",
                        returncode=outcome.returncode, duration_s=outcome.duration_s,
                        detail=clip_detail(why), dropped=outcome.dropped + len(outcome.testcases))
 

@@ -162,13 +162,13 @@ def test_a_command_the_jobs_stop_signal_killed_is_interrupted_not_an_error(tmp_p
     """A batch system's SIGTERM reaches the targets as well as the ranks: a command killed by
     it was committed as an `error` result. When the worker got the same signal (its handler
     notes it), the run was cut short: `interrupted`, its test cases kept. The same kill with
-    no such signal to the worker (a user's `kill` of the target) stays an `error`; so does
-    any other signal."""
+    no such signal to the worker (a user's `kill` of the target), or with one the worker got
+    long before (a `kill` of that rank alone), stays an `error`; so does any other signal."""
     import signal
 
     import coordinator.worker as worker
     from coordinator.worker import note_stop_signal, run_task
-    monkeypatch.setattr(worker, "_stop_signals_seen", set())
+    monkeypatch.setattr(worker, "_stop_signals_seen", {})
     monkeypatch.setattr(worker, "OWN_SIGNAL_WAIT_S", 0.05)
     target = tmp_path / "killed.sh"
     target.write_text('#!/bin/sh\nprintf found > "$SYMCC_OUTPUT_DIR/a"\nkill -"$1" $$\n')
@@ -188,5 +188,22 @@ def test_a_command_the_jobs_stop_signal_killed_is_interrupted_not_an_error(tmp_p
                                      "command and its rank\ntarget killed by SIGTERM")
         assert run("INT").status == "error"  # (its rank got no SIGINT)
         assert run("KILL").status == "error"
+        worker._stop_signals_seen[signal.SIGTERM] -= worker.OWN_SIGNAL_BEFORE_S + 1
+        assert run("TERM").status == "error"  # (the rank's SIGTERM came long before)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_retried_run_too_large_to_send_is_still_retried_not_committed_as_an_error():
+    """A run whose RESULT is over the master's bound is sent without its outputs. A timeout
+    stayed one; an `interrupted` or `not_run` run became an `error`, committed: its task
+    done for ever, as before those statuses existed."""
+    from coordinator.executors import ExecOutcome
+    from coordinator.wire import decode_inbound
+    from coordinator.worker import Sender
+    sender = Sender(None, max_message_bytes=4096)
+    for status in ("timeout", "interrupted", "not_run", "error", "ok"):
+        big = ExecOutcome(status, testcases=[("a", b"x" * 10_000)])
+        sent = decode_inbound(sender.result_bytes("a" * 64, big), 4096)
+        assert sent["status"] == ("error" if status == "ok" else status), status
+        assert sent["testcases"] == [] and "over --max-message-bytes" in sent["detail"]
