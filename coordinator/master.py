@@ -84,6 +84,10 @@ NO_RANK_CAN_WORK = "no rank can take work"
 #: How long a rank that answered counts as able to run tasks while its READY is awaited
 #: (`Master._able`).
 ANSWERED_ABLE_S = 5.0
+#: How long the master waits for its own stop signal when a worker says a signal that stops
+#: the job cut a run short (`interrupted`) before the master got it: one job's processes on
+#: several nodes are signalled moments apart, and the run is charged unless the master stops.
+STOP_SIGNAL_WAIT_S = 2.0
 CAMPAIGN_FILE_LOST = "the campaign file lost its name"
 
 
@@ -137,9 +141,10 @@ class Master:
         self._cooldown = HostCooldown(self._able)  # ranks whose host fails tasks
         self.gate = Gate(store, validate=check_result, commit=self._commit,
                          salvage=self._salvage, host_ran=self._host_ran,
-                         stopping=lambda: self._stop_signal is not None)
+                         stopping=self._stopping)
         self.summary = Summary()
         self._stop_signal: str | None = None
+        self._no_stop_seen_until = -math.inf  # (`_stopping`)
         #: What became of the campaign file's name, once it no longer reaches the open file.
         self.file_lost: str | None = None
         self._next_name_check = 0.0
@@ -957,6 +962,18 @@ class Master:
             self._stop_at = time.monotonic()
             print(f"coordinator: {why}: no new dispatches; giving in-flight work "
                   f"{self.config.grace_s:g} s", file=sys.stderr, flush=True)
+
+    def _stopping(self) -> bool:
+        """Asked for an `interrupted` run: whether the master stops, after waiting up to
+        STOP_SIGNAL_WAIT_S for its own signal (once: a rank signalled alone, by an operator,
+        may answer several such runs, and the rounds are not held up again for each)."""
+        now = time.monotonic()
+        if self._stop_signal is None and now >= self._no_stop_seen_until:
+            deadline = now + STOP_SIGNAL_WAIT_S
+            while self._stop_signal is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # (the handler runs between two sleeps)
+            self._no_stop_seen_until = time.monotonic() + 30.0
+        return self._stop_signal is not None
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: object) -> None:

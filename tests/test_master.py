@@ -30,6 +30,7 @@ from sqlalchemy import func, select
 
 import coordinator.master as master_module
 from coordinator.cooldown import HostCooldown
+from coordinator.gate import STOP_NOT_CHARGED
 from coordinator.master import Master, MasterConfig
 from coordinator.progress import clock_utc
 from coordinator.sources import NewInput, demo_tasks
@@ -786,6 +787,40 @@ def test_an_invalid_result_that_comes_during_the_stop_is_recovered_as_in_any_rou
     assert kinds[-2:] == ["recovered", "requeued"] and "stop_requeued" not in kinds, kinds
     assert [tuple(r) for r in got] == [("queued", 1, 1), ("queued", 0, 0)]
     assert master.summary.unacked_ranks == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signalled", [True, False])
+def test_a_run_cut_short_before_the_master_got_its_signal_waits_for_it(tmp_path, monkeypatch,
+                                                                       signalled):
+    """A job on several nodes is signalled node by node: a worker's `interrupted` RESULT
+    (its command and itself got SIGTERM) can reach the master before the master's own
+    SIGTERM, and was then charged as a run that failed outside a stop. The master now waits
+    a moment for its signal; if none comes (a rank signalled alone), the run is charged."""
+    monkeypatch.setattr(master_module, "STOP_SIGNAL_WAIT_S", 1.0)
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
+    cut = lambda token: [  # noqa: E731
+        (1, TAG_RESULT, encode(Result(token=token, status="interrupted", detail="cut short"))),
+        (1, TAG_READY, bytes(ready_message(1, token).data))]
+    try:
+        master = Master(store, ScriptedAnswers(1, cut), MasterConfig(
+            linger_s=0.0, grace_s=0.0, stop_wait_s=1, stats_file=None))
+        assert master._round()  # the WORK
+        if signalled:  # (the signal comes 0.3 s after the RESULT)
+            threading.Timer(0.3, master.request_stop, ("SIGTERM",)).start()
+        for _ in range(5):
+            master._round()
+        with store.reading() as conn:
+            got = conn.exec_driver_sql("SELECT state, attempts, budget_used, reason "
+                                       "FROM tasks").fetchall()
+    finally:
+        store.close()
+    [(state, attempts, budget, reason)] = got
+    if signalled:
+        assert (state, attempts, budget, reason) == (
+            "queued", 0, 0, "interrupted" + STOP_NOT_CHARGED)
+    else:  # (run again, cut short again: each time charged)
+        assert attempts == budget >= 1 and reason == "interrupted"
 
 
 class HostFailsThenRuns(InstantWorkers):
