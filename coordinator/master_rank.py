@@ -262,7 +262,7 @@ class MasterRank:
             _say("internal error before the run started")
         if store is not None:
             store.close()
-        self._release_output()
+        self._release_output(undo=True)
         # A write that failed (disk full) is the storage's fault, not the command line's.
         status = self._record_exit(ExitStatus.STORE if isinstance(e, StoreWriteError) else
                                    ExitStatus.USAGE if refused else ExitStatus.INTERNAL)
@@ -279,10 +279,11 @@ class MasterRank:
             exit_now(status)
         return status
 
-    def _release_output(self) -> None:
-        """For a master run in-process (the tests): the process's end releases it anyway."""
+    def _release_output(self, *, undo: bool = False) -> None:
+        """For a master run in-process (the tests): the process's end releases it anyway.
+        `undo`: a refused start leaves no output directory it made."""
         if self.output_lock is not None:
-            self.output_lock.release()
+            self.output_lock.release(undo=undo)
             self.output_lock = None
 
     def _tell_workers(self, start: Start) -> None:

@@ -21,11 +21,13 @@ The stdlib only: `coordinator run` checks this before it launches MPI (`prefligh
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -43,11 +45,21 @@ class OutputLock:
     """The held lock: an open descriptor with the `flock`. `release` (or the process's end)
     lets the next master have the directory."""
 
-    def __init__(self, fd: int, path: Path) -> None:
+    def __init__(self, fd: int | None, path: Path, made: tuple[Path, ...] = ()) -> None:
         self.fd: int | None = fd
         self.path = path
+        self.made = made  # the directories this lock made, deepest first
 
-    def release(self) -> None:
+    def release(self, *, undo: bool = False) -> None:
+        """`undo`: a start that is refused leaves nothing behind: the lock file and the
+        directories it made go, if nothing else was put there. (A master that has opened the
+        file meanwhile finds it no longer named once it gets the lock, and makes another.)"""
+        if undo and self.fd is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            for d in self.made:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # (fails if anything is there: kept)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -58,6 +70,7 @@ def lock_output(directory: Path, flag: str, *, db: Path) -> OutputLock:
     OutputInUseError while another process holds it. `flag` is the option that chose the
     directory (`--name`, `--out`): what the refusal tells the user to change."""
     directory = Path(directory)
+    made = tuple(d for d in (directory, *directory.parents) if not d.exists())
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     deadline = time.monotonic() + TAKEN_RETRY_S
@@ -71,6 +84,15 @@ def lock_output(directory: Path, flag: str, *, db: Path) -> OutputLock:
                 time.sleep(0.05)
                 continue
             raise _in_use(directory, path, db, flag) from None
+        except OSError as e:
+            # A filesystem without `flock` (Lustre mounted `noflock`, some NFS setups: ENOLCK,
+            # EOPNOTSUPP): refusing would stop every campaign there, resumes included, for a
+            # guard against a mistake. Said, and the run goes on without it.
+            os.close(fd)
+            print(f"coordinator: cannot lock {directory} ({e.strerror or e}): another "
+                  f"campaign's master writing there would not be refused; give each campaign "
+                  f"its own {flag}", file=sys.stderr, flush=True)
+            return OutputLock(None, path, made)
         except BaseException:
             os.close(fd)
             raise
@@ -87,7 +109,7 @@ def lock_output(directory: Path, flag: str, *, db: Path) -> OutputLock:
             os.pwrite(fd, (record + "\n").encode(), 0)
         except OSError:
             pass  # (a full disk: the lock holds all the same; the refusal names no holder)
-    return OutputLock(fd, path)
+    return OutputLock(fd, path, made)
 
 
 def check_free(directory: Path, flag: str, *, db: Path) -> None:

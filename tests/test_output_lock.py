@@ -165,3 +165,23 @@ def test_the_self_launcher_refuses_a_held_directory_before_it_runs_mpiexec(tmp_p
     assert done.stderr.startswith("coordinator: afl/symcc is in use by another campaign's "
                                   "master (pid ") and len(done.stderr.splitlines()) == 1
     assert not ran.exists() and not (tmp_path / "ct2.db").exists()
+
+
+def test_a_filesystem_without_flock_warns_and_runs_instead_of_refusing(tmp_path, monkeypatch,
+                                                                       capsys):
+    """On a filesystem whose `flock` fails (Lustre mounted `noflock`, some NFS setups: ENOLCK)
+    every start, resumes included, was refused as if another campaign held the directory.
+    The lock guards against a mistake: without it the master says so and runs."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    check_free(tmp_path / "out", "--out", db=tmp_path / "c.db")  # (nothing there yet)
+    held = lock_output(tmp_path / "out", "--out", db=tmp_path / "c.db")
+    assert held.fd is None
+    held.release()
+    assert (f"coordinator: cannot lock {tmp_path / 'out'} (No locks available): another "
+            f"campaign's master writing there would not be refused") in capsys.readouterr().err
