@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
                           "writes results to DIR/NAME/queue (runs until SIGINT/SIGTERM)")
     src.add_argument("--fuzzer", action=Once, default=None,
                      help="the AFL instance whose queue is read")
-    src.add_argument("--name", action=Once, default="symcc",
+    src.add_argument("--name", action=Once, default=None,
                      help="this coordinator's AFL instance directory (default symcc); one "
                           "campaign's at a time: another campaign's master there is refused")
     ex = r.add_argument_group("executors")

@@ -17,6 +17,8 @@ ENV_TIMEOUT = "SYMCC_TIMEOUT"
 ENV_WATCHDOG = "SYMCC_DISPATCH_WATCHDOG_SEC"
 
 DEFAULT_DEMO_TASKS = 300
+#: The coordinator's AFL instance directory unless --name says another.
+DEFAULT_NAME = "symcc"
 DEFAULT_TIMEOUT_S = 30.0
 #: How long the master waits for a write lock another process holds before it stops (exit 3):
 #: an operator's shell or a backup on a multi-day campaign is not a failure.
@@ -242,7 +244,9 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         watchdog = default_watchdog(timeout)
     else:
         set_here.add("watchdog_s")
-    set_here.update(k for k in ("max_depth", "feedback") if getattr(ns, k) is not None)
+    set_here.update(k for k in ("max_depth", "feedback", "name") if getattr(ns, k) is not None)
+    if ns.name is None:  # (None: not given; a --resume then keeps the campaign's)
+        ns.name = DEFAULT_NAME
 
     argv = list(ns.command or [])
     if argv and argv[0] == "--":

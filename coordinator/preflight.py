@@ -114,6 +114,12 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
             argv=[str(a) for a in stored.get("command") or []] if kind == "command" else [])
         notes.append(f"--resume runs the campaign's own executor, as its last run did: "
                      f"{how_it_runs(cfg)}")
+    if (stored.get("source") == "afl" and cfg.afl_out is not None and "name" not in cfg.given
+            and isinstance(stored.get("name"), str) and stored["name"] != cfg.name):
+        # A moved AFL directory given again without --name: the campaign's instance name, not
+        # the default (its test cases would go to another directory, their ids from 0).
+        cfg = dataclasses.replace(cfg, name=stored["name"])
+        notes.append(f"--resume keeps the campaign's --name {cfg.name}, as its last run had it")
     if (stored.get("source") == "afl" and stored.get("afl_out") and stored.get("fuzzer")
             and cfg.afl_out is None and cfg.tasks_file is None and cfg.demo is None):
         cfg = dataclasses.replace(cfg, afl_out=Path(str(stored["afl_out"])),

@@ -323,6 +323,33 @@ def test_a_resume_with_a_moved_afl_directory_takes_the_campaigns_command(tmp_pat
                "--fuzzer", "main")
 
 
+def test_a_resume_with_a_moved_afl_directory_keeps_the_campaigns_instance_name(tmp_path):
+    """`--resume --afl-out NEW --fuzzer main` without --name, on a campaign started with
+    `--name sym2`: the default `symcc` took over (test cases into another directory, their
+    ids from 0), and was written back for every later --resume (a review). The campaign's
+    name is kept unless --name is given."""
+    from coordinator.config import check_resume, renewed_settings
+
+    db = tmp_path / "c.db"
+    for d in ("afl", "moved"):
+        (tmp_path / d / "main" / "queue").mkdir(parents=True)
+    target = tmp_path / "target"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    first = config(db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--name",
+                   "sym2", "--", str(target), "@@")
+    stored = campaign_settings(first)
+    _stored_campaign(db, stored)
+    moved = ["--resume", "--afl-out", str(tmp_path / "moved"), "--fuzzer", "main"]
+    checked = check_run(config(db, *moved))
+    assert checked.cfg.name == "sym2"
+    check_resume(checked.cfg, stored)
+    assert renewed_settings(checked.cfg, stored) == {"afl_out": str(tmp_path / "moved")}
+    renamed = check_run(config(db, *moved, "--name", "sym3"))
+    assert renamed.cfg.name == "sym3"
+    assert renewed_settings(renamed.cfg, stored)["name"] == "sym3"
+
+
 def test_what_a_resume_changes_is_what_the_next_bare_resume_runs(tmp_path, monkeypatch):
     """A fixed command, a moved AFL directory or another --timeout given on a --resume were
     not written back: a later bare `--resume` (a job script's) went back to the first run's,
