@@ -801,7 +801,7 @@ def test_a_stop_that_signals_the_targets_too_requeues_their_runs_uncharged(tmp_p
     assert len(failed) == 3 and all(d.startswith(
         "interrupted (1 test case kept) (not charged: cut short by the job's stop)")
         for d in failed), failed
-    assert sorted(p.read_bytes() for p in out.iterdir()) == [
+    assert sorted(p.read_bytes() for p in output_files(out)) == [
         b"%d-found-before-the-stop" % i for i in range(3)]
     assert status_json(db)["testcases"]["written"] == 3
     (tmp_path / "hold").unlink()
