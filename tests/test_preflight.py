@@ -293,21 +293,28 @@ def test_a_command_given_by_a_relative_path_is_kept_absolute(tmp_path, monkeypat
     assert check_resume(again, {"executor": "command", "command": ["./target.sh", "@@"]}) == []
 
 
-def test_a_resume_with_a_moved_afl_directory_takes_the_campaigns_command(tmp_path):
-    """`--resume --afl-out NEW --fuzzer main` without the command (a moved AFL directory)
-    was refused ("--afl-out needs the command"), although a --resume needs no executor and
-    another --afl-out is allowed."""
-    from coordinator.config import ConfigError, check_resume
-
+def _moved_afl_campaign(tmp_path: Path, *flags: str):
+    """A campaign file at `tmp_path/c.db` begun on `tmp_path/afl` (with `flags`), whose AFL
+    directory `tmp_path/moved` now holds: (db, its target, its first run's config)."""
     db = tmp_path / "c.db"
     for d in ("afl", "moved"):
         (tmp_path / d / "main" / "queue").mkdir(parents=True)
     target = tmp_path / "target"
     target.write_text("#!/bin/sh\n")
     target.chmod(0o755)
-    first = config(db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--",
+    first = config(db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", *flags, "--",
                    str(target), "@@")
     _stored_campaign(db, campaign_settings(first))
+    return db, target, first
+
+
+def test_a_resume_with_a_moved_afl_directory_takes_the_campaigns_command(tmp_path):
+    """`--resume --afl-out NEW --fuzzer main` without the command (a moved AFL directory)
+    was refused ("--afl-out needs the command"), although a --resume needs no executor and
+    another --afl-out is allowed."""
+    from coordinator.config import ConfigError, check_resume
+
+    db, target, first = _moved_afl_campaign(tmp_path)
     checked = check_run(config(db, "--resume", "--afl-out", str(tmp_path / "moved"),
                                "--fuzzer", "main"))
     assert (checked.cfg.executor, checked.argv) == ("command", [str(target), "@@"])
@@ -330,16 +337,8 @@ def test_a_resume_with_a_moved_afl_directory_keeps_the_campaigns_instance_name(t
     name is kept unless --name is given."""
     from coordinator.config import check_resume, renewed_settings
 
-    db = tmp_path / "c.db"
-    for d in ("afl", "moved"):
-        (tmp_path / d / "main" / "queue").mkdir(parents=True)
-    target = tmp_path / "target"
-    target.write_text("#!/bin/sh\n")
-    target.chmod(0o755)
-    first = config(db, "--afl-out", str(tmp_path / "afl"), "--fuzzer", "main", "--name",
-                   "sym2", "--", str(target), "@@")
+    db, _, first = _moved_afl_campaign(tmp_path, "--name", "sym2")
     stored = campaign_settings(first)
-    _stored_campaign(db, stored)
     moved = ["--resume", "--afl-out", str(tmp_path / "moved"), "--fuzzer", "main"]
     checked = check_run(config(db, *moved))
     assert checked.cfg.name == "sym2"
