@@ -379,9 +379,11 @@ class Gate:
         charged = self._charged(tx, a.rank, _not_run_what(batch[0])
                                 if len(unrun) == len(task_ids) else None)
         free = set() if charged else set(unrun)
-        if self.stopping():  # (the runs the job's stop cut short)
-            free |= {t for t, o in zip(task_ids, batch, strict=True)
-                     if _status_of(o) == INTERRUPTED_STATUS}
+        cut = {t for t, o in zip(task_ids, batch, strict=True)
+               if _status_of(o) == INTERRUPTED_STATUS}
+        # (asked only of runs the job's stop cut short: the master may wait for its signal)
+        if cut and self.stopping():
+            free |= cut
         # What each failed run wrote before it was killed is kept, as for a task on its own.
         failed = {t: self._salvaged(tx, a, o, t, t not in free)
                   for t, o, r in zip(task_ids, batch, retry, strict=True) if r}
