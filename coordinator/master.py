@@ -50,7 +50,7 @@ from .expected_answers import ExpectedAnswers
 from .gate import NOT_RUN_REASON_CHARS, Gate, Inbound, Stray
 from .observer import Observer
 from .output import TestcaseWriter, input_id, replace_text
-from .processes import describe_process, fence, process_exists
+from .processes import STOP_SIGNALS, describe_process, fence, process_exists
 from .progress import Progress, Snapshot, stats_fields
 from .protocol import ReadyStatus, ResultStatus, mint_token
 from .sources import NewInput
@@ -978,8 +978,8 @@ class Master:
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: object) -> None:
             self.request_stop(signal.Signals(signum).name)
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, handler)
 
     def _stop_ready(self) -> bool:
         """Stop once in-flight work has finished, or the grace period is over."""

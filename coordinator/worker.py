@@ -27,6 +27,7 @@ import msgspec
 
 from .executors import BatchOutcome, ExecOutcome, Executor, not_run
 from .processes import (
+    STOP_SIGNALS,
     exit_now,
     host_and_pid,
     kill_running_commands,
@@ -68,10 +69,7 @@ WAIT_CAP_S = 1e-3
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
 
-#: The signals that stop a job (a terminal's Ctrl-C, a batch system's SIGTERM; the master
-#: takes both as the start of a graceful stop), and when this worker last received each
-#: (monotonic).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: When this worker last received each of STOP_SIGNALS (monotonic).
 _stop_signals_seen: dict[int, float] = {}
 
 #: How long a worker whose command was killed by one of STOP_SIGNALS waits for the same signal

@@ -14,10 +14,10 @@ from .config import RunConfig
 from .executors import build_executor
 from .exits import ExitStatus
 from .faults import FaultPlan, FaultySender
-from .processes import TEARDOWN_SIGNAL, exit_now
+from .processes import STOP_SIGNALS, TEARDOWN_SIGNAL, exit_now
 from .transport import MasterGone, Transport, worker_spin_default
 from .wire import TAG_STOP, decode_start
-from .worker import STOP_SIGNALS, Sender, answer_stop, note_stop_signal, serve, torn_down
+from .worker import Sender, answer_stop, note_stop_signal, serve, torn_down
 
 
 def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
