@@ -797,7 +797,8 @@ def test_a_run_cut_short_before_the_master_got_its_signal_waits_for_it(tmp_path,
     (its command and itself got SIGTERM) can reach the master before the master's own
     SIGTERM, and was then charged as a run that failed outside a stop. The master now waits
     a moment for its signal; if none comes (a rank signalled alone), the run is charged."""
-    monkeypatch.setattr(master_module, "STOP_SIGNAL_WAIT_S", 1.0)
+    # (a wait well past the signal's 0.3 s, so that a loaded machine cannot make it late)
+    monkeypatch.setattr(master_module, "STOP_SIGNAL_WAIT_S", 3.0)
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
     cut = lambda token: [  # noqa: E731
         (1, TAG_RESULT, encode(Result(token=token, status="interrupted", detail="cut short"))),
