@@ -235,7 +235,7 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0,
 
     # Before the job starts: a Ctrl-C then would otherwise end this launcher with a
     # KeyboardInterrupt, and leave the job (in its own session) to run on.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, forward)
     for launch in (1, 2):
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,

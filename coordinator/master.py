@@ -75,6 +75,8 @@ from .wire import (
     oversized,
 )
 
+_STOP_SIGNAL_NAMES = frozenset(signal.Signals(s).name for s in STOP_SIGNALS)
+
 log = logging.getLogger(__name__)
 
 #: `Summary.stopped_by_signal` when every worker died (ULFM): not a stop anyone asked for.
@@ -145,6 +147,7 @@ class Master:
         self.summary = Summary()
         self._stop_signal: str | None = None
         self._no_stop_seen_until = -math.inf  # (`_stopping`)
+        self._stop_recorded = False  # (`_record_stop`)
         #: What became of the campaign file's name, once it no longer reaches the open file.
         self.file_lost: str | None = None
         self._next_name_check = 0.0
@@ -211,6 +214,7 @@ class Master:
             while True:
                 progressed = self._round()
                 self.summary.rounds += 1
+                self._record_stop()
                 if self._stop_signal is not None and self._stop_ready():
                     break
                 if self._stop_signal is None and self.config.exit_when_drained \
@@ -962,6 +966,19 @@ class Master:
             self._stop_at = time.monotonic()
             print(f"coordinator: {why}: no new dispatches; giving in-flight work "
                   f"{self.config.grace_s:g} s", file=sys.stderr, flush=True)
+
+    def _record_stop(self) -> None:
+        """A stop signal is written at once (a `stop` event), in a transaction of its own: at a
+        Slurm time limit `mpiexec` gets SIGTERM too and ends the ranks within about 2 s, and the
+        scheduler's SIGKILL follows its grace, either of which can end this master before its
+        graceful stop finishes. The event tells `--resume` that the runs left in flight were
+        its operator's stop, not a crash: they are charged nothing
+        (`dispatches.requeue_in_flight`)."""
+        if self._stop_recorded or self._stop_signal not in _STOP_SIGNAL_NAMES:
+            return
+        self._stop_recorded = True
+        with self._tx("stop signal") as tx:
+            tx.event(EventKind.STOP, detail=self._stop_signal)
 
     def _stopping(self) -> bool:
         """Asked for an `interrupted` run: whether the master stops, after waiting up to

@@ -47,7 +47,7 @@ from .output import TestcaseWriter, replace_text
 from .output_lock import OutputLock, lock_output
 from .preflight import check_run, output_directory
 from .preflight import writer as test_case_writer
-from .processes import exit_now, host_and_pid
+from .processes import STOP_SIGNALS, exit_now, host_and_pid
 from .sources import (
     AflQueueSource,
     DemoTasks,
@@ -116,8 +116,8 @@ class MasterRank:
                 self.master.request_stop(name)
             else:
                 self.early_stops.append(name)
-        signal.signal(signal.SIGINT, stop_early)
-        signal.signal(signal.SIGTERM, stop_early)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, stop_early)
 
     def _record_pid(self) -> None:
         """For the self-launching `coordinator run`, which forwards Ctrl-C and SIGTERM here.

@@ -27,9 +27,11 @@ from typing import NoReturn
 #: every rank when a job is cancelled or out of time, and the workers must then go on through
 #: the master's grace period.
 TEARDOWN_SIGNAL = signal.SIGUSR2
-#: The signals that stop a job (a terminal's Ctrl-C, a batch system's SIGTERM): the master's
-#: start of a graceful stop; a worker goes on, and notes them (`worker.cut_short`).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: The signals that stop a job: a terminal's Ctrl-C, a batch system's SIGTERM, a hangup
+#: (the terminal or the ssh session gone), and SIGUSR1, which Slurm users ask for ahead of a
+#: time limit (`--signal=USR1@300`) and whose default action ended every rank at once. The
+#: master's start of a graceful stop; a worker goes on, and notes them (`worker.cut_short`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 #: How far a process's start time read from /proc (whole-second boot time, clock ticks) may
 #: lie past the wall-clock time of something the process did.

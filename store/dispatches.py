@@ -22,7 +22,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .errors import FenceError
 from .journal import Tx
-from .schema import EventKind, TaskState, WorkerState, dispatches, tasks
+from .schema import COUNTED_KIND_SQL, EventKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
 from .workers import set_workers
 
@@ -686,6 +686,29 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     return rec
 
 
+#: How many times one task's run may be cut off uncharged by an incarnation its operator
+#: stopped (see `requeue_in_flight`); the next such run is charged as a crash's.
+STOPPED_FREE = 3
+#: The start of the detail of such a run's `interrupted` event (then the signal's name).
+STOPPED_BY = "stopped by "
+
+
+def stop_signals(tx: Tx) -> dict[int, str]:
+    """incarnation -> the first stop signal it got (its `stop` events; one index range)."""
+    got: dict[int, str] = {}
+    for incarnation, detail in tx.db.execute(
+            f"SELECT incarnation, detail FROM events WHERE kind = 'stop' AND {COUNTED_KIND_SQL} "
+            "ORDER BY id"):
+        got.setdefault(incarnation, detail or "a stop signal")
+    return got
+
+
+def _stopped_free_runs(tx: Tx, task_id: int) -> int:
+    return tx.db.execute("SELECT count(*) FROM events WHERE task_id = ? AND kind = 'interrupted' "
+                         "AND substr(detail, 1, ?) = ?",
+                         (task_id, len(STOPPED_BY), STOPPED_BY)).fetchone()[0]
+
+
 def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
                       charged_ranks: Collection[int] = ()) -> list[int]:
     """Return dispatched work to the queue head, oldest dispatch first.
@@ -696,14 +719,19 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
     master like an operator would). Resume (`True`): dispatches an earlier incarnation left
     behind when it died; the attempt counts and the ceiling applies, but nothing is charged to
     the immediate-retry budget (`budget_used`: a coordinator crash is not a protocol failure).
+    A single task's run of an incarnation that got a stop signal (a `stop` event) before it
+    died is charged nothing, STOPPED_FREE times at most per task: it was its operator's stop
+    (at a Slurm time limit `mpiexec` ends the ranks before the graceful stop can finish, and
+    SIGKILL follows the scheduler's grace), not a crash the task may have caused.
     """
     cond = (dispatches.c.incarnation < tx.incarnation if earlier_incarnations
             else dispatches.c.incarnation == tx.incarnation)
     rows = tx.conn.execute(select(dispatches.c.rank, dispatches.c.token, dispatches.c.task_id,
-                                  dispatches.c.ready_at)
+                                  dispatches.c.ready_at, dispatches.c.incarnation)
                            .where(cond).order_by(dispatches.c.created_at.desc(),
                                                  dispatches.c.rank.desc())).all()
     kind = EventKind.INTERRUPTED if earlier_incarnations else EventKind.STOP_REQUEUED
+    stopped = stop_signals(tx) if earlier_incarnations and rows else {}
     back: list[int] = []
     for r in rows:  # newest first, each to the head: the oldest ends up first
         taken = _take(tx, r.rank, r.token)
@@ -714,11 +742,17 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
         # whole job, and a batch requeued whole at each --resume ended it again for ever.
         suspect = earlier_incarnations or r.rank in charged_ranks
         n = len(taken.task_ids)
-        charged = suspect and n == 1
+        free = None
+        # Bounded: a target that signals the whole job (or a worker's death that makes
+        # `mpiexec` signal the master) must not get its task rerun uncharged for ever.
+        if suspect and n == 1 and r.incarnation in stopped \
+                and _stopped_free_runs(tx, r.task_id) < STOPPED_FREE:
+            free = f"{STOPPED_BY}{stopped[r.incarnation]}: not charged"
+        charged = suspect and n == 1 and free is None
         split = (f"split: {n} tasks back at the head in halves of {half_size(n, 0)} and "
                  f"{half_size(n, n - 1)}, none charged") if suspect and n > 1 else None
         tx.event(kind, rank=r.rank, token=r.token, task_id=r.task_id,
-                 detail="worker gone" if charged and not earlier_incarnations else split)
+                 detail="worker gone" if charged and not earlier_incarnations else split or free)
         pos = head_position(tx) - len(taken.task_ids) + 1
         for i, task_id in enumerate(taken.task_ids):
             if charged:

@@ -176,6 +176,65 @@ def test_restarts_cannot_retry_a_poison_task_forever(db_path):
     farm.close()
 
 
+def _stop_signal(farm: Farm, name: str = "SIGTERM") -> None:
+    """What the master writes the moment it gets a stop signal (`Master._record_stop`)."""
+    from store.schema import EventKind
+    with farm.store.transaction() as tx:
+        tx.event(EventKind.STOP, detail=name)
+
+
+def test_an_incarnation_stopped_by_its_operator_leaves_its_runs_uncharged(db_path):
+    """At a Slurm time limit `mpiexec` ends the ranks (and SIGKILL follows the grace) before
+    the graceful stop can finish: its `stop` event makes the resume charge the single runs it
+    left in flight nothing; a batch still goes back in halves, none charged, as after a crash;
+    an incarnation that got no stop signal is charged as before."""
+    from store.dispatches import STOPPED_BY
+    farm = Farm(db_path)
+    single, other, *batch = farm.enqueue(*({"data": i} for i in range(6)))
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.dispatch(1)
+    farm.plan(2, batch=4)
+    _stop_signal(farm, "SIGUSR1")
+    farm.close()  # ended before its graceful stop finished
+
+    farm = Farm(db_path, resume=True)
+    attempts = {t.id: t.attempts for t in rows(farm, tasks)}
+    assert attempts == dict.fromkeys([single, other, *batch], 0)
+    details = {e.task_id: e.detail for e in rows(farm, events, events.c.kind == "interrupted")}
+    assert details[single] == f"{STOPPED_BY}SIGUSR1: not charged"
+    assert details[other].startswith("split: 4 tasks")
+    # The next incarnation got no stop signal: its run is a crash's, charged.
+    farm.ready(1, "")
+    farm.dispatch(1)
+    farm.close()
+    farm = Farm(db_path, resume=True)
+    assert rows(farm, tasks, tasks.c.id == single)[0].attempts == 1
+    farm.close()
+
+
+def test_stops_cannot_rerun_a_task_uncharged_for_ever(db_path):
+    """A target that signals the whole job (or a worker's death that makes `mpiexec` signal
+    the master) looks like an operator's stop: STOPPED_FREE such runs of one task go uncharged,
+    and the next ones are charged up to the ceiling."""
+    from store.dispatches import STOPPED_FREE
+    policy = RetryPolicy(max_attempts=2)
+    farm = Farm(db_path, policy=policy)
+    [tid] = farm.enqueue({"data": "signals the whole job"})
+    charged = []
+    for _ in range(STOPPED_FREE + 2):
+        farm.ready(1, "")
+        farm.dispatch(1)
+        _stop_signal(farm)
+        farm.close()
+        farm = Farm(db_path, resume=True, policy=policy)
+        charged.append(rows(farm, tasks, tasks.c.id == tid)[0].attempts)
+    assert charged == [0] * STOPPED_FREE + [1, 2]
+    t = rows(farm, tasks, tasks.c.id == tid)[0]
+    assert t.state == "failed" and "interrupted by a coordinator restart" in t.reason
+    farm.close()
+
+
 # -- open: a new campaign or --resume, the campaign's lock, its settings ------------------------
 
 def test_existing_campaign_needs_resume(db_path, farm):

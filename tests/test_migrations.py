@@ -866,3 +866,52 @@ def test_0017_counts_what_earlier_code_kept_from_its_events_and_goes_back(tmp_pa
                                            (22.0, 1, 2, "9" * 64, 4, 1)]
     _run_alembic(db, "downgrade", "0016")
     assert _dump(db) == before
+
+
+def test_0018_lets_events_hold_a_stop_and_goes_back(tmp_path: Path):
+    """0018 changes no row, only the CHECK text of `events`: a `stop` is refused at 0017 and
+    accepted at 0018 (by a connection opened before the upgrade too); any other kind is still
+    refused; the downgrade deletes the `stop` events and leaves the file as it was."""
+    db = tmp_path / "old.db"
+    _at_0006_with_a_dispatch_in_flight(db)
+    versioning.upgrade(db, "0017")
+    stop = "INSERT INTO events (at, incarnation, kind, detail) VALUES (0, 1, ?, 'SIGTERM')"
+    other = sqlite3.connect(db, cached_statements=0)
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"), other:
+            other.execute(stop, ("stop",))
+        before = _dump(db)
+        assert versioning.upgrade(db, "0018") == ("0017", "0018")
+        after = _dump(db)
+        assert after["rows"] == {**before["rows"], "alembic_version": [("0018",)]}
+        changed = {o[1] for o, b in zip(after["objects"], before["objects"], strict=True) if o != b}
+        assert changed == {"events"}
+        with other:
+            other.execute(stop, ("stop",))
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"), other:
+            other.execute(stop, ("stopped",))
+    finally:
+        other.close()
+    _run_alembic(db, "downgrade", "0017")
+    assert _dump(db) == before
+
+
+def test_0018_refuses_a_file_whose_events_check_was_changed(tmp_path: Path):
+    """An `events` CHECK not in the form 0017 left stops the revision, the file whole."""
+    db = tmp_path / "edited.db"
+    versioning.upgrade(db, "0017")
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            conn.execute("PRAGMA writable_schema = ON")
+            conn.execute("UPDATE sqlite_master SET sql = replace(sql, ' OR kind = ''split''', "
+                         "'') WHERE name = 'events'")
+            version = conn.execute("PRAGMA schema_version").fetchone()[0]
+            conn.execute(f"PRAGMA schema_version = {version + 1}")
+            conn.execute("PRAGMA writable_schema = OFF")
+    finally:
+        conn.close()
+    before = _dump(db)
+    with pytest.raises(StoreWriteError, match="0018.*events.kind"):
+        versioning.upgrade(db)
+    assert _dump(db) == before

@@ -6,6 +6,7 @@ fails the test) and pytest-timeout on the test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from processes import running
 
 from coordinator.exits import ExitStatus
 from coordinator.launcher import mpiexec_flags
+from store.audit import audit_path
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
@@ -1443,3 +1445,68 @@ def test_a_campaign_file_removed_under_the_master_is_copied_back_whole(tmp_path)
     again = run([*args, "--resume"], np=3, timeout=200)
     assert again.returncode == 0, again.stderr[-3000:]
     check_conservation(db, expected_tasks=400)
+
+
+STUBBORN_TARGET = textwrap.dedent("""\
+    import os, signal, sys, time
+    # A target that finishes its run whatever it is sent (SymCC under a wrapper that traps
+    # signals does): the graceful stop cannot end before the launcher ends the job.
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+    hold = os.path.join(os.path.dirname(sys.argv[0]), "hold")
+    if os.path.exists(hold):
+        open(f"{hold}.{os.getpid()}", "w").close()
+        time.sleep(600)
+    """)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP],
+                         ids=lambda s: s.name)
+def test_a_time_limit_that_signals_mpiexec_too_charges_nothing(tmp_path, sig):
+    """At a Slurm time limit (or `scancel`, `--signal=USR1@N`) every process of the job gets
+    the signal: `mpiexec` too, which answers SIGTERM by ending its ranks within about 2 s,
+    before the master's graceful stop (its grace, its wait for STOP_ACKs) can finish; SIGUSR1
+    ended every rank at once (its default action). Each `--resume` then charged the runs left
+    in flight an attempt, as after a crash: two time limits with `--max-attempts 2` held three
+    healthy tasks `failed` (a review). The master now writes a `stop` event the moment it gets
+    the signal, and the resume charges those runs nothing."""
+    target = tmp_path / "stubborn.py"
+    target.write_text(STUBBORN_TARGET)
+    (tmp_path / "hold").touch()
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 3)),
+            "--max-attempts", "2", "--grace", "3", "--stop-wait", "3", "--no-progress",
+            "--", sys.executable, str(target), "@@"]
+    targets: list[int] = []
+    for time_limit in (1, 2):
+        proc = start(args if time_limit == 1 else args[:1] + ["--resume"] + args[1:])
+        try:
+            deadline = time.monotonic() + 60
+            while len(held := list(tmp_path.glob("hold.*"))) < 3:
+                assert time.monotonic() < deadline and proc.poll() is None, "no 3 targets"
+                time.sleep(0.05)
+            targets = [int(p.name.split(".")[1]) for p in held]
+            for p in held:
+                p.unlink()
+            for pid in [proc.pid, *ranks_of(db), *targets]:  # every process, as Slurm does
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            finish(proc, timeout=90)  # (its status is the launcher's)
+        finally:
+            kill_job(proc)
+            kill_ranks(db)
+            for pid in targets:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        # (Ended by the launcher before its stop finished: its runs may still be in flight.)
+        assert audit_path(db).violations == []
+        assert query(db, "SELECT count(*) FROM results") == [(0,)]
+        assert query(db, "SELECT attempts FROM tasks") == [(0,)] * 3
+        assert query(db, "SELECT incarnation, detail FROM events WHERE kind = 'stop'")[-1] == (
+            time_limit, sig.name)
+    (tmp_path / "hold").unlink()
+    again = run(["run", "--db", str(db), "--resume", "--no-progress"], timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_conservation(db, expected_tasks=3)
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY 1") == [("ok", 3)]
+    assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
