@@ -883,8 +883,10 @@ class Master:
         if self._stalled_since is None:
             self._stalled_since = now
             held = "; ".join(
-                f"rank {rank} on task {task_id}" + (f" since {_clock(at)}" if at else "")
-                for rank, task_id, at in parked)
+                f"rank {rank} on " + (f"a batch of {n} tasks from task {task_id}" if n > 1
+                                      else f"task {task_id}")
+                + (f" since {_clock(at)}" if at else "")
+                for rank, task_id, at, n in parked)
             dead = sorted(self._failed_ranks)
             print(f"coordinator: no rank can take work: every live rank is parked, hung past "
                   f"its --watchdog deadline ({held})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from sqlalchemy import Connection, select, text, update
@@ -110,15 +111,25 @@ def worker_states(conn: Connection) -> dict[int, WorkerState]:
 
 #: The watchdog events of parked ranks, through the partial index of the counted kinds (a
 #: few rows), never the per-task events.
+# A batch's watchdog event names its first task; the split that put its tasks back says how
+# many it held ("split: 8 tasks back at the head ...").
 _PARKED = text(
-    "SELECT w.rank, e.task_id, e.at FROM workers w LEFT JOIN events e "
+    "SELECT w.rank, e.task_id, e.at, (SELECT s.detail FROM events s WHERE s.kind = 'requeued' "
+    f"AND {COUNTED_KIND_SQL} AND s.token = w.parked_token AND substr(s.detail, 1, 7) = 'split: '"
+    ") FROM workers w LEFT JOIN events e "
     f"ON e.kind = 'watchdog' AND {COUNTED_KIND_SQL} AND e.token = w.parked_token "
     "WHERE w.state = 'parked' ORDER BY w.rank")
+_SPLIT_SIZE = re.compile(r"split: (\d+) tasks")
 
 
-def parked_detail(conn: Connection) -> list[tuple[int, int | None, float | None]]:
-    """(rank, the task whose dispatch the watchdog retired, when) for every parked rank."""
-    return [tuple(r) for r in conn.execute(_PARKED)]  # type: ignore[misc]
+def parked_detail(conn: Connection) -> list[tuple[int, int | None, float | None, int]]:
+    """(rank, the (first) task of the dispatch the watchdog retired, when, how many tasks it
+    held) for every parked rank."""
+    out = []
+    for rank, task_id, at, split in conn.execute(_PARKED):
+        m = _SPLIT_SIZE.match(split or "")
+        out.append((rank, task_id, at, int(m[1]) if m else 1))
+    return out
 
 
 def ranks_in_state(conn: Connection, *states: WorkerState) -> set[int]:

@@ -464,6 +464,23 @@ def test_a_parked_rank_echoing_twice_in_one_round_is_recovered_once(farm):
         assert read_stats(conn).watchdog_recoveries == 1
 
 
+def test_a_parked_rank_is_said_to_hold_its_whole_batch_not_its_first_task(farm):
+    """The stall message named a hung batch by its first task ("rank 1 on task 3" for a
+    batch whose hung task was 401): `parked_detail` says how many tasks the retired dispatch
+    held, from the split that put them back."""
+    from store.workers import parked_detail
+    first, *_ = farm.enqueue(*({"data": i} for i in range(9)))
+    farm.ready(1, "")
+    farm.ready(2, "")
+    [batch] = farm.plan(1, deadline_s=-1, batch=8)
+    single = farm.dispatch(2, deadline_s=-1)[2]
+    with farm.store.transaction() as tx:
+        assert {r.token for r in farm.gate.watchdog(tx)} == {batch.token, single}
+    with farm.store.reading() as conn:
+        held = {rank: (task, n) for rank, task, _at, n in parked_detail(conn)}
+    assert held[1] == (first, 8) and held[2][1] == 1
+
+
 def test_the_watchdog_retires_a_dispatch_only_after_its_deadline(tmp_path: Path):
     clock = [1000.0]
     store = Store.open(tmp_path / "c.db", policy=POLICY, clock=lambda: clock[0])
