@@ -976,11 +976,18 @@ class Master:
         graceful stop finishes. The event tells `--resume` that the runs left in flight were
         its operator's stop, not a crash: they are charged nothing
         (`dispatches.requeue_in_flight`)."""
-        if self._stop_recorded or self._stop_signal not in _STOP_SIGNAL_NAMES:
+        if self._stop_signal in _STOP_SIGNAL_NAMES:
+            self.record_stop(self._stop_signal)
+
+    def record_stop(self, why: str) -> None:
+        """A `stop` event, once: the run ends for a cause that is not its tasks' (a stop
+        signal, the output directory full), so `--resume` charges nothing for the runs it
+        leaves in flight."""
+        if self._stop_recorded:
             return
         self._stop_recorded = True
-        with self._tx("stop signal") as tx:
-            tx.event(EventKind.STOP, detail=self._stop_signal)
+        with self._tx("stop") as tx:
+            tx.event(EventKind.STOP, detail=why)
 
     def _stopping(self) -> bool:
         """Asked for an `interrupted` run: whether the master stops, after waiting up to

@@ -8,6 +8,7 @@ waiting.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -61,6 +62,11 @@ from .wire import Start, encode
 
 #: A tasks file this large (bytes) takes long enough to read that the start says so.
 BIG_TASKS_FILE = 10_000_000
+#: The `stop` event's detail when the run ends because its storage failed: not its tasks'
+#: doing, so --resume charges nothing for the runs it left in flight (when the event could
+#: be written).
+STORAGE_STOP = "the campaign file could not be written"
+OUTPUT_STOP = "the output directory could not be written"
 
 
 def run_master_rank(cfg: RunConfig, transport: Transport) -> int:
@@ -334,6 +340,7 @@ class MasterRank:
         except StoreWriteError as e:
             # A failed COMMIT has an unknown outcome: stop, and let restart recovery decide.
             print(f"coordinator: {e}", file=sys.stderr, flush=True)
+            self._record_stop(STORAGE_STOP)
             _say("stopped; nothing is lost — fix the storage and continue with --resume")
             return self._end_job(self._record_exit(ExitStatus.STORE))
         except StoreError as e:
@@ -346,6 +353,7 @@ class MasterRank:
             # Test cases could not be written (disk full, read-only output): the round that
             # wanted them rolled back, so its task runs again after --resume.
             _say(f"cannot write output: {e}")
+            self._record_stop(OUTPUT_STOP)
             _say("stopped; nothing is lost — free space or fix the output directory and "
                  "continue with --resume")
             return self._end_job(self._record_exit(ExitStatus.STORE))
@@ -356,6 +364,13 @@ class MasterRank:
             _say("internal error; the campaign is saved, continue with --resume")
             return self._end_job(self._record_exit(ExitStatus.INTERNAL))
         return self._report(summary)
+
+    def _record_stop(self, why: str) -> None:
+        """Best effort: the storage that failed may refuse this write too (the runs left in
+        flight are then charged an attempt at --resume, as after a crash)."""
+        assert self.master is not None
+        with contextlib.suppress(Exception):  # (the first failure is the one reported)
+            self.master.record_stop(why)
 
     def _report(self, summary: Summary) -> int:
         cfg, store, master = self.cfg, self.store, self.master

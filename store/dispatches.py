@@ -689,8 +689,8 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
 #: How many times one task's run may be cut off uncharged by an incarnation its operator
 #: stopped (see `requeue_in_flight`); the next such run is charged as a crash's.
 STOPPED_FREE = 3
-#: The start of the detail of such a run's `interrupted` event (then the signal's name).
-STOPPED_BY = "stopped by "
+#: The start of the detail of such a run's `interrupted` event (then the stop's cause).
+STOPPED_BY = "stopped ("
 
 
 def stop_signals(tx: Tx) -> dict[int, str]:
@@ -719,10 +719,11 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
     master like an operator would). Resume (`True`): dispatches an earlier incarnation left
     behind when it died; the attempt counts and the ceiling applies, but nothing is charged to
     the immediate-retry budget (`budget_used`: a coordinator crash is not a protocol failure).
-    A single task's run of an incarnation that got a stop signal (a `stop` event) before it
-    died is charged nothing, STOPPED_FREE times at most per task: it was its operator's stop
-    (at a Slurm time limit `mpiexec` ends the ranks before the graceful stop can finish, and
-    SIGKILL follows the scheduler's grace), not a crash the task may have caused.
+    A single task's run of an incarnation that recorded a stop (a `stop` event: a stop signal,
+    its storage full) before it died is charged nothing, STOPPED_FREE times at most per task:
+    its operator's stop (at a Slurm time limit `mpiexec` ends the ranks before the graceful
+    stop can finish, and SIGKILL follows the scheduler's grace) or its storage ended it, not a
+    crash the task may have caused.
     """
     cond = (dispatches.c.incarnation < tx.incarnation if earlier_incarnations
             else dispatches.c.incarnation == tx.incarnation)
@@ -747,7 +748,7 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
         # `mpiexec` signal the master) must not get its task rerun uncharged for ever.
         if suspect and n == 1 and r.incarnation in stopped \
                 and _stopped_free_runs(tx, r.task_id) < STOPPED_FREE:
-            free = f"{STOPPED_BY}{stopped[r.incarnation]}: not charged"
+            free = f"{STOPPED_BY}{stopped[r.incarnation]}): not charged"
         charged = suspect and n == 1 and free is None
         split = (f"split: {n} tasks back at the head in halves of {half_size(n, 0)} and "
                  f"{half_size(n, n - 1)}, none charged") if suspect and n > 1 else None

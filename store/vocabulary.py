@@ -106,10 +106,11 @@ class EventKind(str, enum.Enum):
     # A batch whose results were too large for one RESULT, rolled back in halves at its
     # worker's request (revision 0014): no failure, none charged, not a protocol requeue.
     SPLIT = "split"
-    # The master got a stop signal (detail: its name), written at once (revision 0018). An
-    # incarnation that holds one and then died before its stop finished (the launcher, or the
-    # scheduler's SIGKILL after its grace, ended the job first) was stopped by its operator:
-    # `--resume` charges its runs in flight nothing (`dispatches.requeue_in_flight`).
+    # The master got a stop signal (detail: its name), written at once, or stopped because its
+    # output directory or campaign file could not be written (revision 0018). An incarnation
+    # that holds one and then died with runs in flight (the launcher, or the scheduler's
+    # SIGKILL after its grace, ended the job before the stop finished) did not crash on a
+    # task: `--resume` charges those runs nothing (`dispatches.requeue_in_flight`).
     STOP = "stop"
 
 

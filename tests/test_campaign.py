@@ -202,7 +202,7 @@ def test_an_incarnation_stopped_by_its_operator_leaves_its_runs_uncharged(db_pat
     attempts = {t.id: t.attempts for t in rows(farm, tasks)}
     assert attempts == dict.fromkeys([single, other, *batch], 0)
     details = {e.task_id: e.detail for e in rows(farm, events, events.c.kind == "interrupted")}
-    assert details[single] == f"{STOPPED_BY}SIGUSR1: not charged"
+    assert details[single] == f"{STOPPED_BY}SIGUSR1): not charged"
     assert details[other].startswith("split: 4 tasks")
     # The next incarnation got no stop signal: its run is a crash's, charged.
     farm.ready(1, "")

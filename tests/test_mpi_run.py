@@ -1510,3 +1510,53 @@ def test_a_time_limit_that_signals_mpiexec_too_charges_nothing(tmp_path, sig):
     check_conservation(db, expected_tasks=3)
     assert query(db, "SELECT status, count(*) FROM results GROUP BY 1") == [("ok", 3)]
     assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
+
+
+BIG_OUTPUT_TARGET = textwrap.dedent("""\
+    import os, sys, time
+    here = os.path.dirname(sys.argv[0])
+    n = open(sys.argv[1], "rb").read()
+    if os.path.exists(os.path.join(here, "big")):
+        if n == b"0":  # test cases (each under the 1 MiB kept) the output disk cannot hold
+            for i in range(3):
+                with open(os.path.join(os.environ["SYMCC_OUTPUT_DIR"], f"00000{i}"), "wb") as f:
+                    f.write(bytes([i]) * 900_000)
+        else:  # the others still running when the write fails
+            open(os.path.join(here, f"hold.{os.getpid()}"), "w").close()
+            time.sleep(600)
+    """)
+
+
+def test_an_output_directory_that_fills_up_charges_nothing(tmp_path, tiny_fs):
+    """A test case the output directory has no room for stops the run (exit 3, nothing lost).
+    Every run in flight then, the one whose test case could not be written included, was
+    charged an attempt at `--resume`, as after a crash (a review). The master now records the
+    stop (a `stop` event: the campaign file itself was writable), and the resume charges
+    nothing."""
+    target = tmp_path / "big.py"
+    target.write_text(BIG_OUTPUT_TARGET)
+    (tmp_path / "big").touch()
+    db = tmp_path / "c.db"
+    args = ["run", "--db", str(db), "--tasks", str(_input_tasks(tmp_path, 3)),
+            "--out", str(tiny_fs / "out"), "--no-feedback", "--no-progress", "--",
+            sys.executable, str(target), "@@"]
+    targets: list[int] = []
+    proc = start(args)
+    try:
+        done = finish(proc, timeout=120)
+    finally:
+        kill_job(proc)
+        targets = [int(p.name.split(".")[1]) for p in tmp_path.glob("hold.*")]
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    # (The job's status is the launcher's: the master's own, 3, is in its last line.)
+    assert "cannot write output: [Errno 28]" in done.stderr, done.stderr[-3000:]
+    assert query(db, "SELECT detail FROM events WHERE kind = 'stop'") == [
+        ("the output directory could not be written",)]
+    (tmp_path / "big").unlink()
+    again = run(args[:1] + ["--resume"] + args[1:], timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_conservation(db, expected_tasks=3)
+    assert query(db, "SELECT status, count(*) FROM results GROUP BY 1") == [("ok", 3)]
+    assert query(db, "SELECT sum(attempts) FROM tasks") == [(0,)]
