@@ -179,3 +179,33 @@ def test_the_views_show_a_dispatch_in_flight_and_a_held_task(campaign: Path, tmp
             (8, "failed", "five failed attempts")]
         assert c.execute("SELECT what FROM task_history WHERE task_id = 7").fetchall()[-1] == (
             "dispatched (in flight)",)
+
+
+def test_the_page_warns_that_immutable_leaves_the_wal_out_where_it_gives_it(campaign: Path,
+                                                                             tmp_path: Path):
+    """`?immutable=1` was given "on read-only media" alone: a file copied with its `-wal`
+    read 113 results where it held 193. SQLite reads the main file alone that way."""
+    import shutil
+    copy = copy_of(campaign, tmp_path)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    c = sqlite3.connect(copy)
+    try:  # commits left in the -wal, as a kill -9 leaves them, copied with it
+        c.execute("PRAGMA wal_autocheckpoint = 0")
+        c.execute("DELETE FROM results WHERE task_id IN "
+                  "(SELECT task_id FROM results ORDER BY task_id LIMIT 10)")
+        c.commit()
+        shutil.copy(copy, kept / "c.db")
+        shutil.copy(f"{copy}-wal", kept / "c.db-wal")
+    finally:
+        c.close()
+    count = "SELECT count(*) FROM results"
+    with sqlite3.connect(f"file:{kept / 'c.db'}?immutable=1", uri=True) as c:
+        assert c.execute(count).fetchone() == (30,)  # the -wal's commit left out
+    with sqlite3.connect(f"file:{kept / 'c.db'}?mode=ro", uri=True) as c:
+        assert c.execute(count).fetchone() == (20,)
+    head = PAGE[:PAGE.index("\n## Rules of use\n")]
+    assert "?immutable=1'  # read-only media, and only with no -wal beside it" in head
+    assert "**ignores `campaign.db-wal`**" in head
+    assert "copy `campaign.db` and `campaign.db-wal` together" in head
+    assert "`coordinator status` or\n`check`, which read the `-wal` too" in head
