@@ -209,3 +209,27 @@ def test_the_page_warns_that_immutable_leaves_the_wal_out_where_it_gives_it(camp
     assert "**ignores `campaign.db-wal`**" in head
     assert "copy `campaign.db` and `campaign.db-wal` together" in head
     assert "`coordinator status` or\n`check`, which read the `-wal` too" in head
+
+
+def test_query_5_shows_the_dispatch_in_flight_of_a_task_alone_and_in_a_batch(farm):
+    """The `task_history` view shows a task's dispatch in flight (`dispatched (in flight)`);
+    query 5, its by-hand twin, left it out, for a task alone and a batch's tasks alike."""
+    ids = farm.enqueue(*({"data": i} for i in range(4)))
+    farm.ready(1)
+    farm.ready(2)
+    [batch] = farm.plan(1, batch=3, sent=True)
+    [alone] = farm.plan(2, batch=1)
+    assert [t.id for t in batch.tasks] == ids[:3] and [t.id for t in alone.tasks] == ids[3:]
+    with farm.store.reading() as conn:
+        for task_id, token, rank, detail in ((ids[0], batch.token, 1, "sent"),
+                                             (ids[2], batch.token, 1, "sent"),
+                                             (ids[3], alone.token, 2, "not sent yet")):
+            rows = conn.exec_driver_sql(
+                QUERIES["5"].replace("WHERE id = 7", f"WHERE id = {task_id}")).all()
+            assert [(r[2], r[3], r[4], r[5], r[6]) for r in rows][1:] == [
+                ("dispatched (in flight)", rank, task_id, token[:12], detail)]
+            assert rows[0][2] == "enqueued"
+            view = conn.exec_driver_sql(
+                f"SELECT what FROM task_history WHERE task_id = {task_id}").all()
+            assert [r[0] for r in view] == [r[2] for r in rows]
+    assert "`dispatched (in flight)` (the dispatch that holds the task now" in PAGE
