@@ -14,7 +14,7 @@ from fakes import InstantWorkers
 from coordinator.master import Master, MasterConfig
 from coordinator.sources import demo_tasks
 from store.campaign import Store
-from store.engine import open_engine
+from store.engine import open_engine, read_file
 from store.stats import read_stats, stats_text
 from store.tasks import enqueue_tasks
 
@@ -233,3 +233,26 @@ def test_query_5_shows_the_dispatch_in_flight_of_a_task_alone_and_in_a_batch(far
                 f"SELECT what FROM task_history WHERE task_id = {task_id}").all()
             assert [r[0] for r in view] == [r[2] for r in rows]
     assert "`dispatched (in flight)` (the dispatch that holds the task now" in PAGE
+
+
+def test_query_7_gives_the_test_cases_status_counts(campaign: Path, tmp_path: Path):
+    """`status` and the plot count the test cases of committed results and of retried runs
+    (`salvaged`, revision 0017); query 7 and the `throughput_per_minute` view counted the
+    first only, with no word of it."""
+    from store.observe import read_found
+    copy = copy_of(campaign, tmp_path)
+    with sqlite3.connect(copy) as c:
+        c.execute("UPDATE results SET testcases = 1 WHERE task_id % 5 = 0")
+        (last,) = c.execute("SELECT max(committed_at) FROM results").fetchone()
+        c.executemany("INSERT INTO salvaged (at, incarnation, rank, token, task_id, testcases) "
+                      "VALUES (?, 1, 2, ?, ?, ?)", [(last, "a" * 64, 3, 1),
+                                                    (last + 120, "b" * 64, 4, 3)])
+        rows = c.execute(QUERIES["7"]).fetchall()
+        view = c.execute("SELECT sum(testcases) FROM throughput_per_minute").fetchone()[0]
+    found = read_file(copy, read_found)[0]
+    assert sum(r[1] for r in rows) == 30 and rows[-1][1] == 0  # a minute of a retried run alone
+    assert (sum(r[5] for r in rows), sum(r[6] for r in rows)) == (6, 4)
+    assert found.testcases == 10 == sum(r[5] + r[6] for r in rows) == view + 4
+    section = SECTION[SECTION.index("### 7."):SECTION.index("### 8.")]
+    assert "`coordinator status`, the progress line, the metrics and the plot count both" in section
+    assert "not the `salvaged` ones of retried runs" in VIEWS_SECTION
