@@ -256,3 +256,32 @@ def test_query_7_gives_the_test_cases_status_counts(campaign: Path, tmp_path: Pa
     section = SECTION[SECTION.index("### 7."):SECTION.index("### 8.")]
     assert "`coordinator status`, the progress line, the metrics and the plot count both" in section
     assert "not the `salvaged` ones of retried runs" in VIEWS_SECTION
+
+
+def test_a_broken_batch_is_one_protocol_requeue_and_the_page_says_so(farm):
+    """A batch broken by a failure goes back in halves, none charged, logged as `requeued`
+    (`split: ...` in its detail) and counted as a "Protocol-requeued dispatch", as a task
+    requeued alone is; the page said a `requeued` was a requeue within the retry budget, and
+    splits were not counted."""
+    ids = farm.enqueue(*({"data": i} for i in range(9)))
+    farm.ready(1)
+    farm.ready(2)
+    [batch] = farm.plan(1, batch=8, sent=True)
+    [alone] = farm.plan(2, sent=True)
+    for p in (batch, alone):
+        farm.result_raw(p.rank, {"status": "ok"})  # no token: the invalid mark
+        farm.ready(p.rank, p.token)
+    assert len(farm.sweep()) == 2
+    with farm.store.reading() as conn:
+        requeued = conn.exec_driver_sql(
+            "SELECT token, task_id, detail FROM events WHERE kind = 'requeued' "
+            "ORDER BY id").all()
+        stats = read_stats(conn)
+    assert sorted(requeued) == sorted([
+        (batch.token, ids[0], "split: 8 tasks back at the head in halves of 4 and 4, none "
+                              "charged (invalid result)"),
+        (alone.token, ids[8], "invalid result")])
+    assert stats.requeued == 2
+    [row] = [line for line in PAGE.splitlines() if line.startswith("| `requeued` |")]
+    assert "`split: 8 tasks back at the head in halves of 4 and 4, none charged" in row
+    assert "the count is of dispatches, not tasks, and includes these broken batches" in row
