@@ -519,8 +519,9 @@ def _audit(conn: Connection) -> AuditReport:
 
 
 def audit_path(path: str | os.PathLike[str]) -> AuditReport:
-    """`audit` of the file at `path`, read with `engine.read_file` (nothing is written or
-    created beside it, and a running master is never made to wait)."""
+    """`audit` of the file at `path`, read with `engine.read_file` (nothing is written, and a
+    running master is never made to wait; SQLite itself makes a `-shm` beside a `-wal` that
+    has none, where the directory can be written)."""
     report, view = read_file(path, audit)
     if view.note():
         report.notes.append(view.note())

@@ -633,6 +633,33 @@ def test_a_campaign_at_rest_is_read_without_a_file_made_beside_it(campaign):
     assert _listing(campaign.parent) == before
 
 
+
+def test_a_read_beside_a_wal_makes_the_shm_as_operations_md_says(campaign, tmp_path):
+    """operations.md said `status`/`check` created nothing beside the file; beside a `-wal`
+    with no `-shm` (a kill -9's, or a copy's) SQLite makes one wherever the directory can be
+    written, and leaves it: the page says so. Nothing is written to the file or its -wal."""
+    left = tmp_path / "left"
+    left.mkdir()
+    c = sqlite3.connect(campaign)
+    try:  # a commit left in the -wal, copied with it as a kill -9 leaves them
+        c.execute("PRAGMA wal_autocheckpoint = 0")
+        c.execute("DELETE FROM quarantine")
+        c.commit()
+        for suffix in ("", "-wal"):
+            shutil.copy(f"{campaign}{suffix}", left / f"c.db{suffix}")
+    finally:
+        c.close()
+    before = _listing(left)
+    report = audit_path(left / "c.db")
+    assert report.stats is not None and report.stats.quarantine["result"] == {}  # -wal read
+    after = _listing(left)
+    assert set(after) - set(before) == {"c.db-shm"}
+    assert {k: after[k] for k in before} == before  # the file and its -wal as they were
+    text = (REPO / "docs" / "operations.md").read_text()
+    [row] = [line for line in text.splitlines() if line.startswith("| `status`/`check`")]
+    assert "nothing created beside the file" not in row
+    assert "it creates `campaign.db-shm` and leaves it" in row
+
 def test_the_connection_refuses_to_write(campaign):
     engine = open_readonly(campaign)
     try:
