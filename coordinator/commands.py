@@ -56,7 +56,8 @@ def _say_check(db: Path, report: AuditReport, as_json: bool) -> None:
         return
     if report.ok:
         tasks = sum(report.stats.tasks.values()) if report.stats is not None else 0
-        skipped = f"; {len(report.skipped)} checks not run on it" if report.skipped else ""
+        skipped = (f"; {len(report.skipped)} checks not run on it: "
+                   f"{', '.join(c.value for c in report.skipped)}" if report.skipped else "")
         print(f"{db}: consistent ({tasks} tasks, schema {report.revision}{skipped})")
     for v in report.violations:
         print(f"{db}: {v.kind.value}: {v.message}")

@@ -98,6 +98,23 @@ class Check(str, enum.Enum):
     STATS_VS_ROWS = "stats_vs_rows"
 
 
+#: What each check a file's revision can rule out would have made sure of.
+SKIPPABLE = {
+    Check.MORE_RECORDS_THAN_DISPATCHES: "that no task has more dispatch records than "
+                                        "dispatches",
+    Check.DISPATCH_WITHOUT_RECORD: "that every dispatch has its record",
+    Check.TOKEN_ENDED_WITHOUT_RESULT: "that no result comes from a dispatch that ended "
+                                      "without one",
+}
+
+
+def skipped_text(skipped: list[Check]) -> str:
+    """The checks not run, each by its name (as `check --json` lists them) and what it
+    makes sure of: `a` (that ...), `b` (that ...) and `c` (that ...)."""
+    named = [f"`{c.value}` ({SKIPPABLE.get(c, 'a check')})" for c in skipped]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+
+
 @dataclass(frozen=True)
 class Violation:
     kind: ViolationKind
@@ -510,11 +527,10 @@ def _audit(conn: Connection) -> AuditReport:
         violations += rule(f)
     if f.skipped:
         f.notes.append(
-            f"schema revision {revision} is older than this coordinator's {head}: the "
-            f"one-record-per-dispatch rule and the check that no result comes from a dispatch "
-            f"that ended without one were not run (before {ONE_RECORD_SINCE} every dispatch "
-            f"had a `dispatched` event, its committed ones too); `coordinator db upgrade "
-            f"--db {name}` brings the file forward")
+            f"schema revision {revision} is older than this coordinator's {head}: "
+            f"{len(f.skipped)} checks were not run, {skipped_text(f.skipped)} (before "
+            f"{ONE_RECORD_SINCE} every dispatch had a `dispatched` event, its committed ones "
+            f"too); `coordinator db upgrade --db {name}` brings the file forward")
     return AuditReport(violations, revision, head, f.notes, f.skipped, f.stats, f.legacy)
 
 

@@ -314,21 +314,36 @@ def _downgrade(db: Path, revision: str) -> None:
 
 
 @pytest.mark.parametrize("revision", ["0006", "0004", "0001"])
-def test_an_older_revision_is_audited_by_the_rules_that_hold_on_it(campaign, revision):
+def test_an_older_revision_is_audited_by_the_rules_that_hold_on_it(campaign, revision, capsys):
     """Taken down to an older revision, the campaign has what that code wrote: a `dispatched`
     event for every dispatch, committed ones included. The one-record rules do not hold
-    there: they are skipped, and the notes say so; the other rules still run."""
+    there: they are skipped, and the notes say so, naming each (`check` said "3 checks not
+    run on it" and its note named two rules); the other rules still run."""
+    from coordinator.cli import main
     _downgrade(campaign, revision)
     report = audit_path(campaign)
     assert report.violations == [], report.text()
     assert (report.revision, report.head) == (revision, versioning.head_revision())
-    assert set(report.skipped) == {Check.MORE_RECORDS_THAN_DISPATCHES,
-                                   Check.DISPATCH_WITHOUT_RECORD,
-                                   Check.TOKEN_ENDED_WITHOUT_RESULT}
+    skipped = [Check.MORE_RECORDS_THAN_DISPATCHES, Check.DISPATCH_WITHOUT_RECORD,
+               Check.TOKEN_ENDED_WITHOUT_RESULT]
+    assert report.skipped == skipped
     [note] = report.notes
     assert note.startswith(f"schema revision {revision} is older than this coordinator's "
-                           f"{versioning.head_revision()}: the one-record-per-dispatch rule")
+                           f"{versioning.head_revision()}: 3 checks were not run, "
+                           f"`more_records_than_dispatches` (that no task has more dispatch "
+                           f"records than dispatches), `dispatch_without_record` (that every "
+                           f"dispatch has its record) and `token_ended_without_result` (that "
+                           f"no result comes from a dispatch that ended without one) "
+                           f"(before "), note
     assert f"`coordinator db upgrade --db {campaign}`" in note
+    assert main(["check", "--db", str(campaign)]) == 0
+    out, err = capsys.readouterr()
+    assert out == (f"{campaign}: consistent (7 tasks, schema {revision}; 3 checks not run on "
+                   f"it: more_records_than_dispatches, dispatch_without_record, "
+                   f"token_ended_without_result)\n")
+    assert err == f"note: {note}\n"
+    assert main(["check", "--db", str(campaign), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == [c.value for c in skipped]
 
     _lease_without_dispatch(campaign)
     assert audit_path(campaign).kinds() == {ViolationKind.ORPHAN_LEASE}
