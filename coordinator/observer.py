@@ -95,10 +95,19 @@ class Observer:
             unrun_ranks=seen.unrun_ranks)
 
     def record(self, s: Snapshot) -> None:
-        """The observation: its row and the ranks' loads, then the metrics file."""
+        """The observation: its row and the ranks' loads, then the metrics file.
+
+        While the run goes on, the loads are written once the samples cover an observation
+        interval: the start's observation comes at once, on a sample or two taken before any
+        rank was given work, and its "busy 0%" stood beside ranks busy for seconds (`status`
+        showed it until the next). The run's last observation writes them whatever they
+        cover."""
         self._next = max(self._next, time.monotonic() + self.interval_s)
+        loads, covered = self.loads()
+        if s.running and covered < min(self.interval_s, self.window_s):
+            loads = []
         with self.store.transaction("observation") as tx:
-            record_observation(tx, s.tasks, s.found.testcases, *self.loads())
+            record_observation(tx, s.tasks, s.found.testcases, loads, covered)
         sample = Sample(s.at, s.tasks["done"], s.found.testcases)
         if self._first is None:
             self._first = sample

@@ -357,3 +357,35 @@ def test_the_store_times_its_commits_and_keeps_the_longest_past_a_peak_taken(tmp
         assert times.peak_s == 0 and times.max_s > 0  # the metrics' peak restarts, not the max
     finally:
         store.close()
+
+
+def test_the_start_observation_writes_no_busy_figure_before_the_samples_cover_an_interval(
+        farm):
+    """The start's observation comes at once, on one sample taken before any rank was given
+    work: `status` showed every rank "busy 0%" (as of 7 s ago) beside ranks busy for 2–6 s,
+    until the next observation. Now a rank's figure comes once the samples cover an
+    observation interval, and at the run's end whatever they cover."""
+    from coordinator.observer import Observer
+    from store.observe import read_ranks
+
+    def busy() -> dict[int, tuple]:
+        with farm.store.reading() as conn:
+            return {r.rank: (r.busy, r.window_s) for r in read_ranks(conn)}
+
+    farm.enqueue(*({"data": i} for i in range(4)))
+    farm.ready(1)
+    farm.ready(2)
+    observer = Observer(farm.store, lambda: [1, 2], interval_s=10.0, window_s=300.0)
+    observer.sample_busy(100.0)  # before any dispatch
+    observer.record(observer.read())
+    assert busy() == {1: (None, None), 2: (None, None)}
+    farm.dispatch(1, 2, sent=True)
+    for t in range(101, 111):
+        observer.sample_busy(float(t))
+    observer.record(observer.read())  # 11 samples, 10 of them busy, over 11 s
+    assert busy() == {1: (pytest.approx(10 / 11), 11.0), 2: (pytest.approx(10 / 11), 11.0)}
+
+    end = Observer(farm.store, lambda: [1, 2], interval_s=10.0, window_s=300.0)
+    end.sample_busy(200.0)
+    end.record(end.read(running=False))  # a run's last observation: written, however short
+    assert busy() == {1: (1.0, 1.0), 2: (1.0, 1.0)}
