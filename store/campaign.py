@@ -48,7 +48,7 @@ from .readonly import quick_check
 from .revisions import check_revision, current_revision
 from .schema import EventKind, campaign, tasks
 from .versioning import head_revision, upgrade
-from .workers import forget_incarnation
+from .workers import forget_incarnation, where_ranks_ran
 
 #: A start reads every page of a campaign file up to this size (file and -wal), SQLite's
 #: `quick_check`: 0.08 s for 17 MB here, but 1.6 s for a million tasks (407 MB), which a
@@ -152,7 +152,9 @@ class Store:
                                                       check_settings)
                 tx = Tx(conn, incarnation, now, policy)
                 detail = "resume" if resume else "new"
-                tx.event(EventKind.CAMPAIGN, detail=f"{detail} {note}" if note else detail)
+                detail = f"{detail} {note}" if note else detail
+                where = where_ranks_ran(tx) if resume else None
+                tx.event(EventKind.CAMPAIGN, detail=f"{detail}; {where}" if where else detail)
                 if resume:
                     forget_incarnation(tx, ranks)
                     interrupted = requeue_in_flight(tx, earlier_incarnations=True)

@@ -66,6 +66,36 @@ def idle_ranks(tx: Tx) -> list[int]:
         "(SELECT 1 FROM dispatches d WHERE d.rank = w.rank) ORDER BY w.rank")]
 
 
+def _ranges(ranks: list[int]) -> str:
+    """1, 2, 3, 7 -> "1-3,7"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def where_ranks_ran(tx: Tx) -> str | None:
+    """Where the ranks of the incarnation before `tx`'s ran, for the `campaign` event that
+    begins it: "ranks of incarnation N by host: node17=1-3,7 node18=4-6". A resume drops
+    the rows of ranks the new job lacks and restamps the others (`forget_incarnation`), and
+    a READY of the new job replaces a rank's host: this is what keeps, in the file, which
+    host each rank of every incarnation was on (`rank_utilisation` finds only the latest's).
+    The ranks heard from in it that reported a host; None if none did."""
+    ended = tx.incarnation - 1
+    by_host: dict[str, list[int]] = {}
+    for rank, host in tx.db.execute(
+            "SELECT rank, host FROM workers WHERE incarnation = ? AND state <> 'unknown' "
+            "AND host IS NOT NULL ORDER BY rank", (ended,)):
+        by_host.setdefault(host, []).append(rank)
+    if not by_host:
+        return None
+    return f"ranks of incarnation {ended} by host: " + " ".join(
+        f"{h}={_ranges(rs)}" for h, rs in sorted(by_host.items(), key=lambda i: min(i[1])))
+
+
 def forget_incarnation(tx: Tx, ranks: int | None = None) -> None:
     """A new incarnation talks to new processes: nothing known about ranks carries over.
     `ranks`: the new job's size. The rows of ranks it does not have (a resume with fewer)
