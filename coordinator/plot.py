@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -91,6 +92,12 @@ def plot(db: Path, outdir: Path) -> int:
           f"{duration(series.width)}; read in {read_s:.1f} s, drawn in "
           f"{time.monotonic() - began - read_s:.1f} s)")
     return 0
+
+
+def _dates(times: Sequence[float]):
+    """Unix times as matplotlib dates (UTC)."""
+    import matplotlib.dates as mdates
+    return [mdates.date2num(datetime.fromtimestamp(t, timezone.utc)) for t in times]
 
 
 def _times(s: PlotSeries, centre: bool = True):
@@ -190,14 +197,21 @@ def _throughput(ax, s: PlotSeries) -> None:
     ax.grid(alpha=0.3, axis="y")
 
 
+def _levels(s: PlotSeries, per_bucket: list[int]):
+    """(times, values) to draw `steps-post`: each bucket's value level from its start to its
+    end. (Drawn `steps-pre` at the buckets' ends, the first bucket's value was only a
+    vertical line at its end: test cases all found in a campaign's first second showed as a
+    spike at its end.)"""
+    return _dates([s.at(i) for i in range(s.n + 1)]), [*per_bucket, per_bucket[-1]]
+
+
 def _testcases(ax, s: PlotSeries) -> None:
-    t_end = _times(s, centre=False)
     ax.plot(*_running_totals(s, s.testcases), color="tab:purple", label="written so far")
     ax.set_ylabel("test cases written")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
-    ax2.plot(t_end, s.testcases, drawstyle="steps-pre", color="tab:grey", linewidth=0.8,
-             alpha=0.7, label="per bucket (right axis)")
+    ax2.plot(*_levels(s, s.testcases), drawstyle="steps-post", color="tab:grey",
+             linewidth=0.8, alpha=0.7, label="per bucket (right axis)")
     ax2.set_ylabel("per bucket")
     ax2.set_ylim(bottom=0)
     if not any(s.testcases):

@@ -8,15 +8,18 @@ import re
 import shutil
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from campaigns import finding_campaign
 from conftest import load_tool
 
+from coordinator import plot
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
 from coordinator.plot import CHARTS
+from store.observe import PlotSeries
 
 pytest.importorskip("matplotlib", reason="the plot extra: pip install -e '.[plot]'")
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
@@ -137,3 +140,60 @@ def test_an_outdir_that_cannot_be_written_is_a_refusal(charts, tmp_path, capsys)
     assert err.startswith(f"coordinator: cannot write the charts to {taken}: ") and \
         err.count("\n") == 1, err
     assert taken.read_text() == "not a directory"
+
+
+# -- what the charts draw ------------------------------------------------------------------------
+# The lines matplotlib was given (after its step styles), read back from the figures: the data
+# a chart is built from, not its pixels.
+
+def _line(fig, label: str):
+    """The line of `fig` whose legend label starts with `label`."""
+    [line] = [ln for ax in fig.axes for ln in ax.get_lines()
+              if ln.get_label().startswith(label)]
+    return line
+
+
+def _x(t: float) -> float:
+    import matplotlib.dates as mdates
+    return mdates.date2num(datetime.fromtimestamp(t, timezone.utc))
+
+
+def _ys(line, t: float) -> set[float]:
+    """Every value the drawn `line` takes at Unix time `t` (two at a vertical step)."""
+    x, got = _x(t), set()
+    v = line.get_path().vertices
+    eps = 1e-9  # days: 0.1 ms
+    for (x0, y0), (x1, y1) in zip(v[:-1], v[1:], strict=True):
+        if min(x0, x1) - eps <= x <= max(x0, x1) + eps:
+            if abs(x1 - x0) <= eps:
+                got |= {round(float(y0), 6), round(float(y1), 6)}
+            else:
+                got.add(round(float(y0 + (y1 - y0) * (x - x0) / (x1 - x0)), 6))
+    return got
+
+
+def _series(n: int, width: float = 1.0, t0: float = 1_800_000_000.0, **lists) -> PlotSeries:
+    zeros = [0] * n
+    return PlotSeries(t0, width, n, lists.get("done", zeros), zeros,
+                      lists.get("created", zeros), lists.get("testcases", zeros), {}, {})
+
+
+def test_a_buckets_value_spans_its_bucket():
+    """Test cases all written in a campaign's first second were drawn as a vertical line at
+    its end (per bucket, `steps-pre` at the buckets' ends): each bucket's value is now level
+    from its start to its end, the first's too."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    s = _series(16, testcases=[4] + [0] * 13 + [1, 0])
+    fig, ax = plt.subplots()
+    try:
+        plot._testcases(ax, s)
+        per_bucket = _line(fig, "per bucket (right axis)")
+        for i, v in enumerate(s.testcases):
+            for f in (0.1, 0.5, 0.9):
+                assert _ys(per_bucket, s.at(i) + f * s.width) == {v}, (i, f)
+        total = _line(fig, "written so far")
+        assert _ys(total, s.at(1)) == {4} and _ys(total, s.at(16)) == {5}
+    finally:
+        plt.close(fig)
