@@ -32,7 +32,8 @@ CHARTS = (
     ("throughput.png", "Throughput",
      "Results committed per minute, averaged over each bucket; results that are not ok apart."),
     ("testcases.png", "Test cases over time",
-     "Test cases written by committed results, in all and per bucket."),
+     ("Test cases written by committed results and by runs cut short (a timeout or the "
+      "job's stop: retried, their test cases kept), in all and per bucket.")),
     ("ranks.png", "Rank utilisation",
      ("The share of each bucket each worker rank held a dispatch (committed ones, and what "
       "is in flight on a live campaign; dispatches rolled back are not counted).")),

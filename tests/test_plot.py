@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 from datetime import datetime, timezone
+from html import escape
 from pathlib import Path
 
 import pytest
-from campaigns import finding_campaign
+from campaigns import copy_of, finding_campaign
 from conftest import load_tool
 
 from coordinator import plot
@@ -146,6 +148,18 @@ def test_an_outdir_that_cannot_be_written_is_a_refusal(charts, tmp_path, capsys)
 # The lines matplotlib was given (after its step styles), read back from the figures: the data
 # a chart is built from, not its pixels.
 
+def _drawn(db: Path, out: Path, monkeypatch) -> dict[str, object]:
+    """`coordinator plot` run on `db`, its figures kept open: chart file name -> figure."""
+    import matplotlib.pyplot as plt
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    assert main(["plot", "--db", str(db), str(out)]) == ExitStatus.OK
+    titles = {title: name for name, title, _ in CHARTS}
+    figures = {titles[f.axes[0].get_title()]: f for f in kept}
+    assert sorted(figures) == sorted(titles.values())
+    return figures
+
+
 def _line(fig, label: str):
     """The line of `fig` whose legend label starts with `label`."""
     [line] = [ln for ax in fig.axes for ln in ax.get_lines()
@@ -197,3 +211,23 @@ def test_a_buckets_value_spans_its_bucket():
         assert _ys(total, s.at(1)) == {4} and _ys(total, s.at(16)) == {5}
     finally:
         plt.close(fig)
+
+
+def test_the_test_case_chart_counts_and_says_the_test_cases_of_runs_cut_short(
+        charts, tmp_path, monkeypatch):
+    """Test cases of runs killed at their timeout or by the job's stop are kept (`salvaged`)
+    and counted with the results' own: the caption said only "written by committed
+    results"."""
+    db, _ = charts
+    copy = copy_of(db, tmp_path)
+    with sqlite3.connect(copy) as c:
+        (last, written) = c.execute(
+            "SELECT max(committed_at), total(testcases) FROM results").fetchone()
+        c.execute("INSERT INTO salvaged (at, incarnation, rank, token, task_id, testcases) "
+                  "VALUES (?, 1, 2, ?, 3, 5)", (last, "a" * 64))
+    figures = _drawn(copy, tmp_path / "charts", monkeypatch)
+    total = _line(figures["testcases.png"], "written so far")
+    assert total.get_path().vertices[-1][1] == written + 5
+    caption = dict((name, text) for name, _, text in CHARTS)["testcases.png"]
+    assert "runs cut short" in caption and "their test cases kept" in caption
+    assert escape(caption) in (tmp_path / "charts" / "index.html").read_text()
