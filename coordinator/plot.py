@@ -2,13 +2,17 @@
 files and an `index.html` that shows them, from the timestamps the database holds.
 
 Read-only (a finished campaign, a copy, or a live one, which it never blocks); the history is
-aggregated in SQL (`store.observe.plot_series`), so a million tasks take seconds. matplotlib
+aggregated in SQL (`store.observe.plot_series`), so a million tasks take seconds, and the tasks
+chart follows the master's own records (`observations`) where there are any. matplotlib
 is an optional extra: `pip install -e '.[plot]'`.
 """
 
 from __future__ import annotations
 
+import functools
 import html
+import itertools
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -18,7 +22,7 @@ from pathlib import Path
 from store.engine import read_file
 from store.errors import StoreError
 from store.lock import lock_holder
-from store.observe import PlotSeries, plot_series
+from store.observe import Counted, PlotSeries, plot_series, read_counted
 from store.revisions import check_campaign
 from store.stats import Stats, read_stats
 
@@ -28,12 +32,18 @@ from .progress import duration
 #: (file, title, what it shows), in the order index.html shows them.
 CHARTS = (
     ("tasks.png", "Tasks over time",
-     "Results committed so far, and tasks created but not done (queued, in flight or held)."),
+     ("Tasks done, and not done (queued, in flight or held), as the master recorded them "
+      "(every 10 s while it ran, straight lines between); between runs, a run's last "
+      "figures until the next run's first. Where it recorded none (a campaign run before "
+      "revision 0010, a master killed since its last record), from the results committed "
+      "and tasks created, which lack the results a requeue discarded.")),
     ("throughput.png", "Throughput",
-     "Results committed per minute, averaged over each bucket; results that are not ok apart."),
+     ("Results committed per minute, averaged over each bucket; results that are not ok "
+      "apart. Results a requeue discarded are not counted.")),
     ("testcases.png", "Test cases over time",
      ("Test cases written by committed results and by runs cut short (a timeout or the "
-      "job's stop: retried, their test cases kept), in all and per bucket.")),
+      "job's stop: retried, their test cases kept), in all and per bucket; not those of "
+      "results a requeue discarded.")),
     ("ranks.png", "Rank utilisation",
      ("The share of each bucket each worker rank held a dispatch (committed ones, and what "
       "is in flight on a live campaign; dispatches rolled back are not counted).")),
@@ -68,16 +78,17 @@ def plot(db: Path, outdir: Path) -> int:
 
     def read(conn):
         check_campaign(conn, db)
-        return plot_series(conn, time.time() if running else None), read_stats(conn)
+        return read_plot(conn, time.time() if running else None)
     try:
-        (series, stats), view = read_file(db, read)
+        (series, counts, stats), view = read_file(db, read)
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
     read_s = time.monotonic() - began
     try:
         outdir.mkdir(parents=True, exist_ok=True)
-        for (name, title, _), draw in zip(CHARTS, (_tasks, _throughput, _testcases, _ranks,
+        tasks = functools.partial(_tasks, counts=counts)
+        for (name, title, _), draw in zip(CHARTS, (tasks, _throughput, _testcases, _ranks,
                                                     _events), strict=True):
             _render(outdir / name, title, series, draw)
         (outdir / "index.html").write_text(_index(db, series, stats, running))
@@ -93,6 +104,69 @@ def plot(db: Path, outdir: Path) -> int:
           f"{duration(series.width)}; read in {read_s:.1f} s, drawn in "
           f"{time.monotonic() - began - read_s:.1f} s)")
     return 0
+
+
+def read_plot(conn, now: float | None) -> tuple[PlotSeries, list[Counted], Stats]:
+    """What the charts are drawn from, in one read transaction: the history aggregated from
+    the rows, the master's records of the tasks' counts (and, on a live campaign, the counts
+    `now`), and the campaign's figures."""
+    stats = read_stats(conn)
+    counts = read_counted(conn)
+    if now is not None:
+        t = stats.tasks
+        counts.append(Counted(now, stats.incarnation, t.get("done", 0),
+                              sum(t.get(k, 0) for k in ("queued", "active", "deferred",
+                                                        "failed"))))
+    return plot_series(conn, now), counts, stats
+
+
+def task_lines(s: PlotSeries, counts: Sequence[Counted]
+               ) -> tuple[list[float], list[float], list[float]]:
+    """The tasks chart's lines, (times, done, not done) with times in Unix seconds.
+
+    The master's records where there are any, straight lines between those of a run: the
+    rows cannot say what a requeue discarded (`requeue --rank`, `--since` and `--state
+    error` delete results: a run's done tasks were drawn as only those whose results a later
+    requeue left). Where there
+    are none (before the first, a campaign from before they existed; after a run's last,
+    a master killed before its next one, or the span's end) the last figures go on with the
+    results committed and tasks created in the buckets after the one they were recorded in;
+    the next record, a run's start, is drawn where it was taken (a vertical step, when a
+    requeue changed the figures between two runs)."""
+    results = [0, *_cumulative(s.done)]    # at each bucket boundary
+    created = [0, *_cumulative(s.created)]
+    times: list[float] = []
+    done: list[float] = []
+    not_done: list[float] = []
+
+    def point(at: float, d: float, nd: float) -> None:
+        times.append(at)
+        done.append(d)
+        not_done.append(nd)
+
+    def from_rows(since: float, d0: float, nd0: float, until: float) -> None:
+        """(since, until], with no record: d0 and nd0 at `since`, and the rows after it."""
+        a = max(0, min(s.n, math.ceil((since - s.t0) / s.width)))
+
+        def counted(k: int) -> tuple[float, float]:
+            r, c = results[k] - results[a], created[k] - created[a]
+            return d0 + r, nd0 + c - r
+
+        for k in range(a, s.n + 1):
+            if since < s.at(k) < until:
+                point(s.at(k), *counted(k))
+        point(until, *counted(max(a, min(s.n, math.floor((until - s.t0) / s.width)))))
+
+    point(s.t0, 0, 0)
+    last = Counted(s.t0, 0, 0, 0)
+    for _, run in itertools.groupby(counts, key=lambda c: c.incarnation):
+        records = list(run)
+        from_rows(last.at, last.done, last.not_done, records[0].at)
+        for c in records:
+            point(c.at, c.done, c.not_done)
+        last = records[-1]
+    from_rows(last.at, last.done, last.not_done, max(last.at, s.at(s.n)))
+    return times, done, not_done
 
 
 def _dates(times: Sequence[float]):
@@ -171,12 +245,11 @@ def _running_totals(s: PlotSeries, per_bucket: list[int]):
     return [start, *_times(s, centre=False)], [0, *_cumulative(per_bucket)]
 
 
-def _tasks(ax, s: PlotSeries) -> None:
-    t, done = _running_totals(s, s.done)
-    _, created = _running_totals(s, s.created)
-    ax.plot(t, done, label="done (results committed)", color="tab:green")
-    ax.plot(t, [c - d for c, d in zip(created, done, strict=True)],
-            label="not done (queued, in flight or held)", color="tab:orange")
+def _tasks(ax, s: PlotSeries, counts: Sequence[Counted] = ()) -> None:
+    t, done, not_done = task_lines(s, counts)
+    t = _dates(t)
+    ax.plot(t, done, label="done", color="tab:green")
+    ax.plot(t, not_done, label="not done (queued, in flight or held)", color="tab:orange")
     ax.set_ylabel("tasks")
     ax.set_ylim(bottom=0)
     ax.legend(loc="upper left")

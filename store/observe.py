@@ -272,6 +272,26 @@ class PlotSeries:
         return self.t0 + i * self.width
 
 
+@dataclass(frozen=True)
+class Counted:
+    """Tasks done and not done (queued, in flight or held) at `at`, as the master recorded
+    them (an `observations` row), or as a live campaign's tables hold them now."""
+
+    at: float
+    incarnation: int
+    done: int
+    not_done: int
+
+
+def read_counted(conn: Connection) -> list[Counted]:
+    """The master's records of the tasks' counts, each run's in turn, through
+    `ix_observations_incarnation_at` (a row every 10 s of a run): the plot's tasks chart
+    draws them, as the rows cannot say what a requeue discarded."""
+    return [Counted(*row) for row in conn.exec_driver_sql(
+        "SELECT at, incarnation, done, queued + active + deferred + failed "
+        "FROM observations ORDER BY incarnation, at")]
+
+
 #: The events a plot shows over time: how a campaign went wrong, when.
 PLOTTED_EVENTS = (EventKind.REQUEUED, EventKind.DEFERRED, EventKind.WATCHDOG,
                   EventKind.WORKER_RECOVERED, EventKind.WORKER_FAILED, EventKind.FAILED,

@@ -14,13 +14,15 @@ from html import escape
 from pathlib import Path
 
 import pytest
-from campaigns import copy_of, finding_campaign
+from campaigns import FindingWorkers, copy_of, finding_campaign
 from conftest import load_tool
 
 from coordinator import plot
 from coordinator.cli import main
 from coordinator.exits import ExitStatus
-from coordinator.plot import CHARTS
+from coordinator.master import Master, MasterConfig
+from coordinator.plot import CHARTS, Counted, task_lines
+from store.campaign import Store
 from store.observe import PlotSeries
 
 pytest.importorskip("matplotlib", reason="the plot extra: pip install -e '.[plot]'")
@@ -231,3 +233,83 @@ def test_the_test_case_chart_counts_and_says_the_test_cases_of_runs_cut_short(
     caption = dict((name, text) for name, _, text in CHARTS)["testcases.png"]
     assert "runs cut short" in caption and "their test cases kept" in caption
     assert escape(caption) in (tmp_path / "charts" / "index.html").read_text()
+
+
+@pytest.fixture(scope="module")
+def requeued(tmp_path_factory) -> Path:
+    """`finding_campaign`'s 300 tasks, then rank 1's results discarded (`requeue --rank 1`)
+    and the campaign resumed: every task done again."""
+    db = tmp_path_factory.mktemp("requeued") / "campaign.db"
+    assert finding_campaign(db, tasks=300).committed == 300
+    assert main(["requeue", "--db", str(db), "--rank", "1"]) == ExitStatus.OK
+    store = Store.open(db, resume=True)
+    try:
+        assert Master(store, FindingWorkers(3), MasterConfig(
+            stats_file=db.with_name("stats"), linger_s=0, grace_s=1, stop_wait_s=1,
+            feedback=False, observe_interval_s=0.05)).run().committed > 50
+    finally:
+        store.close()
+    return db
+
+
+def _observations(db: Path) -> list[tuple[float, int, int, int]]:
+    with sqlite3.connect(db) as c:
+        return c.execute("SELECT at, incarnation, done, queued + active + deferred + failed "
+                         "FROM observations ORDER BY at").fetchall()
+
+
+def test_the_tasks_chart_draws_what_the_master_recorded_not_what_a_requeue_left(
+        requeued, tmp_path, monkeypatch):
+    """`requeue` discards results: the chart drew its history from the results left, so the
+    first run's 300 done tasks were drawn as the ~200 whose results survived. The master's
+    observation rows hold the figures of the time: the lines pass through each of them."""
+    observed = _observations(requeued)
+    first_run = [o for o in observed if o[1] == 1]
+    assert first_run[-1][2:] == (300, 0)
+    with sqlite3.connect(requeued) as c:
+        (kept,) = c.execute("SELECT count(*) FROM results WHERE incarnation = 1").fetchone()
+    assert 100 < kept < 300  # what the rows alone say the first run did
+    fig = _drawn(requeued, tmp_path / "charts", monkeypatch)["tasks.png"]
+    done, not_done = _line(fig, "done"), _line(fig, "not done")
+    for at, _, d, nd in observed:
+        assert d in _ys(done, at) and nd in _ys(not_done, at), (at, d, nd)
+    assert _ys(done, first_run[-1][0]) == {300}
+    end = done.get_path().vertices[-1][0]
+    assert done.get_path().vertices[-1][1] == 300 and not_done.get_path().vertices[-1][1] == 0
+    assert end >= _x(observed[-1][0])
+
+
+def test_without_observations_the_tasks_chart_counts_the_rows(requeued, tmp_path, monkeypatch):
+    """A campaign from before the master recorded its counts (schema 0010): the results
+    committed and tasks created, at each bucket's end."""
+    copy = copy_of(requeued, tmp_path)
+    with sqlite3.connect(copy) as c:
+        c.execute("DELETE FROM observations")
+        committed = [t for (t,) in c.execute("SELECT committed_at FROM results")]
+    fig = _drawn(copy, tmp_path / "charts", monkeypatch)["tasks.png"]
+    done = _line(fig, "done")
+    xs, ys = done.get_path().vertices.T
+    assert ys[0] == 0 and ys[-1] == len(committed) == 300
+    import matplotlib.dates as mdates
+    for x, y in zip(xs[1:], ys[1:], strict=True):
+        t = mdates.num2date(x).timestamp()
+        assert y == sum(c < t + 1e-6 for c in committed)
+
+
+def test_task_lines_go_on_from_a_record_with_the_rows_and_step_at_the_next_run():
+    """Buckets of 10 s: 20 tasks created in the first; a first run recorded at 1 s and 19 s,
+    then killed after committing 2 more (bucket 2); 4 results discarded by a requeue; a
+    second run recorded at 41 s and 58 s. The rows after 19 s are added to its figures (from
+    the next bucket on), held to the second run's first record, and that is drawn where it was
+    taken, a step down."""
+    s = _series(6, width=10.0, t0=0.0, done=[0, 4, 2, 0, 10, 0], created=[20, 0, 0, 0, 0, 0])
+    counts = [Counted(1, 1, 0, 20), Counted(19, 1, 8, 12), Counted(41, 2, 6, 14),
+              Counted(58, 2, 20, 0)]
+    t, done, not_done = task_lines(s, counts)
+    assert list(zip(t, done, not_done, strict=True)) == [
+        (0, 0, 0), (1, 0, 0), (1, 0, 20), (19, 8, 12), (20, 8, 12), (30, 10, 10),
+        (40, 10, 10), (41, 10, 10), (41, 6, 14), (58, 20, 0), (60, 20, 0)]
+    # no records at all: the rows' running totals at each bucket's end, as before
+    t, done, not_done = task_lines(s, [])
+    assert t == [0, 10, 20, 30, 40, 50, 60]
+    assert done == [0, 0, 4, 6, 6, 16, 16] and not_done == [0, 20, 16, 14, 14, 4, 4]
