@@ -125,6 +125,7 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         cfg = dataclasses.replace(cfg, afl_out=Path(str(stored["afl_out"])),
                                   fuzzer=str(stored["fuzzer"]),
                                   name=str(stored.get("name") or cfg.name))
+        _refuse_vanished_afl_out(cfg)
         notes.append(f"--resume watches the campaign's own AFL queue, as its last run did: "
                      f"--afl-out {cfg.afl_out} --fuzzer {cfg.fuzzer} --name {cfg.name}")
     kept = {key: stored[key] for key in RUN_SETTINGS
@@ -137,6 +138,22 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         notes.append("--resume keeps the campaign's " + " ".join(
             setting_text(k, v) for k, v in kept.items()) + ", as its last run had them")
     return cfg, notes
+
+
+def _refuse_vanished_afl_out(cfg: RunConfig) -> None:
+    """The AFL output directory a --resume took from the campaign, gone (moved away): the
+    run waited for its fuzzer's queue for ever, saying only that AFL may not run yet, and
+    made the vanished path again for its own test cases (`output_lock`, the writer), which
+    AFL never reads. An AFL starting makes its queue inside an output directory that is
+    there (`-o` of a resumed AFL, or made by the job script): only the queue is waited for."""
+    assert cfg.afl_out is not None
+    if os.path.lexists(cfg.afl_out):
+        return
+    raise UsageError(
+        f"--resume: the campaign's AFL output directory {cfg.afl_out} (--afl-out of its last "
+        f"run) no longer exists; if it was moved, pass --afl-out NEW --fuzzer {cfg.fuzzer} to "
+        f"watch it there from now on (the campaign keeps --name {cfg.name}); nothing was "
+        f"created")
 
 
 def _refuse_demo_tasks(cfg: RunConfig, stored: dict) -> None:

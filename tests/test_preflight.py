@@ -330,6 +330,50 @@ def test_a_resume_with_a_moved_afl_directory_takes_the_campaigns_command(tmp_pat
                "--fuzzer", "main")
 
 
+def test_a_resume_whose_stored_afl_directory_is_gone_is_refused_not_made_again(tmp_path):
+    """A bare `--resume` (the command given again or not) after the AFL output directory was
+    moved away took the stored `--afl-out`, said only that the fuzzer's queue "does not
+    exist yet; waiting for it", and made the vanished path again for its test cases (71
+    written where no AFL reads them). Refused before MPI, naming it and `--afl-out NEW`; an
+    AFL directory whose fuzzer's queue is not there yet (AFL starting) is still waited for."""
+    import os
+    import shutil
+
+    db, target, _ = _moved_afl_campaign(tmp_path)
+    shutil.rmtree(tmp_path / "moved")
+    os.rename(tmp_path / "afl", tmp_path / "moved")
+    for again in ([], ["--", str(target), "@@"]):
+        with pytest.raises(UsageError) as e:
+            check_run(config(db, "--resume", *again))
+        assert str(e.value) == (
+            f"--resume: the campaign's AFL output directory {tmp_path / 'afl'} (--afl-out of "
+            f"its last run) no longer exists; if it was moved, pass --afl-out NEW --fuzzer main "
+            f"to watch it there from now on (the campaign keeps --name symcc); nothing was "
+            f"created")
+        assert not (tmp_path / "afl").exists()
+    # The way on that it names.
+    moved = check_run(config(db, "--resume", "--afl-out", str(tmp_path / "moved"),
+                             "--fuzzer", "main"))
+    assert (moved.cfg.afl_out, moved.argv) == (tmp_path / "moved", [str(target), "@@"])
+    # The directory there, its fuzzer's queue not yet (AFL starting): waited for, as before.
+    os.rename(tmp_path / "moved", tmp_path / "afl")
+    shutil.rmtree(tmp_path / "afl" / "main")
+    assert check_run(config(db, "--resume")).cfg.afl_out == tmp_path / "afl"
+    # Before MPI: the self-launching command says it in one line, exit 2, mpiexec not run.
+    shutil.rmtree(tmp_path / "afl")
+    ran, mpiexec = tmp_path / "mpiexec-ran", tmp_path / "mpiexec"
+    mpiexec.write_text(f"#!/bin/sh\ntouch {ran}\nexit 0\n")
+    mpiexec.chmod(0o755)
+    done = subprocess.run([sys.executable, "-m", "coordinator", "run", "--db", str(db),
+                           "--resume", "--mpiexec", str(mpiexec)], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == ExitStatus.USAGE, done.stderr
+    assert done.stderr.startswith("coordinator: --resume: the campaign's AFL output "
+                                  f"directory {tmp_path / 'afl'} ") and \
+        len(done.stderr.splitlines()) == 1, done.stderr
+    assert not ran.exists() and not (tmp_path / "afl").exists()
+
+
 def test_a_resume_with_a_moved_afl_directory_keeps_the_campaigns_instance_name(tmp_path):
     """`--resume --afl-out NEW --fuzzer main` without --name, on a campaign started with
     `--name sym2`: the default `symcc` took over (test cases into another directory, their
