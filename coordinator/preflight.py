@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from store.errors import CampaignExistsError, CampaignLockedError
+from store.errors import CampaignExistsError, CampaignLockedError, CampaignRowMissing
 from store.imports import Imported, demo_imported, file_identity, file_imported
 from store.lock import refuse_read_only
 from store.probe import Probe, probe
@@ -63,6 +63,11 @@ def check_run(cfg: RunConfig) -> Checked:
             f"gracefully), or choose another --db path")
     if found.campaign and not cfg.resume:
         raise CampaignExistsError(str(cfg.db), found.tasks)
+    if cfg.resume and found.revision is not None and not found.campaign:
+        # The schema without its campaign row: a --resume would start a new campaign and run
+        # the whole queue again. (A path with nothing there, or an empty file, still starts
+        # one: job scripts always pass --resume.)
+        raise CampaignRowMissing(cfg.db, resume=True)
     notes: list[str] = []
     if cfg.resume and found.campaign:
         cfg, notes = take_over(cfg, found.settings)

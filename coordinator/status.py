@@ -13,11 +13,11 @@ import socket
 import time
 from pathlib import Path
 
-from store.errors import StoreError
+from store.errors import CampaignRowMissing, NoCampaignYet, StoreError
 from store.lock import lock_holder, locks_readable
 from store.observe import RankView, read_observed, read_ranks, read_samples
 from store.readonly import read_file
-from store.revisions import check_campaign
+from store.revisions import check_campaign, current_revision
 from store.stats import (
     held_reasons,
     last_master,
@@ -39,7 +39,14 @@ def status(db: Path, as_json: bool) -> int:
     now = time.time()
 
     def read(conn):
-        check_campaign(conn, db)
+        try:
+            check_campaign(conn, db)
+        except NoCampaignYet:
+            # The schema without its campaign row, and no master starting on it: a copy made
+            # without its -wal was said to be about to get a campaign "within a moment".
+            if current_revision(conn) is not None and lock_holder(db) is None:
+                raise CampaignRowMissing(db) from None
+            raise
         seen = read_observed(conn)
         s = seen.stats
         failures = recent_failures(conn) if set(seen.results_by_status) - {"ok"} else []

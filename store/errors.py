@@ -39,6 +39,24 @@ class NoCampaignYet(DatabaseOpenError):
                          f"used as it is by the next `coordinator run`)")
 
 
+class CampaignRowMissing(NoCampaignYet):
+    """This coordinator's schema without its campaign row, in a file no master is starting
+    on: a copy made without its `-wal` (after a `kill -9` every commit may still be there,
+    the campaign row included), or a file whose first start died between the schema and the
+    campaign row, which `Store.open` commits one after the other. A `--resume` of it started
+    a new campaign: the whole queue ran again and AFL got duplicate test cases."""
+
+    def __init__(self, path: object, *, resume: bool = False):
+        what = (f"{path} holds no campaign to resume (its schema, but no campaign row; a "
+                f"--resume would start a new campaign in it and run every task again)"
+                if resume else f"{path} holds no campaign yet (its schema, but no campaign row, "
+                               f"and no master is starting on it)")
+        DatabaseOpenError.__init__(
+            self, f"{what}: if it is a copy, its -wal was probably left behind: copy the "
+                  f"original's -wal beside it as {path}-wal; if a master died while creating "
+                  f"it, remove the file and start again")
+
+
 def restore_hint(path: object) -> str:
     """How to put a copy back: SQLite applies a `-wal` it finds beside a file to it, so a
     copy put over a crashed campaign's file was silently turned back into the old one by

@@ -88,3 +88,29 @@ def damage_a_tasks_page(db: Path, which: int = -1) -> int:
         f.seek((page - 1) * size)
         f.write(b"\xff" * 200)
     return page
+
+
+_KILLED_AFTER_ITS_FIRST_COMMITS = """
+import os, sys
+from store.campaign import Store
+from store.tasks import NewTask, enqueue_tasks
+store = Store.open(sys.argv[1], settings={"executor": "demo", "source": "demo"})
+with store.transaction("import") as tx:
+    enqueue_tasks(tx, [NewTask(payload={"data": i}) for i in range(int(sys.argv[2]))])
+os._exit(0)  # as a kill -9: SQLite closes nothing, the -wal stays with every commit
+"""
+
+
+def copied_without_its_wal(db: Path, copy: Path, tasks: int = 5) -> None:
+    """A campaign at `db` whose master was killed after its first commits (the -wal left
+    beside it holds them all, its campaign row too), and a copy of the file alone at `copy`:
+    the schema, which the start checkpointed into the file, and no campaign row."""
+    import shutil
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-c", _KILLED_AFTER_ITS_FIRST_COMMITS, str(db), str(tasks)],
+                   check=True, timeout=60)
+    assert Path(f"{db}-wal").stat().st_size > 0
+    shutil.copyfile(db, copy)
+    with contextlib.closing(sqlite3.connect(f"file:{copy}?mode=ro&immutable=1", uri=True)) as c:
+        assert c.execute("SELECT count(*) FROM campaign").fetchone() == (0,)

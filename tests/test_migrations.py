@@ -296,8 +296,9 @@ def test_downgrade_to_base_and_upgrade_again(tmp_path: Path):
     head = versioning.head_revision()
     assert versioning.upgrade(db) == (None, head)
     assert _dump(db)["objects"] == schema_at_head
-    # A usable campaign file again.
-    store = Store.open(db, resume=True)
+    # A usable campaign file again (for a new campaign: a --resume of the schema without its
+    # campaign row is refused, test_preflight.py).
+    store = Store.open(db)
     try:
         with store.transaction() as tx:
             assert enqueue_tasks(tx, [NewTask({"path": "/seeds/again"})])

@@ -204,3 +204,33 @@ def test_a_campaign_in_a_directory_whose_name_is_not_utf8(campaign, tmp_path, ca
                                odd / "c.db"], capture_output=True, timeout=120, check=False)
         assert said.returncode == ExitStatus.OK, said.stderr
         assert os.fsencode(odd / "c.db") in said.stdout
+
+
+def test_a_copy_made_without_its_wal_is_said_to_have_left_it_behind(tmp_path, capsys):
+    """A campaign file copied without its -wal (after a kill -9 every row past the schema is
+    still there) was said to hold "no campaign yet (a master starting on it creates one
+    within a moment...)", with no hint of the -wal: a `--resume` of it then ran the whole
+    campaign again. `status` says what `run --resume` refuses it with."""
+    import shutil
+
+    from campaigns import copied_without_its_wal
+    copy = tmp_path / "copy.db"
+    copied_without_its_wal(tmp_path / "c.db", copy)
+    says = (f"{copy} holds no campaign yet (its schema, but no campaign row, and no master is "
+            f"starting on it): if it is a copy, its -wal was probably left behind: copy the "
+            f"original's -wal beside it as {copy}-wal; if a master died while creating it, "
+            f"remove the file and start again")
+    assert main(["status", "--db", str(copy)]) == ExitStatus.USAGE
+    assert capsys.readouterr().err == f"coordinator: {says}\n"
+    assert main(["status", "--db", str(copy), "--json"]) == ExitStatus.USAGE
+    assert json.loads(capsys.readouterr().out) == {"error": says}
+    # A master starting on it (holding its lock) creates the campaign within a moment.
+    from store.lock import lock_campaign, release_campaign
+    fd = lock_campaign(copy)
+    try:
+        assert main(["status", "--db", str(copy)]) == ExitStatus.USAGE
+        assert "a master starting on it creates one within a moment" in capsys.readouterr().err
+    finally:
+        release_campaign(fd)
+    shutil.copyfile(f"{tmp_path / 'c.db'}-wal", f"{copy}-wal")
+    assert _status(copy, capsys)["tasks"]["queued"] == 5
