@@ -8,6 +8,7 @@ start on a 2-core node: an operator's `watch coordinator status` stays cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -54,11 +55,14 @@ def status(db: Path, as_json: bool) -> int:
         samples = read_samples(conn, s.incarnation, now - 2 * max(RATE_WINDOWS.values()))
         return seen, failures, held, last_master(conn), read_ranks(conn), samples
     try:
-        (seen, failures, held, last, ranks, samples), view = read_file(db, read)
+        (seen, failures, held, last, ranks, samples), view = read_file(db, read,
+                                                                        upgrade=_upgrade)
     except StoreError as e:
         return refused(str(e), {"error": str(e)} if as_json else None)
     master = _master_state(last, lock_holder(db))
     s, times, by_status = seen.stats, seen.times, seen.results_by_status
+    if view.upgraded_from is not None:  # the file's own revision, not its copy's
+        s = dataclasses.replace(s, schema_revision=view.upgraded_from)
     running = master is not None and master["running"] is not False
     # A master that is gone ran until its last observation; its rates of the last minute
     # and hour are not those of anything running now. One that recorded nothing after its
@@ -205,6 +209,14 @@ def _print_ranks(ranks: list[RankView], now: float, incarnation: int, ages_at: f
                   f"{r.unrun_streak} dispatch{'es' * (r.unrun_streak != 1)}{since}: "
                   f"{detail_summary(r.unrun_detail, 160)}")
 
+
+
+def _upgrade(copy: Path) -> None:
+    """A copy of a campaign at an older revision, brought to the head to be read: a
+    post-mortem needs no write to the evidence. SQLAlchemy and Alembic are loaded for it
+    alone (`read_file`)."""
+    from store.versioning import upgrade
+    upgrade(copy)
 
 
 def _master_state(last: tuple[int, str] | None, holder: int | None) -> dict | None:

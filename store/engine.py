@@ -27,6 +27,7 @@ from .errors import (
 from .lock import refuse_read_only
 from .readonly import (
     ReadOnlyView,
+    Upgrade,
     cannot_open,
     check_sqlite_version,
     damaged,
@@ -330,11 +331,12 @@ def _readonly_engine(connect: Callable[[], sqlite3.Connection], view: ReadOnlyVi
     return engine
 
 
-def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T]
-              ) -> tuple[T, ReadOnlyView]:
+def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T],
+              upgrade: Upgrade | None = None) -> tuple[T, ReadOnlyView]:
     """`read(conn)` in one read transaction on the file at `path`, opened with
     `open_readonly`, and how it was opened (`readonly.read_consistently`: a WAL file at rest
-    is read without creating anything beside it, and again if it changed meanwhile)."""
+    is read without creating anything beside it, and again if it changed meanwhile; with
+    `upgrade` (`versioning.upgrade`), an older campaign from a copy upgraded in TMPDIR)."""
     def once(connect: Callable[[], sqlite3.Connection], view: ReadOnlyView) -> T:
         engine = _readonly_engine(connect, view)
         try:
@@ -347,4 +349,4 @@ def read_file(path: str | os.PathLike[str], read: Callable[[Connection], T]
                     # transaction on a damaged file raises "malformed")
         finally:
             engine.dispose()
-    return read_consistently(path, once, errors=(exc.DBAPIError,))
+    return read_consistently(path, once, errors=(exc.DBAPIError,), upgrade=upgrade)

@@ -8,6 +8,7 @@ Light enough for the checks `coordinator run` makes before it launches MPI and f
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -22,6 +23,7 @@ from .errors import (
     DamagedDatabaseError,
     DatabaseOpenError,
     NoCampaignYet,
+    SchemaVersionError,
     StoreError,
     UnreadWalError,
     UnsafeDatabaseError,
@@ -76,6 +78,12 @@ class ReadOnlyView:
       answered for an older or an empty campaign. The file and its `-wal` are copied to a
       temporary directory and read there, whole (no master can be writing a file whose
       `-shm` cannot be made); `note()` says so.
+    - `upgraded copy`: a campaign at an older schema revision than this code's, which a
+      reader of the head's schema (`status`) refused until `coordinator db upgrade` had
+      written to it: a post-mortem needed a write to the evidence. What a reader sees of it
+      (the `-wal`'s commits included) is copied to a temporary directory with SQLite's
+      backup and upgraded there with the project's migrations (`read_consistently`, for a
+      caller that gives it the upgrade); the file is left as it is, and `note()` says so.
     """
 
     path: Path      # the file itself (a symbolic link's target)
@@ -87,11 +95,14 @@ class ReadOnlyView:
     copied_to: Path | None = None  # `copy`: the directory read
     #: `immutable` with a -wal that holds commits: why no copy of it could be read
     no_copy: str | None = None
+    #: `upgraded copy`: the file's own revision
+    upgraded_from: str | None = None
 
     SHARED = "shared"
     AT_REST = "at rest"
     IMMUTABLE = "immutable"
     COPY = "copy"
+    UPGRADED = "upgraded copy"
 
     @property
     def immutable(self) -> bool:
@@ -109,6 +120,10 @@ class ReadOnlyView:
         return self.mode == self.IMMUTABLE and self.wal_bytes > _WAL_HEADER_BYTES
 
     def note(self) -> str | None:
+        if self.mode == self.UPGRADED:
+            return (f"read from an upgraded copy of revision {self.upgraded_from} in TMPDIR "
+                    f"({self.copied_to}); the file itself was not changed (`coordinator db "
+                    f"upgrade --db {self.named or self.path}` brings it forward)")
         if self.mode == self.COPY:
             return (f"read from a copy in {self.copied_to}: SQLite cannot create "
                     f"{self.path.name}-shm beside it (read-only directory or medium), and "
@@ -414,14 +429,24 @@ def _resolved_as_sqlite_does(path: bytes) -> bytes:
 
 # -- one consistent reading ------------------------------------------------------------------
 
+#: Brings the campaign file at a path to the code's head revision (`versioning.upgrade`,
+#: which this module cannot import: it reads files through this one).
+Upgrade = Callable[[Path], object]
+
+
 def read_consistently(path: str | os.PathLike[str],
                       read: Callable[[Callable[[], sqlite3.Connection], ReadOnlyView], T],
-                      errors: tuple[type[BaseException], ...] = ()) -> tuple[T, ReadOnlyView]:
+                      errors: tuple[type[BaseException], ...] = (),
+                      upgrade: Upgrade | None = None) -> tuple[T, ReadOnlyView]:
     """`read(connect, view)` on the file at `path`, opened by `readonly_connector`, and how
     it was opened. A WAL file that no connection had open is read without creating
     `-wal`/`-shm` beside it; if something wrote it meanwhile (a master that started), it is
     read again as an ordinary reader, whose view SQLite keeps consistent. `errors` are the
-    caller's own exceptions for a failed read (which a torn reading may also raise)."""
+    caller's own exceptions for a failed read (which a torn reading may also raise).
+
+    With `upgrade`, a campaign that `read` refuses for an older schema revision is read
+    again from a copy in TMPDIR that `upgrade` brought to the head (`ReadOnlyView.UPGRADED`),
+    the file itself left as it is; if no such copy can be made, the refusal says why."""
     for at_rest in (True, False):
         connect, view = readonly_connector(path, at_rest=at_rest)
         try:
@@ -429,6 +454,12 @@ def read_consistently(path: str | os.PathLike[str],
         except StoreError as e:
             if not view.unchanged():
                 continue
+            if upgrade is not None and _older_revision(e) and not view.wal_unread:
+                assert isinstance(e, SchemaVersionError)
+                connect, upgraded = _upgraded_copy(connect, view, e, upgrade)
+                if not view.unchanged():
+                    continue  # copied while something wrote it: copied again, as it is now
+                return read(connect, upgraded), upgraded
             if view.wal_unread:
                 # What refused it may be only what the -wal was not read for: a campaign
                 # whose every commit is still there was said to hold none.
@@ -443,6 +474,46 @@ def read_consistently(path: str | os.PathLike[str],
     raise AssertionError("not reached: the second reading is not at rest")
 
 
+def _older_revision(e: StoreError) -> bool:
+    """A refusal of a campaign at an older revision than the code's (one the migrations do
+    not know is refused by `upgrade`, and said)."""
+    return (isinstance(e, SchemaVersionError) and not e.newer and not e.unknown
+            and e.found is not None)
+
+
+def _upgraded_copy(connect: Callable[[], sqlite3.Connection], view: ReadOnlyView,
+                   refused: SchemaVersionError, upgrade: Upgrade
+                   ) -> tuple[Callable[[], sqlite3.Connection], ReadOnlyView]:
+    """What `connect` reads of an older campaign, copied to a temporary directory (SQLite's
+    backup: one consistent snapshot, the `-wal`'s commits in it, whatever the view) and
+    brought to the head there by `upgrade`; the copy's reader, and its view. Raises
+    `refused`, saying why, if that cannot be done."""
+    tmp = Path(tempfile.gettempdir())
+    _remove_orphaned_copies(tmp)
+    where = None
+    try:
+        where = Path(tempfile.mkdtemp(prefix=f"{_COPY_PREFIX}{os.getpid()}-", dir=tmp))
+        atexit.register(shutil.rmtree, where, True)
+        copy = where / view.path.name
+        source = connect()
+        try:
+            with contextlib.closing(sqlite3.connect(copy)) as target:
+                source.backup(target)
+        finally:
+            source.close()
+        upgrade(copy)
+        reader = _connector(copy, immutable=False)
+        reader().close()
+    except (OSError, sqlite3.Error, StoreError) as e:
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
+        why = getattr(e, "strerror", None) or str(e)
+        refused.args = (f"{refused}; no upgraded copy could be read in TMPDIR ({tmp}: {why})",)
+        raise refused from e
+    return reader, ReadOnlyView(view.path, ReadOnlyView.UPGRADED, view.wal_bytes, None,
+                                view.named, where, upgraded_from=refused.found)
+
+
 def _without_its_wal(e: StoreError, view: ReadOnlyView) -> StoreError:
     """A refusal made from a view that left the `-wal` out, saying so."""
     name = view.named or view.path
@@ -455,10 +526,11 @@ def _without_its_wal(e: StoreError, view: ReadOnlyView) -> StoreError:
     return e
 
 
-def read_file(path: str | os.PathLike[str], read: Callable[[Reader], T]
-              ) -> tuple[T, ReadOnlyView]:
+def read_file(path: str | os.PathLike[str], read: Callable[[Reader], T],
+              upgrade: Upgrade | None = None) -> tuple[T, ReadOnlyView]:
     """`read(reader)` in one read transaction, as `engine.read_file` does, without SQLAlchemy:
-    for the readers written in plain SQL (`stats`, `observe`), which a `Reader` answers."""
+    for the readers written in plain SQL (`stats`, `observe`), which a `Reader` answers.
+    `upgrade`: an older campaign is read from an upgraded copy (`read_consistently`)."""
     def once(connect: Callable[[], sqlite3.Connection], view: ReadOnlyView) -> T:
         conn = connect()
         try:
@@ -475,7 +547,7 @@ def read_file(path: str | os.PathLike[str], read: Callable[[Reader], T]
                 conn.rollback()  # it read; nothing to commit
         finally:
             conn.close()
-    return read_consistently(path, once)
+    return read_consistently(path, once, upgrade=upgrade)
 
 
 class Rows:

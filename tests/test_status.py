@@ -234,3 +234,72 @@ def test_a_copy_made_without_its_wal_is_said_to_have_left_it_behind(tmp_path, ca
         release_campaign(fd)
     shutil.copyfile(f"{tmp_path / 'c.db'}-wal", f"{copy}-wal")
     assert _status(copy, capsys)["tasks"]["queued"] == 5
+
+
+def test_an_older_revision_is_read_from_an_upgraded_copy_and_left_as_it_is(campaign, tmp_path,
+                                                                           capsys):
+    """A file of an older schema revision was refused ("bring it forward with `coordinator db
+    upgrade`") while `check` read it: a post-mortem needed a write to the evidence. `status`
+    reads a copy upgraded in TMPDIR and says so in a line; the file, and its directory, are
+    left as they were."""
+    import os
+    import tempfile
+
+    from store.versioning import head_revision
+    db = copy_of(campaign, tmp_path)
+    head = _status(db, capsys)
+    down = subprocess.run([sys.executable, "-m", "alembic", "-x", f"db={db}", "downgrade",
+                           "0012"], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert _rows(db, "SELECT version_num FROM alembic_version") == [("0012",)]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    got = _status(db, capsys)
+    note = got["view"]["note"]
+    assert got["view"]["mode"] == "upgraded copy" and got["error"] is None
+    assert note.startswith(f"read from an upgraded copy of revision 0012 in TMPDIR "
+                           f"({tempfile.gettempdir()}/coordinator-read-{os.getpid()}-")
+    assert note.endswith(f"); the file itself was not changed (`coordinator db upgrade --db "
+                         f"{db}` brings it forward)")
+    assert got["schema_revision"] == "0012" and head["schema_revision"] == head_revision()
+    for key in ("tasks", "results", "results_by_status", "quarantine", "incarnation"):
+        assert got[key] == head[key], key
+    assert got["testcases"]["written"] == head["testcases"]["written"] == 60
+    assert main(["status", "--db", str(db)]) == ExitStatus.OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("(incarnation 1, schema 0012)")
+    assert out[1].startswith("note: read from an upgraded copy of revision 0012 in TMPDIR (")
+    # The SQLAlchemy reader (`plot`'s, `check`'s) does the same when given the upgrade.
+    from store.revisions import check_campaign, current_revision
+    from store.versioning import upgrade
+
+    def revision(conn):
+        check_campaign(conn, db)
+        return current_revision(conn)
+    stamp, view = read_file(db, revision, upgrade=upgrade)
+    assert (stamp, view.mode, view.upgraded_from) == (head_revision(), "upgraded copy", "0012")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # Its own process: the copy goes at its exit.
+    own_tmp = tmp_path.parent / f"{tmp_path.name}-tmp"
+    own_tmp.mkdir()
+    done = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db", str(db)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(own_tmp)})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert f"note: read from an upgraded copy of revision 0012 in TMPDIR ({own_tmp}/" \
+        in done.stdout
+    assert list(own_tmp.iterdir()) == []
+    # No room for a copy there: refused as before, saying why it was not read from one.
+    blocked = tmp_path.parent / f"{tmp_path.name}-file"
+    blocked.write_text("")
+    old = tempfile.tempdir
+    tempfile.tempdir = str(blocked)
+    try:
+        assert main(["status", "--db", str(db)]) == ExitStatus.USAGE
+    finally:
+        tempfile.tempdir = old
+    err = capsys.readouterr().err
+    assert err.startswith(f"coordinator: {db}: schema revision 0012 is older than this "
+                          f"coordinator's {head_revision()}; bring it forward with"), err
+    assert f"; no upgraded copy could be read in TMPDIR ({blocked}: Not a directory)" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
