@@ -63,12 +63,13 @@ def check_run(cfg: RunConfig) -> Checked:
             f"gracefully), or choose another --db path")
     if found.campaign and not cfg.resume:
         raise CampaignExistsError(str(cfg.db), found.tasks)
-    if cfg.resume and found.revision is not None and not found.campaign:
-        # The schema without its campaign row: a --resume would start a new campaign and run
-        # the whole queue again. (A path with nothing there, or an empty file, still starts
-        # one: job scripts always pass --resume.)
-        raise CampaignRowMissing(cfg.db, resume=True)
     notes: list[str] = []
+    if cfg.resume and found.revision is not None and not found.campaign:
+        # The schema without its campaign row: a copy made without its -wal, or a file whose
+        # first start died between its schema and its campaign row (Store.open commits them
+        # one after the other), which the fault campaign's start-up crashes reach and which
+        # must go on. The two look alike, so the run goes on, saying so loudly.
+        notes.append(CampaignRowMissing(cfg.db, resume=True).message)
     if cfg.resume and found.campaign:
         cfg, notes = take_over(cfg, found.settings)
         refuse_overwriting(cfg)  # the callable the campaign stored is this run's now

@@ -34,7 +34,6 @@ from .engine import (
 )
 from .errors import (
     CampaignExistsError,
-    CampaignRowMissing,
     DamagedDatabaseError,
     NewCampaignNotMade,
     NoCampaignYet,
@@ -106,24 +105,17 @@ class Store:
         unreadable: None to the check) takes this start's.
 
         Raises SchemaVersionError for an older or newer schema, CampaignExistsError for an
-        existing campaign without `resume`, CampaignRowMissing for a `resume` of a file with
-        the schema and no campaign row (a copy without its -wal: see below),
-        UnsafeDatabaseError if WAL cannot be used, DatabaseOpenError for a path that cannot
-        hold a campaign, CampaignLockedError while another master runs on it. A write lock
-        another process holds (a `sqlite3` shell, a backup) is waited for up to `lock_wait_s`,
-        `on_lock_wait(seconds)` between tries.
+        existing campaign without `resume`, UnsafeDatabaseError if WAL cannot be used,
+        DatabaseOpenError for a path that cannot hold a campaign, CampaignLockedError while
+        another master runs on it. A write lock another process holds (a `sqlite3` shell, a
+        backup) is waited for up to `lock_wait_s`, `on_lock_wait(seconds)` between tries.
         """
         path = Path(path)
         policy = policy or RetryPolicy()
         # Read first: a file that is not a campaign (another program's database, a damaged
         # one, a second name of one) is refused before anything writes it; opening it for
         # writing would already switch it to WAL mode for good.
-        found = probe(path, current=False)
-        new = not found.exists
-        if resume and found.revision is not None and not found.campaign \
-                and found.master is None:
-            # (One a master is starting on is refused by its lock, just below, as such.)
-            raise CampaignRowMissing(path, resume=True)
+        new = not probe(path, current=False).exists
         lock_fd = lock_campaign(path)  # the file's own lock (it creates a new file, empty)
         engine = None
         try:
@@ -150,8 +142,8 @@ class Store:
                 # Committed (and, as its engine closes, checkpointed into the file) before
                 # the campaign row, which the incarnation's transaction below writes: a start
                 # killed in between leaves the schema alone, and so does a copy of a campaign
-                # made without its -wal while every later commit is still there. Either is
-                # refused to a --resume (above), which would start a new campaign in it.
+                # made without its -wal while every later commit is still there: a --resume
+                # makes its campaign (the first must go on; the preflight warns of the second).
                 upgrade(path)
             with engine.connect() as conn, read_tx(conn):
                 check_revision(conn, path)

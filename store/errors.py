@@ -43,18 +43,20 @@ class CampaignRowMissing(NoCampaignYet):
     """This coordinator's schema without its campaign row, in a file no master is starting
     on: a copy made without its `-wal` (after a `kill -9` every commit may still be there,
     the campaign row included), or a file whose first start died between the schema and the
-    campaign row, which `Store.open` commits one after the other. A `--resume` of it started
-    a new campaign: the whole queue ran again and AFL got duplicate test cases."""
+    campaign row, which `Store.open` commits one after the other. The two look alike: a
+    `--resume` starts a new campaign in it (the second must go on), saying this loudly."""
 
     def __init__(self, path: object, *, resume: bool = False):
-        what = (f"{path} holds no campaign to resume (its schema, but no campaign row; a "
-                f"--resume would start a new campaign in it and run every task again)"
-                if resume else f"{path} holds no campaign yet (its schema, but no campaign row, "
-                               f"and no master is starting on it)")
-        DatabaseOpenError.__init__(
-            self, f"{what}: if it is a copy, its -wal was probably left behind: copy the "
-                  f"original's -wal beside it as {path}-wal; if a master died while creating "
-                  f"it, remove the file and start again")
+        what = (f"--resume: {path} holds the schema but no campaign row; a new campaign starts "
+                f"in it" if resume else
+                f"{path} holds no campaign yet (its schema, but no campaign row, and no master "
+                f"is starting on it)")
+        self.message = (f"{what}. If it is a copy, its -wal was probably left behind: "
+                        + ("stop this run now, " if resume else "")
+                        + f"copy the original's -wal beside it as {path}-wal"
+                        + (" and --resume again" if resume else "; if a master died while "
+                           "creating it, the next `coordinator run` makes its campaign"))
+        DatabaseOpenError.__init__(self, self.message)
 
 
 def restore_hint(path: object) -> str:

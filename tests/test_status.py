@@ -210,16 +210,16 @@ def test_a_copy_made_without_its_wal_is_said_to_have_left_it_behind(tmp_path, ca
     """A campaign file copied without its -wal (after a kill -9 every row past the schema is
     still there) was said to hold "no campaign yet (a master starting on it creates one
     within a moment...)", with no hint of the -wal: a `--resume` of it then ran the whole
-    campaign again. `status` says what `run --resume` refuses it with."""
+    campaign again. `status` says what `run --resume` warns of."""
     import shutil
 
     from campaigns import copied_without_its_wal
     copy = tmp_path / "copy.db"
     copied_without_its_wal(tmp_path / "c.db", copy)
     says = (f"{copy} holds no campaign yet (its schema, but no campaign row, and no master is "
-            f"starting on it): if it is a copy, its -wal was probably left behind: copy the "
+            f"starting on it). If it is a copy, its -wal was probably left behind: copy the "
             f"original's -wal beside it as {copy}-wal; if a master died while creating it, "
-            f"remove the file and start again")
+            f"the next `coordinator run` makes its campaign")
     assert main(["status", "--db", str(copy)]) == ExitStatus.USAGE
     assert capsys.readouterr().err == f"coordinator: {says}\n"
     assert main(["status", "--db", str(copy), "--json"]) == ExitStatus.USAGE
