@@ -9,6 +9,7 @@ is an optional extra: `pip install -e '.[plot]'`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import itertools
@@ -25,6 +26,7 @@ from store.lock import lock_holder
 from store.observe import Counted, PlotSeries, plot_series, read_counted
 from store.revisions import check_campaign
 from store.stats import Stats, read_stats
+from store.versioning import upgrade
 
 from .exits import ExitStatus
 from .progress import duration
@@ -80,11 +82,16 @@ def plot(db: Path, outdir: Path) -> int:
         check_campaign(conn, db)
         return read_plot(conn, time.time() if running else None)
     try:
-        (series, counts, stats), view = read_file(db, read)
+        # An older revision is read from a copy upgraded in TMPDIR: a post-mortem needs no
+        # write to the evidence (as `status`).
+        (series, counts, stats), view = read_file(db, read, upgrade=upgrade)
     except StoreError as e:
         print(f"coordinator: {e}", file=sys.stderr)
         return ExitStatus.USAGE
     read_s = time.monotonic() - began
+    if view.upgraded_from is not None:  # the file's own revision, not its copy's
+        stats = dataclasses.replace(stats, schema_revision=view.upgraded_from)
+        print(f"coordinator: {view.note}", file=sys.stderr)
     try:
         outdir.mkdir(parents=True, exist_ok=True)
         tasks = functools.partial(_tasks, counts=counts)

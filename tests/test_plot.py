@@ -146,6 +146,24 @@ def test_an_outdir_that_cannot_be_written_is_a_refusal(charts, tmp_path, capsys)
     assert taken.read_text() == "not a directory"
 
 
+def test_an_older_revision_is_plotted_from_an_upgraded_copy_left_as_it_is(charts, tmp_path,
+                                                                            capsys):
+    """`plot` refused a file of an older schema revision ("bring it forward with `coordinator
+    db upgrade`"): a post-mortem needed a write to the evidence. It reads a copy upgraded in
+    TMPDIR, as `status` does, says so, and the page names the file's own revision."""
+    db = copy_of(charts[0], tmp_path)
+    down = subprocess.run([sys.executable, "-m", "alembic", "-x", f"db={db}", "downgrade",
+                           "0012"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    out = tmp_path.parent / f"{tmp_path.name}-charts"
+    assert main(["plot", "--db", str(db), str(out)]) == ExitStatus.OK
+    err = capsys.readouterr().err
+    assert "read from an upgraded copy of revision 0012 in TMPDIR" in err, err
+    assert "incarnation 1, schema\n0012;" in (out / "index.html").read_text()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 # -- what the charts draw ------------------------------------------------------------------------
 # The lines matplotlib was given (after its step styles), read back from the figures: the data
 # a chart is built from, not its pixels.
