@@ -584,8 +584,10 @@ def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
         return value, []
     raw = value["testcases"]
     if not isinstance(raw, dict):
-        raise ValueError(f"result['testcases'] must be a dict of name -> bytes, "
-                         f"got {type(raw).__name__}")
+        raise ValueError(
+            f"result['testcases'] is reserved for test cases, a dict of name -> bytes, and "
+            f"this one is {type(raw).__name__}: return such a value under another key, or "
+            f"nested, e.g. {{\"value\": {{\"testcases\": ...}}}}")
     testcases: list[tuple[str, bytes]] = []
     for name, content in raw.items():
         if not isinstance(name, str) or not isinstance(content, (bytes, bytearray, memoryview)):

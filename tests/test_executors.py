@@ -713,6 +713,24 @@ def test_python_testcases_are_moved_out_of_the_value(task_file, workdir):
     assert out.testcases == [("a", b"first"), ("b", b"second")]
 
 
+@pytest.mark.parametrize("testcases", [5, "out.bin", ["a"], None])
+def test_a_testcases_key_of_another_type_says_it_is_reserved(tmp_path, workdir, testcases):
+    """`{"testcases": 5, "x": 1}` was committed as an error saying only that it must be a
+    dict: the key is reserved, and the detail says how to return such a value."""
+    (tmp_path / "reserved.py").write_text(f"def f(task):\n    return {{'testcases': "
+                                          f"{testcases!r}, 'x': 1}}\n")
+    out = PythonExecutor(f"{tmp_path / 'reserved.py'}:f").run({}, None, workdir)
+    assert (out.status, out.detail) == ("error", (
+        f"result['testcases'] is reserved for test cases, a dict of name -> bytes, and this "
+        f"one is {type(testcases).__name__}: return such a value under another key, or "
+        f"nested, e.g. {{\"value\": {{\"testcases\": ...}}}}"))
+    nested = tmp_path / "nested.py"
+    nested.write_text(f"def f(task):\n    return {{'value': {{'testcases': {testcases!r}, "
+                      f"'x': 1}}}}\n")
+    out = PythonExecutor(f"{nested}:f").run({}, None, workdir)
+    assert (out.status, out.value) == ("ok", {"value": {"testcases": testcases, "x": 1}})
+
+
 def test_python_bad_specs_name_the_spec(tmp_path, task_file):
     broken = tmp_path / "broken_mod.py"
     broken.write_text("raise ImportError('needs numpy')\n")
