@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol, runtime_checkable
@@ -574,8 +575,51 @@ def _wants_input_bytes(fn: Callable[..., Any]) -> bool:
     return True
 
 
+#: A path in a detail's "raised at" line is cut to its last components past this length.
+_WHERE_PATH_CHARS = 80
+
+
+def _short_path(filename: str) -> str:
+    """A frame's file as a detail shows it: relative to the start directory when under it,
+    else as Python has it, cut to its last two components if long."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        rel = filename
+    if not rel.startswith(os.pardir) and not os.path.isabs(rel):
+        filename = rel
+    if len(filename) <= _WHERE_PATH_CHARS:
+        return filename
+    return os.path.join("…", *pathlib.PurePath(filename).parts[-2:])
+
+
+def _frame_text(frame: traceback.FrameSummary) -> str:
+    return f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+
+
+def _raised_at(exc: BaseException) -> str:
+    """Where the callable raised `exc`: its innermost frame, and, when that is in another
+    file (a library the callable called), the callable's own last frame, whence it came.
+    The executor's own frames (the call, the os._exit stand-in) are left out."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if os.path.abspath(f.filename) != _THIS_FILE]
+    if not frames:
+        return ""
+    where = f"raised at {_frame_text(frames[-1])}"
+    own = [f for f in frames if f.filename == frames[0].filename]
+    if own[-1] is not frames[-1]:
+        where += f", called from {_frame_text(own[-1])}"
+    return where
+
+
+_THIS_FILE = os.path.abspath(__file__)
+
+
 def _exception_detail(exc: BaseException) -> str:
-    return clip_detail(f"{type(exc).__name__}: {exc}")
+    """`Type: message`, then where it was raised on a line of its own (the last line: what
+    `status` shows with the first, and what a clipped detail keeps)."""
+    where = _raised_at(exc)
+    return clip_detail(f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else ""))
 
 
 def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:

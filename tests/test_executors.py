@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -603,17 +604,53 @@ def test_python_module_spec_and_two_argument_form(tmp_path, workdir, monkeypatch
         sys.modules.pop(module_name, None)
 
 
+def raised_at(path: pathlib.Path, line: str, function: str) -> str:
+    """The last line of a raising callable's detail: the file as the detail shows it (not
+    under this test's start directory: whole), the line's number, the function."""
+    number = path.read_text().splitlines().index(line) + 1
+    return f"raised at {path}:{number} in {function}"
+
+
 def test_python_exception_becomes_an_error_outcome(task_file, workdir):
     out = PythonExecutor(f"{task_file}:boom").run({"data": 1}, None, workdir)
     assert out.status == "error"
-    assert out.detail == "RuntimeError: kaput for 1"
+    assert out.detail == ("RuntimeError: kaput for 1\n" + raised_at(
+        task_file, '    raise RuntimeError("kaput for " + str(task["data"]))', "boom"))
     out = PythonExecutor(f"{task_file}:leaves").run({"data": 1}, None, workdir)
     assert out.status == "error"
     assert out.detail.startswith("SystemExit")
     # workers ignore SIGINT: this one can only come from the callable, a task failure too
     out = PythonExecutor(f"{task_file}:interrupts").run({"data": 1}, None, workdir)
     assert out.status == "error"
-    assert out.detail == "KeyboardInterrupt: from the callable"
+    assert out.detail.startswith("KeyboardInterrupt: from the callable\nraised at ")
+
+
+def test_an_exceptions_detail_says_where_it_was_raised(tmp_path, workdir, monkeypatch):
+    """A raising callable left only `ValueError: bad input -1` in results.detail: no file,
+    line or function. Its last line now says where (the file relative to the start
+    directory when under it), and, for one raised in a library the callable called, the
+    callable's own line too; within the detail's bound, and what `status` shows."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "good.py").write_text(
+        "import json\n"
+        "def f(task):\n"
+        "    if task['n'] < 0:\n"
+        "        raise ValueError(f\"bad input {task['n']}\")\n"
+        "def parses(task):\n"
+        "    return json.loads('{bad')\n"
+        "def long(task):\n"
+        "    raise ValueError('x' * 5000)\n")
+    out = PythonExecutor("good.py:f").run({"n": -1}, None, workdir)
+    assert (out.status, out.detail) == ("error",
+                                        "ValueError: bad input -1\nraised at good.py:4 in f")
+    assert detail_summary(out.detail) == "ValueError: bad input -1 … raised at good.py:4 in f"
+    deep = PythonExecutor("good.py:parses").run({}, None, workdir).detail
+    assert deep.startswith("JSONDecodeError: Expecting property name")
+    assert re.fullmatch(r"raised at \S*json/decoder\.py:\d+ in raw_decode, called from "
+                        r"good\.py:6 in parses", deep.splitlines()[-1]), deep
+    long = PythonExecutor("good.py:long").run({}, None, workdir).detail
+    assert len(long) == DETAIL_MAX_CHARS
+    assert long.endswith("xxx\nraised at good.py:8 in long")
 
 
 @pytest.mark.parametrize(("function", "detail"), [
@@ -626,7 +663,9 @@ def test_any_base_exception_of_the_callable_is_the_tasks_error(task_file, workdi
     past the executor and the worker's task loop and took the rank out of the job (in a
     batch, its halves then took the next ranks)."""
     out = PythonExecutor(f"{task_file}:{function}").run({"data": 1}, None, workdir)
-    assert (out.status, out.detail) == ("error", detail)
+    assert out.status == "error"
+    assert out.detail.startswith(f"{detail}\nraised at {task_file}:")
+    assert out.detail.endswith(f" in {function}")
 
 
 TEARDOWN_DURING_A_CALL = textwrap.dedent("""\
@@ -686,8 +725,10 @@ def test_python_os_exit_is_the_tasks_failure_and_the_worker_stays(task_file, wor
               "print(out.status, out.detail, os._exit is real)")
     probe = python_probe(script, f"{task_file}:exits", str(workdir))
     assert probe.returncode == 0, probe.stderr
+    # (where: the callable's call of os._exit, not the executor's stand-in for it)
     assert probe.stdout == ("error CallableExited: the callable called os._exit(7); the "
-                            "worker stayed True\n")
+                            "worker stayed\n" + raised_at(task_file, "        os._exit(7)",
+                                                          "exits") + " True\n")
     # Another thread's os._exit (a Timer putting a hard limit on the call) ends the process
     # for real, as it would without the worker.
     probe = python_probe(script, f"{task_file}:thread_exits", str(workdir))
