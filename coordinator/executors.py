@@ -623,7 +623,12 @@ def _exception_detail(exc: BaseException) -> str:
 
 
 def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
-    """Moves ``value["testcases"]`` (name -> bytes) out of a dict result."""
+    """Moves the contents of ``value["testcases"]`` (name -> bytes) out of a dict result.
+
+    The value keeps the key, mapping each name to its content's SHA-256 (hex): the master
+    writes a test case under a name of its own (the first 16 hex digits of that digest
+    without --afl-out), and writes a content only once, so this is what ties a task to its
+    files, whoever wrote them first."""
     if not isinstance(value, dict) or "testcases" not in value:
         return value, []
     raw = value["testcases"]
@@ -644,6 +649,8 @@ def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
                              f"the {MAX_TESTCASE_NAME_CHARS} the master takes")
         testcases.append((name, bytes(content)))
     rest = {k: v for k, v in value.items() if k != "testcases"}
+    rest["testcases"] = {name: hashlib.sha256(content).hexdigest()
+                         for name, content in testcases}
     return rest, testcases
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -748,9 +749,12 @@ def test_python_non_json_result_is_an_error(task_file, workdir, function):
 
 
 def test_python_testcases_are_moved_out_of_the_value(task_file, workdir):
+    """Their contents go as test cases; the value keeps each name with its content's SHA-256,
+    which names the file the master writes (its first 16 hex digits, in DB.out/)."""
     out = PythonExecutor(f"{task_file}:emits").run({"data": 1}, None, workdir)
     assert out.status == "ok"
-    assert out.value == {"found": 2}
+    assert out.value == {"found": 2, "testcases": {
+        "a": hashlib.sha256(b"first").hexdigest(), "b": hashlib.sha256(b"second").hexdigest()}}
     assert out.testcases == [("a", b"first"), ("b", b"second")]
 
 
