@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="feedback depth limit for test cases found by results (0 = unlimited, "
                         "the default; a --resume keeps the campaign's)")
     r.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="queue the test cases that results find as new tasks (default on; "
+                   help="queue the test cases that results find as new tasks (default on "
+                        "for a command, off for a callable, whose test cases are its output; "
                         "with --afl-out, --no-feedback leaves it to AFL to pick the ones worth "
                         "a run, as SymCC's own helper does; a --resume keeps the campaign's)")
     r.add_argument("--out", action=Once, type=path_arg, default=None,

@@ -353,7 +353,8 @@ def resolve_run(ns: argparse.Namespace) -> RunConfig:
         argv=argv, callable_spec=ns.callable,
         timeout_s=timeout, watchdog_s=watchdog, demo=demo, tasks_file=ns.tasks,
         afl_out=ns.afl_out, fuzzer=ns.fuzzer, name=ns.name, out=ns.out,
-        max_depth=ns.max_depth or 0, feedback=ns.feedback is not False,
+        max_depth=ns.max_depth or 0,
+        feedback=ns.feedback if ns.feedback is not None else default_feedback(executor),
         given=frozenset(set_here), stats_file=stats_file,
         stats_interval_s=ns.stats_interval,
         grace_s=ns.grace, stall_grace_s=ns.stall_grace, start_wait_s=ns.start_wait, batch=ns.batch,
@@ -493,6 +494,14 @@ def refuse_foreign_files(cfg: RunConfig) -> None:
 #: keeps the campaign's (a job script's bare `--resume` had turned `--no-feedback` into
 #: unbounded feedback: 3 queued tasks became 3,993). RunConfig field -> its flag.
 RUN_SETTINGS = {"feedback": "--feedback", "max_depth": "--max-depth", "timeout_s": "--timeout"}
+
+
+def default_feedback(executor: str) -> bool:
+    """Feedback unless --feedback/--no-feedback says: on for a command (a SymCC target's test
+    cases are new inputs), off for a callable, whose test cases are its bulk output (fed back,
+    each became a task `{"path": ...}` the callable was never written for, and without
+    --max-depth maybe for ever), and for the demo, which writes none."""
+    return executor == "command"
 
 
 def default_watchdog(timeout_s: float) -> float:

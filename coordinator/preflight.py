@@ -28,6 +28,7 @@ from .config import (
     RUN_SETTINGS,
     ConfigError,
     RunConfig,
+    default_feedback,
     default_watchdog,
     how_it_runs,
     how_stored,
@@ -117,7 +118,9 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         cfg = dataclasses.replace(
             cfg, executor=kind, executor_given=True,
             callable_spec=stored.get("callable") if kind == "python" else None,
-            argv=[str(a) for a in stored.get("command") or []] if kind == "command" else [])
+            argv=[str(a) for a in stored.get("command") or []] if kind == "command" else [],
+            # (the kind's default, for a campaign that kept no feedback setting)
+            feedback=cfg.feedback if "feedback" in cfg.given else default_feedback(kind))
         notes.append(f"--resume runs the campaign's own executor, as its last run did: "
                      f"{how_it_runs(cfg)}")
     if (stored.get("source") == "afl" and cfg.afl_out is not None and "name" not in cfg.given

@@ -130,9 +130,22 @@ def test_a_name_that_links_to_the_fuzzers_queue_is_refused(tmp_path):
     assert resolve(tmp_path, "--name", "symcc", *args).name == "symcc"
 
 
-def test_feedback_is_on_unless_turned_off(tmp_path):
-    assert resolve(tmp_path).feedback is True
-    assert resolve(tmp_path, "--no-feedback").feedback is False
+def test_feedback_is_on_for_a_command_and_off_for_a_callable_unless_given(tmp_path):
+    """A callable's test cases are its bulk output, not new inputs: fed back by default, each
+    became a task `{"path": "DB.out/<hash>"}` its function failed on (or, without
+    --max-depth, maybe ran for ever). A command's (SymCC's) are fed back, as before."""
+    target = tmp_path / "t.sh"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    tasks = ("--tasks", str(tmp_path / "t.jsonl"))
+    command = ("--", str(target), "@@")
+    assert resolve(tmp_path, *tasks, *command).feedback is True
+    assert resolve(tmp_path, *tasks, "--no-feedback", *command).feedback is False
+    assert resolve(tmp_path, *tasks, "--callable", "m:f").feedback is False
+    assert resolve(tmp_path, *tasks, "--callable", "m:f", "--feedback").feedback is True
+    assert resolve(tmp_path, "--demo", "3", "--callable", "m:f").feedback is False
+    assert resolve(tmp_path).feedback is False  # the demo's writes none
+    assert resolve(tmp_path, "--feedback").feedback is True
 
 
 def test_afl_out_that_is_a_file_is_refused(tmp_path):

@@ -325,6 +325,25 @@ def test_a_command_given_by_a_relative_path_is_kept_absolute(tmp_path, monkeypat
     assert check_resume(again, {"executor": "command", "command": ["./target.sh", "@@"]}) == []
 
 
+def test_a_resume_of_a_campaign_that_kept_no_feedback_takes_its_executors_default(tmp_path):
+    """Feedback is on for a command and off for a callable unless given: a bare --resume of
+    a campaign that kept no setting (from before they were kept) gets its executor's."""
+    spec = tmp_path / "work.py"
+    spec.write_text("def solve(task):\n    return 1\n")
+    target = tmp_path / "t.sh"
+    target.write_text("#!/bin/sh\n")
+    target.chmod(0o755)
+    tasks = ("--tasks", str(tmp_path / "t.jsonl"))
+    for name, executor, feedback in (("py", ("--callable", f"{spec}:solve"), False),
+                                     ("cmd", ("--", str(target), "@@"), True)):
+        db = tmp_path / f"{name}.db"
+        _stored_campaign(db, {k: v for k, v in campaign_settings(
+            config(db, *tasks, *executor)).items() if k != "feedback"})
+        assert check_run(config(db, "--resume")).cfg.feedback is feedback
+        assert check_run(config(db, "--resume", "--feedback")).cfg.feedback is True
+        assert check_run(config(db, "--resume", "--no-feedback")).cfg.feedback is False
+
+
 def _moved_afl_campaign(tmp_path: Path, *flags: str):
     """A campaign file at `tmp_path/c.db` begun on `tmp_path/afl` (with `flags`), whose AFL
     directory `tmp_path/moved` now holds: (db, its target, its first run's config)."""
