@@ -516,9 +516,11 @@ def _resolve(spec: str) -> Callable[..., Any]:
     where, _, attr_path = spec.rpartition(":")
     if not where or not attr_path:
         raise UsageError(f"must look like {_SPEC_FORMS}")
-    if not _looks_like_file(where) and not ({"", os.getcwd()} & set(sys.path)):
+    if not ({"", os.getcwd()} & set(sys.path)):
         # `python -m coordinator` finds a module of the start directory, the `coordinator`
         # script did not: `mpiexec -n 8 coordinator run --callable mypkg.work:solve` failed.
+        # Nor do the ranks `coordinator run` launches (`python -P`, `launcher.rank_command`).
+        # A file's own imports of modules beside it in the start directory, too.
         sys.path.append(os.getcwd())  # last: it must not shadow what is installed
     try:
         module = _import_file(where) if _looks_like_file(where) else importlib.import_module(where)

@@ -112,9 +112,26 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
         (Path(d) / LAUNCHER_PID).write_text(f"{os.getpid()}\n")
         pid_file = Path(d) / "master.pid"
         rest[1:1] = ["--master-pid-file", str(pid_file)]
-        cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), sys.executable, "-m",
-               "coordinator", *rest]
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, ns.np, ulfm=ns.ulfm), *rank_command(), *rest]
         return _supervise(cmd, pid_file, ns.start_timeout, cfg.metrics_file)
+
+
+#: `python -m coordinator` for Pythons without -P (3.10): the same, without the start
+#: directory that -c puts first on sys.path.
+_SAFE_PATH_MAIN = ("import runpy, sys; del sys.path[0]; "
+                   "runpy.run_module('coordinator', run_name='__main__', alter_sys=True)")
+
+
+def rank_command() -> list[str]:
+    """How every rank of a self-launched job starts: `python -m coordinator` without the
+    start directory first on sys.path (-P), where a user's `store.py`, `migrations.py` or
+    `coordinator.py` took the place of the project's own packages: every launch, --demo too,
+    failed (a traceback, then a wait for --start-timeout; or exit 5; or a silent exit 1).
+    A `--callable` module there is still found: the executor adds the start directory at
+    the end of sys.path (`executors._resolve`)."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", "coordinator"]
+    return [sys.executable, "-c", _SAFE_PATH_MAIN]
 
 
 #: The least free space the launch's temporary directory needs: Open MPI's session directory
@@ -301,6 +318,12 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0,
         return code or 1
     # The master never started: whatever mpiexec's own status was (213, 230, ...; 2 or 130
     # would read as another of the table's meanings), the launch failed.
+    if rc == 0:
+        # (Otherwise said above.) The ranks ran and ended well, but not one of them was a
+        # master: they ran something else than the coordinator.
+        print(f"coordinator: {cmd[0]} exited with status 0, but no master started (the "
+              f"ranks never reached the coordinator's start: see their output above, if "
+              f"any); nothing was changed", file=sys.stderr, flush=True)
     return ExitStatus.FAILED
 
 

@@ -5,7 +5,12 @@ exits with, and what it leaves behind."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from coordinator.exits import ExitStatus
 
@@ -28,6 +33,13 @@ def test_a_launcher_that_is_missing_or_fails_at_once_is_named(tmp_path):
     false = launch("false")  # a name on PATH
     assert false.returncode == ExitStatus.FAILED
     assert "exited with status 1 before the master started" in false.stderr
+    # One that ends well without a master (ranks that ran another `coordinator`) was exit 1
+    # and not a word either.
+    true = launch("true")
+    assert true.returncode == ExitStatus.FAILED
+    assert true.stderr == (f"coordinator: {shutil.which('true')} exited with status 0, but no "
+                           f"master started (the ranks never reached the coordinator's start: "
+                           f"see their output above, if any); nothing was changed\n")
     assert not (tmp_path / "c.db").exists()
 
 
@@ -232,3 +244,85 @@ def test_without_home_the_launch_takes_the_users_or_says_to_set_it(monkeypatch, 
     assert launcher._home_unset() == ("HOME is not set, and this user has no home directory: "
                                       "MPI needs one (set HOME)")
     assert "HOME" not in os.environ
+
+
+#: What a user's start directory may hold under the names of the project's own packages.
+SHADOWS = {"store.py": "raise SystemExit('the start directory\\'s store.py')\n",
+           "migrations.py": "raise SystemExit(5)\n",
+           "coordinator.py": "print('the start directory\\'s coordinator.py')\n"}
+
+
+def _start_directory_with_shadows(tmp_path: Path) -> Path:
+    start = tmp_path / "start"
+    start.mkdir()
+    for name, text in SHADOWS.items():
+        (start / name).write_text(text)
+    return start
+
+
+def test_the_ranks_start_without_the_start_directory_first_on_sys_path(tmp_path):
+    """`python -m coordinator` puts the start directory first on sys.path: a user's store.py,
+    migrations.py or coordinator.py there took the place of the project's packages in every
+    rank. The ranks' command (and its form for a Python without -P) does not."""
+    from coordinator.launcher import _SAFE_PATH_MAIN, rank_command
+
+    start = _start_directory_with_shadows(tmp_path)
+    for command in (rank_command(), [sys.executable, "-c", _SAFE_PATH_MAIN]):
+        got = subprocess.run([*command, "status", "--db", str(tmp_path / "none.db")],
+                             cwd=start, capture_output=True, text=True, timeout=60)
+        assert (got.returncode, got.stdout, got.stderr) == (
+            ExitStatus.USAGE, "",
+            f"coordinator: {tmp_path / 'none.db'} does not exist (nothing was created)\n"), \
+            command
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_a_self_launch_from_a_directory_holding_store_py_runs(tmp_path):
+    """A store.py, migrations.py or coordinator.py in the directory `coordinator run` starts
+    from broke every self-launched run, --demo too: a traceback then a wait for
+    --start-timeout blaming MPI_Init, exit 5, or a silent exit 1. A --callable module there
+    (and a module beside it that it imports) is still found."""
+    import sqlite3
+    import time as clock
+
+    start = _start_directory_with_shadows(tmp_path)
+    (start / "helper.py").write_text("def twice(n):\n    return 2 * n\n")
+    (start / "mymod.py").write_text("import helper\ndef f(task):\n"
+                                    "    return helper.twice(task['data']['n'])\n")
+    (start / "tasks.jsonl").write_text("".join(f'{{"data": {{"n": {i}}}}}\n' for i in range(5)))
+    # The `coordinator` script, as installed: the start directory is not on its sys.path.
+    script = tmp_path / "bin" / "coordinator"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom coordinator.cli import main\n"
+                      f"sys.exit(main())\n")
+    script.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMI", "PMIX", "HYDRA", "MPI_LOCAL"))}
+    for name, args in (("demo", ["--demo", "5"]),
+                       ("callable", ["--tasks", "tasks.jsonl", "--callable", "mymod:f"])):
+        t0 = clock.monotonic()
+        done = subprocess.run([str(script), "run", "--db", f"{name}.db", "--np", "2",
+                               "--no-progress", "--start-timeout", "30", *args], cwd=start,
+                              capture_output=True, text=True, timeout=150, env=env)
+        assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
+        assert "start directory's" not in done.stdout + done.stderr
+        assert clock.monotonic() - t0 < 30  # not a wait for --start-timeout
+        with sqlite3.connect(start / f"{name}.db") as db:
+            got = db.execute("SELECT status, value FROM results ORDER BY task_id").fetchall()
+        assert [status for status, _ in got] == ["ok"] * 5
+        if name == "callable":
+            assert [v for _, v in got] == [str(2 * i) for i in range(5)]
+
+
+def test_a_callable_file_in_the_start_directory_imports_the_modules_beside_it(tmp_path):
+    """Without the start directory on the ranks' sys.path (-P), a `--callable good.py:f`
+    whose file imports a module beside it found it no more: the executor adds the start
+    directory (last) for a file spec too, as for a module spec."""
+    (tmp_path / "helper.py").write_text("ANSWER = 42\n")
+    (tmp_path / "good.py").write_text("import helper\ndef f(task):\n    return helper.ANSWER\n")
+    got = subprocess.run(
+        [sys.executable, "-P", "-c", "from coordinator.executors import PythonExecutor; "
+         "print(PythonExecutor('good.py:f').run({}, None, '.').value)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (got.returncode, got.stdout) == (0, "42\n"), got.stderr
