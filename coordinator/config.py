@@ -514,7 +514,7 @@ def campaign_settings(cfg: RunConfig) -> dict[str, object]:
     command or callable, AFL directories and RUN_SETTINGS (`renewed_settings`)."""
     source = ("afl" if cfg.afl_out is not None else "tasks" if cfg.tasks_file is not None
               else "demo")
-    return {"executor": cfg.executor, "callable": cfg.callable_spec,
+    return {"executor": cfg.executor, "callable": stored_callable(cfg.callable_spec),
             "command": stored_command(cfg.argv) or None,
             "source": source,
             "afl_out": str(cfg.afl_out.absolute()) if cfg.afl_out is not None else None,
@@ -535,6 +535,18 @@ def stored_command(argv: list[str]) -> list[str]:
     if not argv or not _by_path(argv[0]):
         return list(argv)
     return [os.path.abspath(argv[0]), *argv[1:]]
+
+
+def stored_callable(spec: str | None) -> str | None:
+    """The callable as a campaign keeps it: one given by its file (`work.py:solve`, as
+    `executors._looks_like_file` tells) with that file's absolute path, as for a command's
+    program (`stored_command`): a --resume from another directory found no `work.py`."""
+    if not spec or ":" not in spec:
+        return spec
+    where, attr = spec.rsplit(":", 1)
+    if not (where.endswith(".py") or "/" in where or os.sep in where):
+        return spec  # a module: found on sys.path wherever the run starts
+    return f"{os.path.abspath(where)}:{attr}"
 
 
 def _same_command(stored: object, given: object) -> bool:
@@ -597,7 +609,8 @@ def check_resume(cfg: RunConfig, stored: dict | None) -> list[str]:
     notes = []
     key = {"python": "callable", "command": "command"}.get(given["executor"])
     if key is not None and not (_same_command(stored.get(key), given[key]) if key == "command"
-                                else stored.get(key) in (None, given[key])):
+                                else stored.get(key) in (None, given[key])
+                                or stored_callable(str(stored.get(key))) == given[key]):
         # The user's call (a fixed target, a renamed module), but results committed from now
         # on come from another program than the earlier ones: said, not refused.
         notes.append(f"this campaign's earlier runs used {how_stored(stored)}; this --resume runs "

@@ -548,7 +548,8 @@ def _looks_like_file(where: str) -> bool:
 def _import_file(where: str) -> Any:
     path = pathlib.Path(where).resolve()
     if not path.is_file():
-        raise UsageError(f"file {where!r} does not exist")
+        raise UsageError(f"file {where!r} does not exist"
+                         + ("" if os.path.isabs(where) else f" ({path})"))
     # A name unique per file, so two task files with the same stem do not replace each other.
     name = f"_coordinator_task_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name in sys.modules:

@@ -71,6 +71,7 @@ def check_run(cfg: RunConfig) -> Checked:
         # one after the other), which the fault campaign's start-up crashes reach and which
         # must go on. The two look alike, so the run goes on, saying so loudly.
         notes.append(CampaignRowMissing(cfg.db, resume=True).message)
+    given_spec = cfg.callable_spec
     if cfg.resume and found.campaign:
         cfg, notes = take_over(cfg, found.settings)
         refuse_overwriting(cfg)  # the callable the campaign stored is this run's now
@@ -88,7 +89,16 @@ def check_run(cfg: RunConfig) -> Checked:
         raise ConfigError(AFL_NEEDS_COMMAND)
     if cfg.tasks_file is not None:
         _check_tasks_file(cfg.tasks_file)
-    argv = getattr(build_executor(cfg), "argv", None)
+    try:
+        argv = getattr(build_executor(cfg), "argv", None)
+    except UsageError as e:
+        if cfg.callable_spec is not None and cfg.callable_spec != given_spec:
+            # Not the one on the command line: the user must hear where it came from.
+            raise UsageError(
+                f"{e}; that is the campaign's callable, as its last run stored it in "
+                f"{cfg.db} (relative to the directory that run started in, if relative): "
+                f"give --callable to run another") from e
+        raise
     writer(cfg)
     check_free(*output_directory(cfg), db=cfg.db)
     return Checked(cfg, argv, notes, found, _imported_before(cfg, found))

@@ -325,6 +325,46 @@ def test_a_command_given_by_a_relative_path_is_kept_absolute(tmp_path, monkeypat
     assert check_resume(again, {"executor": "command", "command": ["./target.sh", "@@"]}) == []
 
 
+def test_a_callable_given_by_its_file_is_kept_absolute(tmp_path, monkeypatch):
+    """`--callable good.py:f` was stored as given: a --resume from another directory failed
+    with "file 'good.py' does not exist", and did not say the spec was the campaign's. A
+    module spec stays as given (found on sys.path wherever the run starts)."""
+    from coordinator.config import check_resume
+
+    first_dir, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
+    for d in (first_dir, elsewhere):
+        d.mkdir()
+    (first_dir / "good.py").write_text("def f(task):\n    return 1\n")
+    db = tmp_path / "c.db"
+    monkeypatch.chdir(first_dir)
+    first = config(db, "--tasks", "t.jsonl", "--callable", "good.py:f")
+    assert campaign_settings(first)["callable"] == f"{first_dir / 'good.py'}:f"
+    assert campaign_settings(config(db, "--tasks", "t.jsonl", "--callable", "good:f"))[
+        "callable"] == "good:f"
+    _stored_campaign(db, campaign_settings(first))
+    monkeypatch.chdir(elsewhere)
+    checked = check_run(config(db, "--resume"))
+    assert checked.cfg.callable_spec == f"{first_dir / 'good.py'}:f"
+    # A campaign kept before: from another directory, the refusal says whose spec it is.
+    old = tmp_path / "old.db"
+    _stored_campaign(old, {**campaign_settings(first), "callable": "good.py:f"})
+    with pytest.raises(UsageError) as refused:
+        check_run(config(old, "--resume"))
+    assert str(refused.value) == (
+        f"callable spec 'good.py:f': file 'good.py' does not exist ({elsewhere / 'good.py'}); "
+        f"that is the campaign's callable, as its last run stored it in {old} (relative to "
+        f"the directory that run started in, if relative): give --callable to run another")
+    # Given on the command line, it is the user's own: said as before.
+    with pytest.raises(UsageError) as given:
+        check_run(config(old, "--resume", "--callable", "good.py:f"))
+    assert "campaign's callable" not in str(given.value)
+    # From where it was started it runs, and given again there it is the same callable.
+    monkeypatch.chdir(first_dir)
+    assert check_run(config(old, "--resume")).cfg.callable_spec == "good.py:f"
+    again = config(old, "--resume", "--callable", "good.py:f")
+    assert check_resume(again, {"executor": "python", "callable": "good.py:f"}) == []
+
+
 def test_a_resume_of_a_campaign_that_kept_no_feedback_takes_its_executors_default(tmp_path):
     """Feedback is on for a command and off for a callable unless given: a bare --resume of
     a campaign that kept no setting (from before they were kept) gets its executor's."""
