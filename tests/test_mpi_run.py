@@ -883,8 +883,10 @@ def test_a_callable_that_calls_os_exit_fails_its_task_and_the_run_goes_on(tmp_pa
     check_conservation(db, expected_tasks=12)
     assert query(db, "SELECT status, count(*) FROM results GROUP BY status") == [
         ("error", 1), ("ok", 11)]
-    assert query(db, "SELECT detail FROM results WHERE status = 'error'") == [
-        ("CallableExited: the callable called os._exit(7); the worker stayed",)]
+    [(detail,)] = query(db, "SELECT detail FROM results WHERE status = 'error'")
+    said, where = detail.split("\n")
+    assert said == "CallableExited: the callable called os._exit(7); the worker stayed"
+    assert where.startswith("raised at ") and where.endswith("leaves.py:4 in work"), where
     assert query(db, "SELECT count(*) FROM events WHERE kind IN ('watchdog', "
                      "'worker_failed')") == [(0,)]
 
