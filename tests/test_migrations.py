@@ -768,22 +768,28 @@ def test_0014_writes_the_enum_checks_as_comparisons_and_goes_back(tmp_path: Path
     assert _dump(db) == before
 
 
-def test_0014_refuses_a_file_whose_checks_were_changed_and_writes_nothing(tmp_path: Path):
-    """A table whose enum CHECK is not in the form 0013 left (edited by hand) stops the
-    revision before anything is rewritten: the file stays at 0013, whole."""
-    db = tmp_path / "edited.db"
-    versioning.upgrade(db, "0013")
+def _edit_table_sql(db: Path, table: str, old: str, new: str) -> None:
+    """A table's CREATE text edited by hand (SQLite's `writable_schema`), as a `sqlite3`
+    shell could."""
     conn = sqlite3.connect(db)
     try:
         with conn:
             conn.execute("PRAGMA writable_schema = ON")
-            conn.execute("UPDATE sqlite_master SET sql = replace(sql, 'kind IN (''work'', ', "
-                         "'kind IN (''work'',') WHERE name = 'leases'")
+            conn.execute("UPDATE sqlite_master SET sql = replace(sql, ?, ?) WHERE name = ?",
+                         (old, new, table))
             version = conn.execute("PRAGMA schema_version").fetchone()[0]
             conn.execute(f"PRAGMA schema_version = {version + 1}")
             conn.execute("PRAGMA writable_schema = OFF")
     finally:
         conn.close()
+
+
+def test_0014_refuses_a_file_whose_checks_were_changed_and_writes_nothing(tmp_path: Path):
+    """A table whose enum CHECK is not in the form 0013 left (edited by hand) stops the
+    revision before anything is rewritten: the file stays at 0013, whole."""
+    db = tmp_path / "edited.db"
+    versioning.upgrade(db, "0013")
+    _edit_table_sql(db, "leases", "kind IN ('work', ", "kind IN ('work',")
     before = _dump(db)
     with pytest.raises(StoreWriteError, match="0014.*leases has 0 enum CHECKs"):
         versioning.upgrade(db)
@@ -901,17 +907,7 @@ def test_0018_refuses_a_file_whose_events_check_was_changed(tmp_path: Path):
     """An `events` CHECK not in the form 0017 left stops the revision, the file whole."""
     db = tmp_path / "edited.db"
     versioning.upgrade(db, "0017")
-    conn = sqlite3.connect(db)
-    try:
-        with conn:
-            conn.execute("PRAGMA writable_schema = ON")
-            conn.execute("UPDATE sqlite_master SET sql = replace(sql, ' OR kind = ''split''', "
-                         "'') WHERE name = 'events'")
-            version = conn.execute("PRAGMA schema_version").fetchone()[0]
-            conn.execute(f"PRAGMA schema_version = {version + 1}")
-            conn.execute("PRAGMA writable_schema = OFF")
-    finally:
-        conn.close()
+    _edit_table_sql(db, "events", " OR kind = 'split'", "")
     before = _dump(db)
     with pytest.raises(StoreWriteError, match="0018.*events.kind"):
         versioning.upgrade(db)
