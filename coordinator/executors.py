@@ -43,6 +43,7 @@ from .processes import (
 from .wire import (
     ENCODE_ERRORS,
     MAX_TESTCASE_NAME_CHARS,
+    MAX_TESTCASES,
     MAX_VALUE_BYTES,
     NOT_RUN_STATUS,
     clip_detail,
@@ -550,6 +551,10 @@ def _import_file(where: str) -> Any:
     if not path.is_file():
         raise UsageError(f"file {where!r} does not exist"
                          + ("" if os.path.isabs(where) else f" ({path})"))
+    # Its own imports of modules beside it, from whatever directory a --resume starts in
+    # (the spec is stored absolute); last, as the start directory.
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     # A name unique per file, so two task files with the same stem do not replace each other.
     name = f"_coordinator_task_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name in sys.modules:
@@ -587,7 +592,7 @@ def _short_path(filename: str) -> str:
     else as Python has it, cut to its last two components if long."""
     try:
         rel = os.path.relpath(filename)
-    except ValueError:
+    except (ValueError, OSError):  # (OSError: the working directory was removed)
         rel = filename
     if not rel.startswith(os.pardir) and not os.path.isabs(rel):
         filename = rel
@@ -621,7 +626,10 @@ _THIS_FILE = os.path.abspath(__file__)
 def _exception_detail(exc: BaseException) -> str:
     """`Type: message`, then where it was raised on a line of its own (the last line: what
     `status` shows with the first, and what a clipped detail keeps)."""
-    where = _raised_at(exc)
+    try:
+        where = _raised_at(exc)
+    except Exception:  # (where it was raised is a help: never at the cost of what it was)
+        where = ""
     return clip_detail(f"{type(exc).__name__}: {exc}" + (f"\n{where}" if where else ""))
 
 
@@ -652,8 +660,12 @@ def _split_testcases(value: Any) -> tuple[Any, list[tuple[str, bytes]]]:
                              f"the {MAX_TESTCASE_NAME_CHARS} the master takes")
         testcases.append((name, bytes(content)))
     rest = {k: v for k, v in value.items() if k != "testcases"}
+    # Only the names the master can keep (MAX_TESTCASES a RESULT): 30,000 names and their
+    # digests made a value over MAX_VALUE_BYTES, an `error` where the files were kept.
     rest["testcases"] = {name: hashlib.sha256(content).hexdigest()
-                         for name, content in testcases}
+                         for name, content in testcases[:MAX_TESTCASES]}
+    if len(testcases) > MAX_TESTCASES:
+        rest["testcases_omitted"] = len(testcases) - MAX_TESTCASES
     return rest, testcases
 
 

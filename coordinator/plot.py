@@ -91,7 +91,6 @@ def plot(db: Path, outdir: Path) -> int:
     read_s = time.monotonic() - began
     if view.upgraded_from is not None:  # the file's own revision, not its copy's
         stats = dataclasses.replace(stats, schema_revision=view.upgraded_from)
-        print(f"coordinator: {view.note}", file=sys.stderr)
     try:
         outdir.mkdir(parents=True, exist_ok=True)
         tasks = functools.partial(_tasks, counts=counts)

@@ -944,3 +944,58 @@ def test_a_callable_whose_import_exits_is_a_bad_spec(tmp_path):
     script.write_text("import sys\nsys.exit(3)\ndef work(x):\n    return x\n")
     with pytest.raises(UsageError, match=r"cannot import .*SystemExit: 3"):
         make_executor("python", callable_spec=f"{script}:work")
+
+
+def test_a_file_spec_imports_what_lies_beside_it_from_any_start_directory(tmp_path):
+    """A file spec is stored absolute, so a --resume from another directory runs the same
+    file; its import of a module beside it failed there (only the start directory was on
+    the path), as it does on ranks started with `python -P`."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "helper_beside.py").write_text("def twice(n):\n    return 2 * n\n")
+    (lib / "work_beside.py").write_text("from helper_beside import twice\n"
+                                        "def f(task):\n    return twice(task['n'])\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = ("import sys; from coordinator.executors import PythonExecutor; "
+              f"print(PythonExecutor({str(lib / 'work_beside.py') + ':f'!r})"
+              ".run({'n': 21}, None, '.').value)")
+    probe = subprocess.run([sys.executable, "-P", "-c", script] if sys.version_info >= (3, 11)
+                           else [sys.executable, "-c", "import sys; del sys.path[0]; " + script],
+                           cwd=elsewhere, capture_output=True, text=True, timeout=60, check=False)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout == "42\n"
+
+
+def test_many_test_cases_name_only_those_the_master_keeps(tmp_path, workdir):
+    """Each test case's name and digest went into the value: 30,000 of them made it larger
+    than a RESULT may carry, an `error` where the master keeps the first MAX_TESTCASES and
+    counts the rest as dropped. The value names those it keeps and counts the others."""
+    from coordinator.wire import MAX_TESTCASES
+    spec = tmp_path / "many.py"
+    spec.write_text("def f(task):\n"
+                    "    return {'testcases': {f'{i:06d}': b'%d' % i for i in range(30000)}}\n")
+    out = PythonExecutor(f"{spec}:f").run({}, None, workdir)
+    assert out.status == "ok", out.detail
+    assert len(out.value["testcases"]) == MAX_TESTCASES
+    assert out.value["testcases_omitted"] == 30000 - MAX_TESTCASES
+    assert len(out.testcases) == 30000  # (the master keeps the first MAX_TESTCASES)
+
+
+def test_a_callable_that_removed_the_working_directory_keeps_its_own_error(tmp_path,
+                                                                          workdir):
+    """Where it was raised is read relative to the working directory: a callable that
+    removed it made that read's FileNotFoundError the task's error in place of its own."""
+    spec = tmp_path / "gone.py"
+    spec.write_text("import os, tempfile\n"
+                    "def f(task):\n"
+                    "    d = tempfile.mkdtemp()\n"
+                    "    os.chdir(d)\n"
+                    "    os.rmdir(d)\n"
+                    "    raise ValueError('its own')\n")
+    here = os.getcwd()
+    try:
+        out = PythonExecutor(f"{spec}:f").run({}, None, workdir)
+    finally:
+        os.chdir(here)
+    assert out.status == "error" and out.detail.startswith("ValueError: its own"), out.detail

@@ -296,9 +296,9 @@ def test_downgrade_to_base_and_upgrade_again(tmp_path: Path):
     head = versioning.head_revision()
     assert versioning.upgrade(db) == (None, head)
     assert _dump(db)["objects"] == schema_at_head
-    # A usable campaign file again (for a new campaign: a --resume of the schema without its
-    # campaign row is refused, test_preflight.py).
-    store = Store.open(db)
+    # A usable campaign file again (a --resume of the schema without its campaign row makes
+    # it, as a start that died before its campaign row must go on: test_preflight.py).
+    store = Store.open(db, resume=True)
     try:
         with store.transaction() as tx:
             assert enqueue_tasks(tx, [NewTask({"path": "/seeds/again"})])
