@@ -1472,6 +1472,10 @@ def test_a_time_limit_that_signals_mpiexec_too_charges_nothing(tmp_path, sig):
     in flight an attempt, as after a crash: two time limits with `--max-attempts 2` held three
     healthy tasks `failed` (a review). The master now writes a `stop` event the moment it gets
     the signal, and the resume charges those runs nothing."""
+    if sig is signal.SIGHUP and mpi_kind() != "openmpi":
+        pytest.skip("MPICH's mpiexec has no SIGHUP handler: it dies of it and its proxies end "
+                    "the ranks at once, before the master's own SIGHUP can be recorded (seen "
+                    "here: no `stop` event); operations.md says those runs are charged")
     target = tmp_path / "stubborn.py"
     target.write_text(STUBBORN_TARGET)
     (tmp_path / "hold").touch()
