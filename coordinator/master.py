@@ -987,6 +987,11 @@ class Master:
             return
         self._stop_recorded = True
         with self._tx("stop") as tx:
+            if why in _STOP_SIGNAL_NAMES and self._gone_ranks(tx, take_failed=False):
+                # A worker holding work is gone: without ULFM that death is what made the
+                # launcher signal this master (measured: a poison task then reran uncharged
+                # at each --resume). Its runs are charged as after a crash.
+                return
             tx.event(EventKind.STOP, detail=why)
 
     def _stopping(self) -> bool:
@@ -1024,12 +1029,15 @@ class Master:
                   f"returned to the queue",
                   file=sys.stderr, flush=True)
 
-    def _gone_ranks(self, tx: Tx) -> set[int]:
+    def _gone_ranks(self, tx: Tx, take_failed: bool = True) -> set[int]:
         """Ranks holding a dispatch whose worker is known to be gone: reported dead by MPI, or
         (same host) its process no longer exists. Without ULFM, Open MPI's launcher answers a
         worker's death by signalling the master, which must not then requeue the task that
-        killed it for free (a poison task would loop for ever across resumes)."""
-        self._failed_ranks.update(self._take_failed())
+        killed it for free (a poison task would loop for ever across resumes). `take_failed`:
+        also take the deaths MPI reported since the last round (not in a round's loop, whose
+        `_retire_dead` must see them)."""
+        if take_failed:
+            self._failed_ranks.update(self._take_failed())
         here = socket.gethostname()
         gone = set()
         for rank, host, pid in dsp.holders(tx):
