@@ -1487,6 +1487,9 @@ def test_a_time_limit_that_signals_mpiexec_too_charges_nothing(tmp_path, sig):
     for time_limit in (1, 2):
         proc = start(args if time_limit == 1 else args[:1] + ["--resume"] + args[1:])
         try:
+            # (wait_for launches it once more if Open MPI's launcher failed at its start.)
+            wait_for(db, f"SELECT count(*) FROM dispatches WHERE incarnation = {time_limit}",
+                     lambda n: n == 3)
             deadline = time.monotonic() + 60
             while len(held := list(tmp_path.glob("hold.*"))) < 3:
                 assert time.monotonic() < deadline and proc.poll() is None, "no 3 targets"
