@@ -21,11 +21,13 @@ from store.readonly import read_file
 from store.revisions import check_campaign, current_revision
 from store.stats import (
     held_reasons,
+    incarnation_stop,
     last_master,
     other_messages_text,
     recent_failures,
     stats_text,
 )
+from store.vocabulary import STOPPED_FREE
 
 from .errors import refused
 from .processes import process_exists
@@ -53,10 +55,11 @@ def status(db: Path, as_json: bool) -> int:
         failures = recent_failures(conn) if set(seen.results_by_status) - {"ok"} else []
         held = held_reasons(conn) if s.tasks["deferred"] or s.tasks["failed"] else {}
         samples = read_samples(conn, s.incarnation, now - 2 * max(RATE_WINDOWS.values()))
-        return seen, failures, held, last_master(conn), read_ranks(conn), samples
+        return (seen, failures, held, last_master(conn), read_ranks(conn), samples,
+                incarnation_stop(conn, s.incarnation))
     try:
-        (seen, failures, held, last, ranks, samples), view = read_file(db, read,
-                                                                        upgrade=_upgrade)
+        (seen, failures, held, last, ranks, samples, stop), view = read_file(
+            db, read, upgrade=_upgrade)
     except StoreError as e:
         return refused(str(e), {"error": str(e)} if as_json else None)
     master = _master_state(last, lock_holder(db))
@@ -80,6 +83,7 @@ def status(db: Path, as_json: bool) -> int:
         print(json.dumps({
             **s.as_json(), "error": None, "results_by_status": by_status, "master": master,
             "now": now,
+            "stop": None if stop is None else {"at": stop[0], "cause": stop[1]},
             "view": {"mode": view.mode, "note": view.note()},
             "campaign_created_at": times.created_at,
             "campaign_age_s": None if times.created_at is None else now - times.created_at,
@@ -122,6 +126,8 @@ def status(db: Path, as_json: bool) -> int:
                  False: f"not running (the last was {where})",
                  None: f"{where} (whether it runs cannot be told from here)"}[master["running"]]
         print("master: " + state)
+    if stop is not None:
+        print(f"  {_stop_text(stop, running)}")
     if times.created_at is not None:
         started = times.incarnation_started_at
         run = ("" if started is None else
@@ -217,6 +223,18 @@ def _upgrade(copy: Path) -> None:
     alone (`read_file`)."""
     from store.versioning import upgrade
     upgrade(copy)
+
+
+def _stop_text(stop: tuple[float, str], running: bool) -> str:
+    """What this incarnation's `stop` event means to its operator: a master that is stopping,
+    or one whose end was a stop (a signal, or storage it could not write), not a crash: the
+    runs it left in flight rerun at `--resume` uncharged."""
+    at, cause = stop
+    if running:
+        return (f"stopping since {clock_utc(at)}: {cause} (no new dispatches; in-flight work "
+                f"finishes within the grace period or goes back to the queue)")
+    return (f"it was stopping since {clock_utc(at)}: {cause}; the runs it left in flight "
+            f"are charged nothing at `--resume` (up to {STOPPED_FREE} such stops per task)")
 
 
 def _master_state(last: tuple[int, str] | None, holder: int | None) -> dict | None:

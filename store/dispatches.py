@@ -24,6 +24,7 @@ from .errors import FenceError
 from .journal import Tx
 from .schema import COUNTED_KIND_SQL, EventKind, TaskState, WorkerState, dispatches, tasks
 from .tasks import TaskRecord, head_position, retry_decision, set_state
+from .vocabulary import STOPPED_FREE
 from .workers import set_workers
 
 
@@ -686,9 +687,6 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
     return rec
 
 
-#: How many times one task's run may be cut off uncharged by an incarnation its operator
-#: stopped (see `requeue_in_flight`); the next such run is charged as a crash's.
-STOPPED_FREE = 3
 #: The start of the detail of such a run's `interrupted` event (then the stop's cause).
 STOPPED_BY = "stopped ("
 

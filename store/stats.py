@@ -226,3 +226,12 @@ def last_master(conn: Reader) -> tuple[int, str] | None:
         f"ORDER BY id DESC LIMIT 1").first()
     m = _MASTER_NOTE.search(row[0] or "") if row is not None else None
     return (int(m[1]), m[2]) if m else None
+
+
+def incarnation_stop(conn: Reader, incarnation: int) -> tuple[float, str] | None:
+    """(time, cause) of the first `stop` event of an incarnation (a stop signal's name, or why
+    its master stopped on its own: revision 0018); None if it recorded none (a crash, a worker
+    death, a run that finished, or a file from before 0018)."""
+    return conn.exec_driver_sql(
+        f"SELECT at, detail FROM events WHERE kind = 'stop' AND {COUNTED_KIND_SQL} "
+        f"AND incarnation = ? ORDER BY id LIMIT 1", (incarnation,)).first()

@@ -122,6 +122,10 @@ ROLLBACK_EVENTS = (EventKind.RECOVERED, EventKind.WATCHDOG, EventKind.INTERRUPTE
                    EventKind.WORKER_FAILED, EventKind.SPLIT)
 
 
+#: How many times one task's run may be cut off uncharged by an incarnation its operator
+#: stopped (`dispatches.requeue_in_flight`); the next such run is charged as a crash's.
+STOPPED_FREE = 3
+
 #: The held states, as literal SQL: a query must repeat this very term for SQLite to read
 #: `ix_tasks_held`. Only held tasks are in it (revision 0007): an index of every task's state
 #: would have each dispatch and each commit move an entry, ~3 written pages per commit. The other

@@ -47,8 +47,9 @@ def test_status_json_keeps_its_keys_and_adds_the_campaigns_figures(campaign, cap
     new = {"now", "campaign_created_at", "campaign_age_s", "incarnation_started_at",
            "incarnation_run_s", "source", "rate", "eta_s", "testcases", "quarantined",
            "parked_ranks", "worker_deaths", "refused_ranks", "oldest_dispatch", "ranks",
-           "view", "error"}
+           "view", "error", "stop"}
     assert old | new == set(got)
+    assert got["stop"] is None  # it ran to its end
     assert got["error"] is None
     assert got["view"] == {"mode": "at rest", "note": None}
     [(written, finding, last)] = _rows(campaign, "SELECT sum(testcases), count(*), "
@@ -156,6 +157,37 @@ def test_a_master_killed_between_observations_ran_until_the_last_it_left(campaig
     got = _status(copy, capsys)
     assert got["incarnation_run_s"] == pytest.approx(5.0)
     assert got["rate"]["overall"] == pytest.approx(299 / 5.0)
+
+
+def test_an_incarnation_that_got_a_stop_signal_says_so_and_what_it_means(campaign, tmp_path,
+                                                                         capsys):
+    """A Slurm time limit ended the last incarnation: its `stop` event, which tells `--resume`
+    to charge its runs nothing, is what the operator reads too, not a silent "not running"."""
+    from store.schema import EventKind
+    copy = copy_of(campaign, tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    store = Store.open(copy, resume=True,
+                       note=f"master pid={gone.pid} host={socket.gethostname()} ranks=4")
+    try:
+        with store.transaction("stop") as tx:
+            tx.event(EventKind.STOP, detail="SIGTERM")
+        with store.transaction("stop") as tx:  # a later one does not replace the first
+            tx.event(EventKind.STOP, detail="SIGUSR1")
+    finally:
+        store.close()
+    [(at,)] = _rows(copy, "SELECT min(at) FROM events WHERE kind = 'stop'")
+    got = _status(copy, capsys)
+    assert got["master"]["running"] is False
+    assert got["stop"] == {"at": pytest.approx(at), "cause": "SIGTERM"}
+    assert main(["status", "--db", str(copy)]) == ExitStatus.OK
+    out = capsys.readouterr().out
+    assert (f"\n  it was stopping since {clock_utc(at)}: SIGTERM; the runs it left in flight "
+            f"are charged nothing at `--resume` (up to 3 such stops per task)\n") in out
+    # A resume's own incarnation got none: the one before's is not shown as its.
+    Store.open(copy, resume=True, note=f"master pid={gone.pid} host={socket.gethostname()} "
+                                       f"ranks=4").close()
+    assert _status(copy, capsys)["stop"] is None
 
 
 @pytest.mark.parametrize("observed", [True, False])
