@@ -105,8 +105,9 @@ def self_launch(ns: argparse.Namespace, args: list[str], cfg: RunConfig) -> int:
         rest.insert(1, "--progress")
     elif ns.progress and not sys.stderr.isatty():
         print("coordinator: --progress with stderr not a terminal writes the live display's "
-              "frames into it, 4 a second; --no-progress --progress-interval S gives plain "
-              "lines", file=sys.stderr, flush=True)
+              "frames into it, 4 a second; without --progress (and without --no-progress, "
+              "which silences both), --progress-interval S gives plain lines",
+              file=sys.stderr, flush=True)
     _remove_orphaned_launch_dirs(Path(tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=LAUNCH_DIR_PREFIX) as d:
         (Path(d) / LAUNCHER_PID).write_text(f"{os.getpid()}\n")
@@ -303,10 +304,11 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0,
         # The master started and gave no status: it was killed (the OOM killer, a kill -9),
         # or without ULFM another rank's death took the job down. Under ULFM mpiexec may
         # still exit 0, which would read as "finished".
-        print("coordinator: the job ended before the master recorded its status (the master "
-              "or another rank was killed: see the output above); the campaign is saved: run "
-              "the same command again with --resume (tasks already imported are not added "
-              "twice)", file=sys.stderr, flush=True)
+        print(f"coordinator: the job ended before the master recorded its status ({cmd[0]} "
+              f"exited with status {code}; the master or another rank was killed: see the "
+              f"output above); the campaign is saved: run the same command again with "
+              f"--resume (tasks already imported are not added twice)",
+              file=sys.stderr, flush=True)
         if metrics_file is not None:
             # The master's last write said it ran: an alert on it must see the end.
             from .metrics import mark_stopped
@@ -315,7 +317,10 @@ def _supervise(cmd: list[str], pid_file: Path, start_timeout_s: float = 0,
             except OSError as e:
                 print(f"coordinator: cannot mark the metrics file {metrics_file} stopped: "
                       f"{e.strerror or e}", file=sys.stderr, flush=True)
-        return code or 1
+        # Not mpiexec's status: its 137 for a master's kill -9 read, by the table, as a
+        # signal before the master started, and a script then started it again without
+        # --resume (refused).
+        return ExitStatus.FAILED
     # The master never started: whatever mpiexec's own status was (213, 230, ...; 2 or 130
     # would read as another of the table's meanings), the launch failed.
     if rc == 0:

@@ -174,7 +174,15 @@ def test_a_self_launched_job_whose_master_never_starts_is_ended(tmp_path):
     starts.write_text(starts.read_text().replace('echo 0 > "$f.exit"', ""))
     killed, _ = launch(starts)
     assert killed.returncode == ExitStatus.FAILED, killed.stderr
-    assert "ended before the master recorded its status" in killed.stderr
+    assert "ended before the master recorded its status (" in killed.stderr
+    assert "exited with status 0;" in killed.stderr
+    # Nor mpiexec's 137 of a master's kill -9: the table reads it as "killed before the master
+    # started, nothing changed", and a script would start it again without --resume.
+    starts.write_text(starts.read_text() + "exit 137\n")
+    killed, _ = launch(starts)
+    assert killed.returncode == ExitStatus.FAILED, killed.stderr
+    assert "exited with status 137;" in killed.stderr
+    assert "run the same command again with --resume" in killed.stderr
 
 
 def _fake_mpiexec(tmp_path: Path, version: str) -> str:
