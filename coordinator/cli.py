@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="a JSONL file of task payloads (one object per line)")
     src.add_argument("--afl-out", action=Once, type=path_arg, default=None, metavar="DIR",
                      help="AFL output directory; watches DIR/FUZZER/queue for new inputs and "
-                          "writes results to DIR/NAME/queue (runs until SIGINT/SIGTERM)")
+                          "writes results to DIR/NAME/queue (runs until a stop signal: "
+                          "SIGINT, SIGTERM, SIGHUP or SIGUSR1)")
     src.add_argument("--fuzzer", action=Once, default=None,
                      help="the AFL instance whose queue is read")
     src.add_argument("--name", action=Once, default=None,
@@ -151,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
                    metavar="S",
                    help="seconds between rewrites of the stats file (default 60)")
     r.add_argument("--grace", action=Once, type=non_negative_float, default=10.0, metavar="S",
-                   help="after SIGINT/SIGTERM, time given to in-flight work (default 10)")
+                   help="after a stop signal, time given to in-flight work (default 10)")
     r.add_argument("--batch", action=Once, type=batch_size, default=None, metavar="N|auto",
                    help="tasks per dispatch (1..1000): one token, one WORK and one RESULT for "
                         "N tasks, for tasks too small to pay a commit each; auto sizes each "

@@ -101,7 +101,7 @@ _OUTCOME_WORDS = {TaskState.QUEUED: "goes back to the queue", TaskState.DEFERRED
 class MasterConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     watchdog_s: float = 0.0          # 0: no per-dispatch deadline
-    grace_s: float = 10.0            # after SIGINT/SIGTERM: let in-flight work finish
+    grace_s: float = 10.0            # after a stop signal: let in-flight work finish
     stop_wait_s: float = 10.0        # bounded wait for READY and STOP_ACK from every worker
     stats_file: Path | None = None
     stats_interval_s: float = 60.0
@@ -961,7 +961,7 @@ class Master:
 
     # -- graceful stop -----------------------------------------------------------------------
     def request_stop(self, why: str) -> None:
-        """A graceful stop (SIGINT/SIGTERM, also one that came before `run`): no new
+        """A graceful stop (a stop signal, also one that came before `run`): no new
         dispatches, in-flight work gets the grace period."""
         if self._stop_signal is None:
             self._stop_signal = why

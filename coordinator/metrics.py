@@ -45,7 +45,9 @@ _HELP = {
     "coordinator_worker_deaths_total": ("counter", "Ranks the MPI runtime reported dead."),
     "coordinator_refused_ranks_total": (
         "counter", "Ranks given no more work: most of what they sent was quarantined."),
-    "coordinator_testcases_written_total": ("counter", "Test cases written by committed results."),
+    "coordinator_testcases_written_total": (
+        "counter", "Test cases written by committed results and by runs cut short (a timeout "
+                   "or the job's stop), whose test cases are kept."),
     "coordinator_testcases_dropped_total": (
         "counter", "Test cases runs produced that their workers could not send."),
     "coordinator_last_find_timestamp_seconds": (
