@@ -8,6 +8,11 @@ shared file. `flock` locks the inode, so every name of the file shares one lock;
 more than one name is refused anyway (`refuse_aliases`). SQLite's own locks are POSIX record
 locks, which Linux keeps apart from `flock`s on local filesystems (network ones are refused).
 
+Versions before this lock (schema revision 0008 and older) held `flock` on `REALPATH.lock`
+instead. Such a master does not hold the file's own lock, so while that sidecar exists it is
+tested and held too (`_hold_legacy_lock`, `lock_holder`): an operator who upgrades between a
+start and a `--resume` may have left the older version running on the same file.
+
 Light: the stdlib only, for the checks `coordinator run` makes before it launches MPI.
 """
 
@@ -122,13 +127,56 @@ def lock_campaign(path: str | os.PathLike[str]) -> int:
     except BaseException:
         os.close(fd)
         raise
+    try:
+        legacy = _hold_legacy_lock(path)
+    except BaseException:
+        os.close(fd)
+        raise
     refuse_aliases(path)  # (a link made while it was being opened)
     _held[fd] = os.path.realpath(path)
+    if legacy is not None:
+        _legacy_held[fd] = legacy
+    return fd
+
+
+def _legacy_lock_path(path: str | os.PathLike[str]) -> Path:
+    """The lock file of versions at revision 0008 and older (`NAME.lock` beside the real file)."""
+    return Path(os.path.realpath(path) + ".lock")
+
+
+def _hold_legacy_lock(path: str | os.PathLike[str]) -> int | None:
+    """Hold the older versions' lock too, if its file exists: measured, an older master
+    still running on the file was reported "not running" by `status`, `db upgrade` changed
+    the schema under it, and a `--resume` started a second master that charged its in-flight
+    tasks. The file is never created (no older master can start on a file at this revision:
+    it refuses the newer schema); the descriptor, or None where there is none to hold."""
+    lock = _legacy_lock_path(path)
+    try:
+        fd = os.open(lock, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # none (the usual case), or one this process cannot open: nothing held it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        written = os.pread(fd, 200, 0).decode(errors="replace").split()  # "pid N on HOST"
+        os.close(fd)
+        pid = written[1] if len(written) == 4 and written[1].isdigit() else None
+        raise CampaignLockedError(
+            f"{path} is in use by a master of an older coordinator version"
+            + (f" (pid {pid} on {written[3]})" if pid else "")
+            + f", which holds {lock}; stop it first"
+            + (f" (`kill -TERM {pid}` stops it gracefully)" if pid else "")
+            + ", then --resume it with this version") from None
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
 #: The campaign files this process holds (`lock_campaign`), by descriptor: their real paths.
 _held: dict[int, str] = {}
+#: The older versions' lock files held with them (`_hold_legacy_lock`), by the same descriptor.
+_legacy_held: dict[int, int] = {}
 
 #: What SQLite keeps beside a database, by the database's real name.
 SIDE_FILES = ("-wal", "-shm", "-journal")
@@ -166,6 +214,9 @@ def release_campaign(fd: int) -> None:
     """Close the descriptor `lock_campaign` returned (after the database's own connections:
     closing a descriptor of the file drops the process's POSIX locks on it, SQLite's)."""
     _held.pop(fd, None)
+    legacy = _legacy_held.pop(fd, None)
+    if legacy is not None:
+        os.close(legacy)
     os.close(fd)
 
 
@@ -215,16 +266,21 @@ def lock_holder(path: str | os.PathLike[str]) -> int | None:
     or a `db upgrade`), from the kernel's table of locks (Linux `/proc/locks`: no pid to be
     reused, nothing taken); None if none does, or it cannot be told (no /proc)."""
     try:
-        st = os.stat(path)
         table = Path("/proc/locks").read_text()
     except OSError:
         return None
-    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    for line in table.splitlines():
-        f = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"
-        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == ours and f[4].isdigit():
-            return int(f[4])
+    # The file's own lock, then that of an older version's master (`_hold_legacy_lock`).
+    for held in (path, _legacy_lock_path(path)):
+        try:
+            st = os.stat(held)
+        except OSError:
+            continue
+        ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in table.splitlines():
+            f = line.split()
+            # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"
+            if len(f) >= 6 and f[1] == "FLOCK" and f[5] == ours and f[4].isdigit():
+                return int(f[4])
     return None
 
 

@@ -3,6 +3,7 @@ with a second name (a hard link), which would keep a -wal of its own."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
@@ -88,6 +89,60 @@ def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
     finally:
         store.close()
     assert lock_holder(db_path) is None
+
+
+# What a master of a version at revision 0008 or older held: `flock` on `REALPATH.lock`, in
+# which it wrote its pid and host (store/campaign.py before 18e6230).
+_OLD_MASTER = """
+import fcntl, os, socket, sys
+fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.ftruncate(fd, 0)
+os.pwrite(fd, f"pid {{os.getpid()}} on {{socket.gethostname()}}\\n".encode(), 0)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_master_of_an_older_version_still_running_is_seen_by_every_command(db_path):
+    """Measured on an upgrade: a 0007 master still ran on the file; this version's `status`
+    said "not running", `db upgrade` changed its schema under it and `run --resume` started a
+    second master, which charged the first's in-flight tasks. Its lock file is held too."""
+    _campaign(db_path)
+    lock = db_path.with_name(db_path.name + ".lock")
+    old = subprocess.Popen([sys.executable, "-c", _OLD_MASTER.format(lock=str(lock))],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert old.stdout.readline() == "locked\n"
+        assert lock_holder(db_path) == old.pid
+        before = _files(db_path.parent)
+        for command in (["db", "upgrade"], ["run", "--resume", "--np", "2"]):
+            done = subprocess.run([sys.executable, "-m", "coordinator", *command, "--db",
+                                   str(db_path)], capture_output=True, text=True, timeout=60)
+            assert done.returncode == ExitStatus.USAGE, (command, done.stderr)
+            assert f"pid {old.pid}" in done.stderr, done.stderr
+        status = subprocess.run([sys.executable, "-m", "coordinator", "status", "--db",
+                                 str(db_path)], capture_output=True, text=True, timeout=60)
+        assert f"master: running (pid {old.pid} on " in status.stdout, status.stdout
+        assert _files(db_path.parent) == before
+        with pytest.raises(CampaignLockedError, match=f"older coordinator version \\(pid "
+                                                      f"{old.pid} on "):
+            Store.open(db_path, resume=True)
+    finally:
+        old.stdin.close()
+        old.wait(timeout=30)
+    # Gone: the lock file it left is no master, and is held with the file's own from now on.
+    store = Store.open(db_path, resume=True)
+    try:
+        assert lock_holder(db_path) == os.getpid()
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(os.open(lock, os.O_RDWR), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        store.close()
+    lock.unlink()
+    Store.open(db_path, resume=True).close()
+    assert not lock.exists()  # never made
 
 
 _MASTER = """
