@@ -24,6 +24,7 @@ from store.probe import Probe, probe
 from .config import (
     AFL_NEEDS_COMMAND,
     DEFAULT_DEMO_TASKS,
+    DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
     RUN_SETTINGS,
     ConfigError,
@@ -119,7 +120,8 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
     """A --resume that does not name the executor (or, for an AFL campaign, the queue) runs
     the campaign's own, as its last run stored them, and says so; one that names another is
     for `config.check_resume` to judge (a real conflict is refused there)."""
-    if not stored:
+    if not stored:  # (a file begun before revision 0004, never resumed since)
+        _refuse_unknown_settings(cfg, {})
         return cfg, []
     notes = []
     kind = stored.get("executor")
@@ -147,6 +149,7 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         _refuse_vanished_afl_out(cfg)
         notes.append(f"--resume watches the campaign's own AFL queue, as its last run did: "
                      f"--afl-out {cfg.afl_out} --fuzzer {cfg.fuzzer} --name {cfg.name}")
+    _refuse_unknown_settings(cfg, stored)
     kept = {key: stored[key] for key in RUN_SETTINGS
             if key not in cfg.given and key in stored and stored[key] != getattr(cfg, key)
             and _valid_setting(key, stored[key])}
@@ -157,6 +160,37 @@ def take_over(cfg: RunConfig, stored: dict | None) -> tuple[RunConfig, list[str]
         notes.append("--resume keeps the campaign's " + " ".join(
             setting_text(k, v) for k, v in kept.items()) + ", as its last run had them")
     return cfg, notes
+
+
+def _refuse_unknown_settings(cfg: RunConfig, stored: dict) -> None:
+    """A campaign begun by a version that kept none of RUN_SETTINGS (before 2026-12-03): what
+    its runs used cannot be known, and this version's defaults were taken for them and stored
+    for good. Measured on upgraded campaigns: a command's `--max-depth 1` became unlimited
+    (1,913 tasks at depth 15, never ending, where the same flags gave 282), and a callable's
+    feedback, on for every executor then, went off unsaid. Such a `--resume` must give each
+    setting that matters to its executor once; it is kept from then on."""
+    if cfg.executor == "demo":
+        return  # (it writes no test cases and has no timeout)
+    unknown = [k for k in RUN_SETTINGS if k not in stored and k not in cfg.given]
+    feedback = stored.get("feedback", cfg.feedback if "feedback" in cfg.given else None)
+    needed = [k for k in unknown
+              if k == "feedback" or (k == "max_depth" and feedback is not False)
+              or (k == "timeout_s" and cfg.executor == "command")]
+    if not needed:
+        return
+    defaults = {"feedback": "--feedback or --no-feedback (this version's default: "
+                            + ("on" if default_feedback(cfg.executor) else "off")
+                            + f" for a {'command' if cfg.executor == 'command' else 'callable'};"
+                              " the older versions': on)",
+                "max_depth": "--max-depth N (0: unlimited, the default)",
+                "timeout_s": f"--timeout S (the default: {DEFAULT_TIMEOUT_S:g}, or "
+                             f"SYMCC_TIMEOUT)"}
+    raise UsageError(
+        f"--resume: {cfg.db} was begun by an older coordinator version, which did not keep "
+        f"the campaign's {', '.join(RUN_SETTINGS[k] for k in needed)}: what its runs used "
+        f"cannot be told, and this version's defaults may differ. Give "
+        f"{'; '.join(defaults[k] for k in needed)} on this --resume, as its runs had them; "
+        f"they are kept from then on. Nothing was changed")
 
 
 def _refuse_vanished_afl_out(cfg: RunConfig) -> None:

@@ -69,18 +69,30 @@ def test_a_resume_keeps_the_campaigns_run_settings_unless_given_again(tmp_path, 
     assert (mine.cfg.feedback, mine.cfg.max_depth, mine.cfg.timeout_s, mine.cfg.watchdog_s) \
         == (True, 0, 60.0, 240.0)
     assert not any(n.startswith("--resume keeps") for n in mine.notes)
-    # A campaign from before they were kept: the defaults, as before; its next start keeps
-    # that run's from then on.
+    # A campaign from before they were kept: what its runs used cannot be told, and the
+    # defaults were taken and stored for good (measured: a --max-depth 1 campaign fed back
+    # to depth 15). Each one that matters must be given once; it is kept from then on.
     old = tmp_path / "old.db"
     _stored_campaign(old, {k: v for k, v in campaign_settings(first).items()
                            if k not in ("feedback", "max_depth", "timeout_s")})
     monkeypatch.delenv("SYMCC_TIMEOUT")
-    plain = check_run(config(old, "--resume"))
-    assert (plain.cfg.feedback, plain.cfg.max_depth, plain.cfg.timeout_s) == (True, 0, 30.0)
+    with pytest.raises(UsageError, match=r"was begun by an older coordinator version, which "
+                                         r"did not keep the campaign's --feedback, --max-depth,"
+                                         r" --timeout: .* Give --feedback or --no-feedback "
+                                         r"\(this version's default: on for a command; the "
+                                         r"older versions': on\); --max-depth N \(0: "
+                                         r"unlimited, the default\); --timeout S \(the "
+                                         r"default: 30, or SYMCC_TIMEOUT\) on this --resume"):
+        check_run(config(old, "--resume"))
+    # --no-feedback makes the depth moot; SYMCC_TIMEOUT gives the timeout.
+    monkeypatch.setenv("SYMCC_TIMEOUT", "9")
     from store.campaign import Store
     again = check_run(config(old, "--resume", "--no-feedback"))
+    assert (again.cfg.feedback, again.cfg.timeout_s) == (False, 9.0)
     Store.open(old, resume=True, settings=campaign_settings(again.cfg)).close()
-    assert check_run(config(old, "--resume")).cfg.feedback is False
+    monkeypatch.delenv("SYMCC_TIMEOUT")
+    kept = check_run(config(old, "--resume")).cfg
+    assert (kept.feedback, kept.max_depth, kept.timeout_s) == (False, 0, 9.0)
     # A timeout kept: the default watchdog follows it (4 x, at least 120 s).
     long = tmp_path / "long.db"
     _stored_campaign(long, campaign_settings(config(db, "--tasks", str(tmp_path / "t.jsonl"),
@@ -365,23 +377,32 @@ def test_a_callable_given_by_its_file_is_kept_absolute(tmp_path, monkeypatch):
     assert check_resume(again, {"executor": "python", "callable": "good.py:f"}) == []
 
 
-def test_a_resume_of_a_campaign_that_kept_no_feedback_takes_its_executors_default(tmp_path):
-    """Feedback is on for a command and off for a callable unless given: a bare --resume of
-    a campaign that kept no setting (from before they were kept) gets its executor's."""
+def test_a_resume_of_a_campaign_that_kept_no_feedback_must_say_which(tmp_path):
+    """Feedback is on for a command and off for a callable unless given; it was on for every
+    executor when campaigns kept no setting. Measured on an upgraded callable campaign: the
+    same command's --resume turned its feedback off unsaid (20 test cases, 0 new tasks)."""
     spec = tmp_path / "work.py"
     spec.write_text("def solve(task):\n    return 1\n")
     target = tmp_path / "t.sh"
     target.write_text("#!/bin/sh\n")
     target.chmod(0o755)
     tasks = ("--tasks", str(tmp_path / "t.jsonl"))
-    for name, executor, feedback in (("py", ("--callable", f"{spec}:solve"), False),
-                                     ("cmd", ("--", str(target), "@@"), True)):
+    for name, executor, default in (("py", ("--callable", f"{spec}:solve"), "off"),
+                                    ("cmd", ("--", str(target), "@@"), "on")):
         db = tmp_path / f"{name}.db"
         _stored_campaign(db, {k: v for k, v in campaign_settings(
             config(db, *tasks, *executor)).items() if k != "feedback"})
-        assert check_run(config(db, "--resume")).cfg.feedback is feedback
+        with pytest.raises(UsageError, match=rf"did not keep the campaign's --feedback: .* "
+                                             rf"Give --feedback or --no-feedback \(this "
+                                             rf"version's default: {default} for a "):
+            check_run(config(db, "--resume"))
         assert check_run(config(db, "--resume", "--feedback")).cfg.feedback is True
         assert check_run(config(db, "--resume", "--no-feedback")).cfg.feedback is False
+    # The demo writes no test cases and has no timeout: nothing to ask.
+    db = tmp_path / "demo.db"
+    _stored_campaign(db, {k: v for k, v in campaign_settings(config(db, "--demo", "5")).items()
+                          if k not in ("feedback", "max_depth", "timeout_s")})
+    assert check_run(config(db, "--resume")).cfg.executor == "demo"
 
 
 def _moved_afl_campaign(tmp_path: Path, *flags: str):
