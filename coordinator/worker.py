@@ -31,6 +31,7 @@ from .processes import (
     exit_now,
     host_and_pid,
     kill_running_commands,
+    process_exists,
     real_exit,
     teardown_when_safe,
 )
@@ -68,6 +69,38 @@ WAIT_CAP_S = 1e-3
 
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
+#: The scratch directories' names begin so; each holds SCRATCH_OWNER, "HOST PID", its rank's.
+SCRATCH_PREFIX = "coordinator-rank"
+SCRATCH_OWNER = ".owner"
+#: An older version's scratch directory (no SCRATCH_OWNER) is removed once empty and this old:
+#: a rank that has just made its own has not written its owner yet.
+SCRATCH_OWNERLESS_AGE_S = 3600.0
+
+
+def remove_orphaned_scratch(parent: Path) -> None:
+    """A rank ended by SIGKILL (mpiexec's teardown, the OOM killer, a node's kill -9) cannot
+    remove its scratch directory: measured, 4,467 were left in a test machine's /tmp in two
+    days, each holding what its last command's run wrote (a SymCC run's outputs). Each start
+    removes this user's whose rank, on this host, is gone; another host's (a shared scratch
+    file system) and a live or reused pid's are left alone."""
+    host = host_and_pid()[0]
+    now = time.time()
+    for d in parent.glob(SCRATCH_PREFIX + "*"):
+        try:
+            st = d.lstat()
+            if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid():
+                continue
+            try:
+                owner = (d / SCRATCH_OWNER).read_text().split()
+            except FileNotFoundError:
+                if now - st.st_mtime > SCRATCH_OWNERLESS_AGE_S:
+                    d.rmdir()  # (only if empty)
+                continue
+            if len(owner) == 2 and owner[0] == host and owner[1].isdigit() \
+                    and not process_exists(int(owner[1])):
+                shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, not empty, unreadable: not known to be orphaned
 
 #: When this worker last received each of STOP_SIGNALS (monotonic).
 _stop_signals_seen: dict[int, float] = {}
@@ -313,9 +346,12 @@ def serve(transport: Transport, executor: Executor, scratch: Path | None = None,
 def _serve(transport: Transport, executor: Executor, scratch: Path | None,
            sender: Sender | None, spin_s: float, stop_wait_s: float = 10.0) -> int:
     sender = sender or Sender(transport)
-    scratch_dir = Path(tempfile.mkdtemp(prefix=f"coordinator-rank{transport.rank}-",
+    scratch_dir = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{transport.rank}-",
                                         dir=scratch))
     _scratch.append(scratch_dir)
+    host, pid = host_and_pid()
+    (scratch_dir / SCRATCH_OWNER).write_text(f"{host} {pid}\n")
+    remove_orphaned_scratch(scratch_dir.parent)
     backoff = Backoff(fast_cap=WAIT_CAP_S, cap=WAIT_CAP_S, yield_window=spin_s)
     host_failed = HostFailures(stop_wait_s=stop_wait_s)
     completed = ""  # R1: empty in the first READY

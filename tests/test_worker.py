@@ -207,3 +207,44 @@ def test_a_retried_run_too_large_to_send_is_still_retried_not_committed_as_an_er
         sent = decode_inbound(sender.result_bytes("a" * 64, big), 4096)
         assert sent["status"] == ("error" if status == "ok" else status), status
         assert sent["testcases"] == [] and "over --max-message-bytes" in sent["detail"]
+
+
+def test_a_start_removes_the_scratch_directories_of_ranks_that_are_gone(tmp_path):
+    """A rank ended by SIGKILL leaves its scratch directory (and what its last run wrote):
+    4,467 had piled up in a test machine's /tmp in two days. A start removes this host's
+    whose rank is gone, and nothing of a live rank, another host or an unknown owner."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from coordinator.worker import SCRATCH_OWNER, remove_orphaned_scratch
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+
+    def scratch(name: str, owner: str | None, *, files: bool = False, age_s: float = 0.0):
+        d = tmp_path / f"coordinator-rank{name}"
+        d.mkdir()
+        if owner is not None:
+            (d / SCRATCH_OWNER).write_text(owner + "\n")
+        if files:
+            (d / "dispatch-x").mkdir()
+            (d / "dispatch-x" / "out").write_bytes(b"a SymCC run's output")
+        if age_s:
+            os.utime(d, (time.time() - age_s,) * 2)
+        return d
+
+    dead = scratch("1-dead", f"{host} {gone.pid}", files=True)
+    live = scratch("2-live", f"{host} {os.getpid()}", files=True)
+    elsewhere = scratch("3-other", f"another-host {gone.pid}", files=True)
+    old_empty = scratch("4-old", None, age_s=7200)
+    new_empty = scratch("5-new", None)
+    old_full = scratch("6-full", None, files=True, age_s=7200)
+    foreign = tmp_path / "unrelated"
+    foreign.mkdir()
+    remove_orphaned_scratch(tmp_path)
+    assert not dead.exists() and not old_empty.exists()
+    assert live.exists() and elsewhere.exists() and new_empty.exists() and old_full.exists()
+    assert foreign.exists()
