@@ -7,14 +7,17 @@ write, so every file appears atomically under its final name, and AFL-style ids 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import io
 import os
 import pathlib
 import re
 import secrets
 import stat
 import sys
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 
 from store.lock import held_file_ids
 
@@ -23,11 +26,22 @@ from .errors import UsageError
 __all__ = ["TestcaseWriter", "input_id", "sanitize_src"]
 
 _AFL_ID = re.compile(r"^id:(\d+)")
+_AFL_ID_B = re.compile(rb"^id:(\d+)")
 _UNSAFE_SRC = re.compile(r"[^A-Za-z0-9._-]")
 _SRC_MAX = 40
 _KEY_BYTES = 16  # of a SHA-256: no two contents of a campaign share them
 # Our temp files are dot files: AFL and our own scan skip them.
 _TMP_PREFIX = ".tcw-tmp-"
+_TMP_PREFIX_B = _TMP_PREFIX.encode()
+# The digest of each AFL-style file, so that a start reads only the files it does not know
+# (a dot file: AFL and our scan skip it). A cache of the directory: lost or damaged, it costs
+# one reading of the files again, never a wrong answer (a hit is compared byte for byte).
+INDEX_NAME = ".coordinator-index"
+_INDEX_HEADER = b"coordinator test-case index 1\n"
+_RECORD = re.compile(rb"^([0-9a-f]{32}) ([^\n]+)\n\Z")
+_OFFSET_BITS = 40  # an index of up to 1 TB: a record's offset beside its key in one int
+#: Unknown files past this many at a start: one line says they are read, and why.
+SAY_HASHING = 10_000
 
 
 def input_id(payload: dict, task_id: int) -> str:
@@ -48,10 +62,13 @@ class TestcaseWriter:
 
     Names never come from a worker: they are ``id:NNNNNN,src:<src>`` (AFL style) or the first
     16 hex digits of the content's SHA-256. A plain name says where a content would be, so
-    nothing is held in memory for them. AFL-style names do not: the digests of the files in
-    ``out_dir`` are read when the writer starts (`scan`) and kept, 16 bytes and a name per
-    file, so a content written before a master restart is not written again. Single-threaded
-    use (the master loop) is assumed.
+    nothing is held in memory for them. AFL-style names do not: the digest of each file is
+    kept in ``out_dir/.coordinator-index`` (`INDEX_NAME`), so a content written before a
+    master restart is not written again, and a start (`scan`) lists the directory but reads
+    only the files the index does not name (a crash between a file and its record, a file put
+    there by hand). In memory: 16 bytes per file of earlier starts (an 8-byte key and where
+    its record is), the digest and name of those written since. Single-threaded use (the
+    master loop) is assumed.
     """
 
     __test__ = False  # the name starts with "Test"; keep pytest from collecting it
@@ -67,9 +84,17 @@ class TestcaseWriter:
         self.out_dir = pathlib.Path(out_dir)
         self.afl_style = afl_style
         self.afl_sync = afl_sync
-        # AFL style: the first 16 bytes of a content's SHA-256 -> the name of its file. (A dict
-        # of hex digest -> Path held 524 bytes per file: 6 GB for a 10-million-file campaign.)
+        # AFL style, the files written or read by this process: the first 16 bytes of a
+        # content's SHA-256 -> the name of its file. Those of earlier starts are in the index
+        # file; only `_keys` (sorted first 8 bytes of their digests) and `_offsets` (where each
+        # one's record is) are held: a dict held ~150 bytes a file, 44 MiB for 300,000.
         self._names: dict[bytes, str] = {}
+        self._keys = array("Q")
+        self._offsets = array("Q")
+        self._index: io.FileIO | None = None  # (closed with the writer)
+        self._index_pending: list[bytes] = []
+        #: What the last `scan` did: files listed, read (not in the index), index rewritten?
+        self.scanned: tuple[int, int, bool] = (0, 0, False)
         self._next_id = 0
         self._unsynced = False  # a name written whose directory entry is not durable yet
         #: (AFL instance, its import counter) when that counter, not our files, set the next id
@@ -99,34 +124,136 @@ class TestcaseWriter:
                 self._next_id, self.resumed_from_sync = synced[1], synced
 
     def _scan_files(self) -> None:
-        with os.scandir(self.out_dir) as it:
-            entries = list(it)
+        if not self.afl_style:
+            # Its names say where a content is: the listing only finds the temp files.
+            with os.scandir(self.out_dir) as it:
+                for entry in it:
+                    if entry.name.startswith(_TMP_PREFIX):
+                        _remove_quietly(entry.path)  # left by a master killed mid-write
+            return
+        index = self.out_dir / INDEX_NAME
+        packed, known, damaged = _read_index(index)
+        listed, matched, unknown = 0, 0, []
+        next_id = self._next_id
+        # Streamed, and in bytes: a list of the entries held ~1 KB a file at once (290 MiB
+        # for 300,000), and names the index matches as it stores them, undecoded.
+        with os.scandir(os.fsencode(self.out_dir)) as it:
+            for entry in it:
+                name = entry.name
+                if name[:1] == b".":
+                    if name.startswith(_TMP_PREFIX_B):
+                        _remove_quietly(entry.path)  # left by a master killed mid-write
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                listed += 1
+                match = _AFL_ID_B.match(name)
+                if match and int(match.group(1)) >= next_id:
+                    next_id = int(match.group(1)) + 1
+                if hash(name) in known:
+                    matched += 1
+                else:
+                    unknown.append(name)
+        self._next_id = next_id
+        # Records of files no longer there (the directory emptied, a file replaced), two of
+        # one name, a torn last line: the index is written again from what is listed.
+        rewrite = damaged or matched != len(known) or len(packed) != len(known)
+        del known
+        if rewrite:
+            packed = _rewrite_index(index, _listed_names(self.out_dir))
+        self._open_index()
+        self._load_keys(packed if self._index is not None else [])
+        self._read_unknown(unknown)
+        self.scanned = (listed, len(unknown), rewrite)
+        self._flush_index()
+        if unknown and not self._index_pending and self._index is not None:
+            # What was just read is in the index now: held as compactly as the rest.
+            self._load_keys(_read_index(index)[0])
+            self._names.clear()
+
+    def _load_keys(self, packed: list[int]) -> None:
+        packed.sort()
+        mask = (1 << _OFFSET_BITS) - 1
+        self._keys = array("Q", (p >> _OFFSET_BITS for p in packed))
+        self._offsets = array("Q", (p & mask for p in packed))
+        packed.clear()
+
+    def _read_unknown(self, names: list[bytes]) -> None:
+        """Reads the files the index does not name, and records them there."""
+        if not names:
+            return
+        if len(names) >= SAY_HASHING:
+            print(f"coordinator: reading {len(names):,} test cases in {self.out_dir} that its "
+                  f"index ({INDEX_NAME}) does not name yet, to know their contents; a later "
+                  f"start reads only files added since", file=sys.stderr, flush=True)
         campaign = held_file_ids()
-        for entry in entries:
-            if entry.name.startswith(_TMP_PREFIX):
-                _remove_quietly(entry.path)  # left by a master killed mid-write
-                continue
-            if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
-                continue
-            if not self.afl_style:
-                continue  # its name says where a content is: nothing to read
+        for raw in names:
+            name = os.fsdecode(raw)
+            path = os.path.join(self.out_dir, name)
             try:
-                st = entry.stat(follow_symlinks=False)
+                st = os.stat(path, follow_symlinks=False)
             except OSError:
                 continue  # vanished since the listing: nothing to read
             if (st.st_dev, st.st_ino) in campaign:
                 # The campaign's database (or its -wal, -shm) kept in the queue: reading it
                 # would drop SQLite's POSIX locks on it (store.lock.held_campaign_file).
-                print(f"coordinator: {entry.path} is a file of the campaign's database; "
+                print(f"coordinator: {path} is a file of the campaign's database; "
                       f"not read as a test case (keep the database out of the AFL queue)",
                       file=sys.stderr, flush=True)
                 continue
-            match = _AFL_ID.match(entry.name)
-            if match:
-                self._next_id = max(self._next_id, int(match.group(1)) + 1)
-            digest = _hash_file(entry.path)
+            digest = _hash_file(path)
             if digest is not None:
-                self._names.setdefault(digest[:_KEY_BYTES], entry.name)
+                # (A second file of a content known: recorded too, or read at each start.)
+                self._remember(digest[:_KEY_BYTES], name,
+                               first=self._known(digest[:_KEY_BYTES]) is None)
+
+    def _known(self, key: bytes) -> str | None:
+        """The name of the file the index or this process has for the digest `key`."""
+        name = self._names.get(key)
+        if name is not None or self._index is None:
+            return name
+        short = int.from_bytes(key[:8], "big")
+        i = bisect.bisect_left(self._keys, short)
+        while i < len(self._keys) and self._keys[i] == short:
+            record = _record_at(self._index.fileno(), self._offsets[i])
+            if record is not None and record[0] == key:
+                return record[1]
+            i += 1
+        return None
+
+    def _remember(self, key: bytes, name: str, *, first: bool = True) -> None:
+        if first:
+            self._names[key] = name
+        raw = os.fsencode(name)
+        if b"\n" not in raw:  # (such a name is read again at each start)
+            self._index_pending.append(key.hex().encode() + b" " + raw + b"\n")
+
+    def _flush_index(self) -> None:
+        """Appends the records of the files written or read since the last call. Not synced:
+        a record lost with the OS only makes the next start read that file again."""
+        if not self._index_pending:
+            return
+        if self._index is None:
+            self._open_index()
+        try:
+            if self._index is None:
+                return  # kept in `_names` meanwhile; the next start reads those files again
+            self._index.write(b"".join(self._index_pending))
+        except OSError:
+            return
+        self._index_pending.clear()
+
+    def _open_index(self) -> None:
+        if self._index is not None or not self.out_dir.is_dir():
+            return
+        try:
+            # Held open while the writer lives: a hit reads its record with one pread.
+            f = open(self.out_dir / INDEX_NAME, "a+b", buffering=0)  # noqa: SIM115
+        except OSError:
+            return
+        if f.seek(0, os.SEEK_END) == 0:
+            f.write(_INDEX_HEADER)
+        self._index = f
 
     def write(self, content: bytes, src: str) -> pathlib.Path | None:
         """Writes ``content`` once; returns its path, or None if the content is already there."""
@@ -150,6 +277,7 @@ class TestcaseWriter:
     def sync(self) -> None:
         """Makes the names written since the last call durable (before the commit that
         records them)."""
+        self._flush_index()
         if self._unsynced:
             self._unsynced = False
             _fsync_dir(self.out_dir)
@@ -160,12 +288,13 @@ class TestcaseWriter:
         digest = hashlib.sha256(content).digest()
         if not self.afl_style:
             return self._store_plain(content, digest.hex())
-        known = self._names.get(digest[:_KEY_BYTES])
-        if known is not None and (self.out_dir / known).exists():
+        known = self._known(digest[:_KEY_BYTES])
+        # Compared, not trusted: the file may have been removed or replaced since its record.
+        if known is not None and _holds(self.out_dir / known, content):
             return self.out_dir / known, False
         target = self._free_afl_name(src, taken)
         self._write_atomically(target, content)
-        self._names[digest[:_KEY_BYTES]] = target.name
+        self._remember(digest[:_KEY_BYTES], target.name)
         return target, True
 
     def _store_plain(self, content: bytes, digest: str) -> tuple[pathlib.Path, bool]:
@@ -246,6 +375,100 @@ def afl_sync_counter(afl_out: pathlib.Path, name: str) -> tuple[str, int] | None
             if best is None or value > best[1]:
                 best = (instance, value)
     return best
+
+
+def _read_index(path: pathlib.Path) -> tuple[list[int], set[int], bool]:
+    """The index's records: each one's key (the digest's first 8 bytes) and offset packed in
+    one int, the `hash` of each name (as bytes), and whether anything in it was not a record.
+    (Checked by shape, not by `_RECORD`, whose match was ~0.6 s of 300,000 lines: a record
+    damaged past its shape is only a key no lookup finds, or a name no file has.)"""
+    packed: list[int] = []
+    names: set[int] = set()
+    damaged = False
+    try:
+        with open(path, "rb") as f:
+            if f.readline() != _INDEX_HEADER:
+                return [], set(), True
+            offset = len(_INDEX_HEADER)
+            for line in f:
+                try:
+                    if len(line) < 35 or line[32] != 32 or line[-1] != 10:  # b" ", b"\n"
+                        raise ValueError
+                    packed.append(int(line[:16], 16) << _OFFSET_BITS | offset)
+                    names.add(hash(line[33:-1]))
+                except ValueError:
+                    damaged = True
+                offset += len(line)
+    except FileNotFoundError:
+        return [], set(), False
+    except OSError:
+        return [], set(), True
+    return packed, names, damaged
+
+
+def _records(path: pathlib.Path) -> Iterator[bytes]:
+    try:
+        with open(path, "rb") as f:
+            if f.readline() == _INDEX_HEADER:
+                for line in f:
+                    if _RECORD.match(line):
+                        yield line
+    except OSError:
+        return
+
+
+def _rewrite_index(path: pathlib.Path, listed: set[int]) -> list[int]:
+    """Writes the index again with one record for each name in `listed` (the last one the
+    old index had: the newest file of that name) and returns its packed keys (`_read_index`)."""
+    last: dict[int, int] = {}
+    for n, line in enumerate(_records(path)):
+        h = hash(line[33:-1])
+        if h in listed:
+            last[h] = n
+    keep = set(last.values())
+    del last
+    packed: list[int] = []
+    tmp = path.with_name(_TMP_PREFIX + "index")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(_INDEX_HEADER)
+            offset = len(_INDEX_HEADER)
+            for n, line in enumerate(_records(path)):
+                if n in keep:
+                    out.write(line)
+                    packed.append(int(line[:16], 16) << _OFFSET_BITS | offset)
+                    offset += len(line)
+        os.replace(tmp, path)
+    except OSError:
+        _remove_quietly(str(tmp))
+        _remove_quietly(str(path))  # then every file is read at the next start: slow, right
+        return []
+    return packed
+
+
+def _listed_names(directory: pathlib.Path) -> set[int]:
+    """The `hash` of each file name in `directory` (bytes; dot names left out)."""
+    with os.scandir(os.fsencode(directory)) as it:
+        return {hash(e.name) for e in it
+                if e.name[:1] != b"." and e.is_file(follow_symlinks=False)}
+
+
+def _record_at(fd: int, offset: int) -> tuple[bytes, str] | None:
+    line = os.pread(fd, 4096, offset).split(b"\n", 1)[0] + b"\n"
+    match = _RECORD.match(line)
+    if match is None:
+        return None
+    return bytes.fromhex(match.group(1).decode()), os.fsdecode(match.group(2))
+
+
+def _holds(path: pathlib.Path, content: bytes) -> bool:
+    """Whether `path` is a regular file with exactly `content`."""
+    try:
+        st = path.stat()
+        return (stat.S_ISREG(st.st_mode) and st.st_size == len(content)
+                and path.read_bytes() == content)
+    except OSError:
+        return False
 
 
 def _hash_file(path: str) -> bytes | None:

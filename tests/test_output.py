@@ -10,11 +10,18 @@ import sys
 import pytest
 
 from coordinator.errors import UsageError
-from coordinator.output import TestcaseWriter, afl_sync_counter, input_id, sanitize_src
+from coordinator.output import (
+    INDEX_NAME,
+    TestcaseWriter,
+    afl_sync_counter,
+    input_id,
+    sanitize_src,
+)
 
 
 def listing(directory: pathlib.Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
+    """The files in `directory` but the AFL-style writer's index (temp files included)."""
+    return sorted(p.name for p in directory.iterdir() if p.name != INDEX_NAME)
 
 
 def test_afl_style_names_and_content(tmp_path):
@@ -192,7 +199,7 @@ def test_the_names_of_a_results_test_cases_are_made_durable_once_not_once_each(t
     w.sync()  # (nothing new since: nothing to do)
     assert synced == [tmp_path / "q"]
     w.store(b"one more", src="000001")  # (the default: durable before it returns)
-    assert synced == [tmp_path / "q"] * 2 and len(list((tmp_path / "q").iterdir())) == 51
+    assert synced == [tmp_path / "q"] * 2 and len(listing(tmp_path / "q")) == 51
 
 
 def test_the_master_makes_each_results_test_cases_durable_before_its_commit(tmp_path,
@@ -217,3 +224,117 @@ def test_the_master_makes_each_results_test_cases_durable_before_its_commit(tmp_
     assert finding_campaign(db).committed == 300
     assert len(committed_at_sync) == 60 and all(
         n < k for k, n in enumerate(committed_at_sync, start=1)), committed_at_sync
+
+
+def _count_reads(monkeypatch) -> list[str]:
+    """The files the writer reads to learn their contents (its own `_hash_file`)."""
+    import coordinator.output as output
+    read: list[str] = []
+    real = output._hash_file
+
+    def counting(path):
+        read.append(os.fsdecode(os.path.basename(path)))
+        return real(path)
+
+    monkeypatch.setattr(output, "_hash_file", counting)
+    return read
+
+
+@pytest.mark.timeout(120)
+def test_a_start_reads_only_the_files_its_index_does_not_name(tmp_path, monkeypatch):
+    """A review: each start hashed every file of the queue (300,000 files: 14 s, 361 MiB of
+    master before the first WORK), and a SymCC campaign adds files there for days."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    for i in range(20_000):  # (as an earlier version left them: no index)
+        (queue / f"id:{i:06d},src:000001").write_bytes(b"case %d" % i)
+    read = _count_reads(monkeypatch)
+    first = TestcaseWriter(queue, afl_style=True)
+    assert len(read) == 20_000 and first.scanned == (20_000, 20_000, False)
+    read.clear()
+    again = TestcaseWriter(queue, afl_style=True)
+    assert read == [] and again.scanned == (20_000, 0, False)
+    assert len(again._names) == 0 and len(again._keys) == 20_000  # 16 bytes a file
+    assert again.store(b"case 12345", src="x") == (queue / "id:012345,src:000001", False)
+    # Files the index does not name (put there by hand, or by a master killed between a
+    # file and its record) are read, once.
+    (queue / "id:020000,src:hand").write_bytes(b"by hand")
+    (queue / "seed").write_bytes(b"case 7")  # a content the index has under another name
+    third = TestcaseWriter(queue, afl_style=True)
+    assert sorted(read) == ["id:020000,src:hand", "seed"] and third.scanned[1] == 2
+    assert third.write(b"by hand", "y") is None
+    assert third.write(b"new", "y") == queue / "id:020001,src:y"
+    read.clear()
+    fourth = TestcaseWriter(queue, afl_style=True)
+    assert read == [] and fourth.scanned == (20_003, 0, False)
+    assert fourth.write(b"new", "z") is None and fourth.write(b"case 7", "z") is None
+    assert fourth.write(b"newer", "z") == queue / "id:020002,src:z"
+
+
+def test_the_first_start_over_a_full_queue_says_it_reads_it(tmp_path, monkeypatch, capsys):
+    import coordinator.output as output
+    monkeypatch.setattr(output, "SAY_HASHING", 3)
+    for i in range(3):
+        (tmp_path / f"id:{i:06d},src:afl").write_bytes(b"%d" % i)
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    assert "reading 3 test cases" in capsys.readouterr().err
+    assert writer.write(b"1", "s") is None and len(writer._names) == 0  # (compact already)
+    TestcaseWriter(tmp_path, afl_style=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_an_emptied_directory_is_not_taken_for_its_index(tmp_path, monkeypatch):
+    """The files gone (moved away), the index left: their contents are written again, ids
+    start over as before, and the index is written again without them."""
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    first.write(b"one", "a")
+    first.write(b"two", "a")
+    for name in listing(tmp_path):
+        (tmp_path / name).unlink()
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert again.scanned == (0, 0, True) and len(again._keys) == 0
+    assert again.write(b"two", "b") == tmp_path / "id:000000,src:b"
+    read = _count_reads(monkeypatch)
+    third = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == [] and third.write(b"two", "c") is None
+    assert third.write(b"one", "c") == tmp_path / "id:000001,src:c"
+
+
+def test_a_file_replaced_under_a_known_name_is_not_taken_for_its_old_content(tmp_path):
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    path = first.write(b"old", "a")
+    path.write_bytes(b"other")  # by hand, behind the index's back
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert again.store(b"old", "b") == (tmp_path / "id:000001,src:b", True)
+
+
+def test_a_damaged_or_lost_index_costs_a_reading_never_a_wrong_answer(tmp_path, monkeypatch):
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    for i in range(5):
+        first.write(b"c%d" % i, "a")
+    index = tmp_path / INDEX_NAME
+    with open(index, "ab") as f:
+        f.write(b"0123abc torn rec")  # the OS crashed in an append
+    read = _count_reads(monkeypatch)
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == [] and again.scanned == (5, 0, True)
+    assert again.write(b"c3", "b") is None
+    index.write_bytes(b"something else entirely\n")
+    third = TestcaseWriter(tmp_path, afl_style=True)
+    assert len(read) == 5 and third.scanned == (5, 5, True)
+    assert third.write(b"c4", "b") is None and third.write(b"c9", "b").name.startswith(
+        "id:000005,")
+    index.unlink()
+    read.clear()
+    fourth = TestcaseWriter(tmp_path, afl_style=True)
+    assert len(read) == 6 and fourth.write(b"c0", "b") is None
+
+
+def test_plain_names_are_never_read_at_a_start(tmp_path, monkeypatch):
+    writer = TestcaseWriter(tmp_path, afl_style=False)
+    for i in range(10):
+        writer.write(b"p%d" % i, "a")
+    (tmp_path / ".tcw-tmp-0011223344556677").write_bytes(b"half")
+    read = _count_reads(monkeypatch)
+    TestcaseWriter(tmp_path, afl_style=False)
+    assert read == [] and len(listing(tmp_path)) == 10 and not (tmp_path / INDEX_NAME).exists()
