@@ -85,7 +85,7 @@ class EventKind(str, enum.Enum):
     # each would sit on the master's critical path, per task); kept so that older files, from
     # before revision 0002, stay valid. (The order is the CHECK constraint's: do not reorder.)
     READY = "ready"                  # current READY: ready mark set (results.ready_at holds it)
-    INVALID = "invalid"              # invalid-result mark set (still written)
+    INVALID = "invalid"              # invalid-result mark set (once per dispatch: its first)
     COMMITTED = "committed"          # (the results row itself holds it)
     RECOVERED = "recovered"          # joined READY + invalid RESULT: rolled back
     REQUEUED = "requeued"            # protocol requeue at the head (within the retry budget)

@@ -167,6 +167,36 @@ def test_invalid_payload_of_a_current_result_sets_the_mark(farm):
     assert len(farm.sweep()) == 1
 
 
+def test_a_flood_of_invalid_results_for_one_dispatch_writes_one_event_and_counts_all(farm):
+    """One rank answering its WORK with 2,000 bad RESULTs of the current token wrote an
+    `invalid` event per message (168,000 rows in 32 s). The first sets the mark and is the
+    one event; the repeats add nothing to the join and are counted in the sampled quarantine,
+    exactly. A later valid RESULT still clears the mark and commits (R5)."""
+    tid, tok = started(farm)
+    bad = [Inbound(1, {"token": tok, "status": "bogus"})] * 1_000
+    with farm.store.transaction() as tx:
+        farm.gate.apply_results(tx, [Inbound(1, {"token": None})] + bad)
+    for _ in range(4):
+        farm.result_raw(1, [tok])  # malformed: a third reason, in later transactions
+    [d] = rows(farm, dispatches)
+    assert d.token == tok and d.invalid_reason == "missing"  # the first one's
+    ev = farm.events()
+    assert ev["invalid"] == 1
+    with farm.store.reading() as conn:
+        [(token, detail)] = conn.execute(text(
+            "SELECT token, detail FROM events WHERE kind = 'invalid'")).all()
+        q = {r: (n, m) for r, n, m in conn.execute(text(
+            "SELECT reason, count(*), sum(repeats) FROM quarantine GROUP BY reason"))}
+        stats = read_stats(conn)
+    assert (token, detail) == (tok, "missing")
+    assert q == {"missing": (1, 1), "payload": (100, 1_000), "malformed": (4, 4)}
+    assert stats.quarantine["result"] == {"missing": 1, "payload": 1_000, "malformed": 4}
+    assert stats.events["invalid"] == 1
+    farm.result(1, tok)  # R5
+    assert task_state(farm, tid) == "done" and rows(farm, dispatches) == []
+    assert farm.sweep() == [] and farm.events()["invalid"] == 1
+
+
 def test_duplicate_result_after_commit_is_quarantined_unowned(farm):
     _, tok = started(farm)
     farm.result(1, tok)

@@ -519,8 +519,11 @@ class GateMachine(RuleBasedStateMachine):
         return [s for _, s in expect]
 
     def _mark_invalid(self, d: MDispatch, reason: str) -> None:
-        d.invalid = reason
-        self.events["invalid"] += 1
+        # Only the first invalid RESULT of a dispatch sets the mark and writes its event: the
+        # repeats add nothing to the join (each is in the quarantine's counts).
+        if d.invalid is None:
+            d.invalid = reason
+            self.events["invalid"] += 1
 
     @precondition(lambda self: self.active)
     @rule(data=st.data(), status=st.sampled_from(["ok", "error"]))
