@@ -89,6 +89,9 @@ class ReadyRound:
 @dataclass
 class ResultRound:
     statuses: list[tuple[int, ResultStatus]] = field(default_factory=list)
+    #: The rank of each *current* RESULT quarantined for its payload: classified current, but
+    #: it moved nothing on, so the master's watch on a rank's garbage counts it as garbage.
+    rejected: list[int] = field(default_factory=list)
     committed: list[dsp.CommitItem] = field(default_factory=list)
     retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout, not_run)
     #: Each current RESULT's (bytes, tasks it answers); bytes None: a batch too large to
@@ -308,6 +311,7 @@ class Gate:
                         why = f"value is not JSON-serialisable: {e}"[:300]
                 if why is not None:
                     out.statuses.append((m.rank, status))
+                    out.rejected.append(m.rank)
                     tx.quarantine(Channel.RESULT, QuarantineReason.PAYLOAD, m.rank,
                                   token=a.token, expected=a.token, detail=why)
                     dsp.set_invalid_mark(tx, m.rank, a.token, QuarantineReason.PAYLOAD.value)
@@ -319,6 +323,7 @@ class Gate:
                 if batch is not None or more:
                     why = self._apply_batch(tx, a, parsed, batch, [a.task_id, *more], out)
                     if why is not None:
+                        out.rejected.append(m.rank)
                         tx.quarantine(Channel.RESULT, QuarantineReason.PAYLOAD, m.rank,
                                       token=a.token, expected=a.token, detail=why)
                         dsp.set_invalid_mark(tx, m.rank, a.token,

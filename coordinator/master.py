@@ -431,7 +431,7 @@ class Master:
                 planned_early = True
                 plan.extend(self._plan(tx, ready.active))                # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
-            self._health.note(ready.statuses, rr.statuses)
+            self._health.note(ready.statuses, rr.statuses, rr.rejected)
             self._note_sizes(rr.sizes)
             active, parked = rr.active, ready.parked
             if active is not None:
@@ -462,7 +462,7 @@ class Master:
                 assert active is not None
                 active = self._look_up(active, looked_up, late, (), tx)
                 rr = self.gate.apply_results(tx, late, active=active)
-                self._health.note((), rr.statuses)
+                self._health.note((), rr.statuses, rr.rejected)
                 self._note_sizes(rr.sizes)
                 committed += rr.committed
                 retried += rr.retried
@@ -1306,7 +1306,9 @@ class RankHealth:
     RESULT), and ones the master quarantined. A rank past GARBAGE_AFTER quarantined messages,
     more than GARBAGE_RATIO times its good ones, sends mostly garbage. An idle READY counts as
     neither: it costs a rank nothing, so one sent beside every nine pieces of garbage kept a
-    flooding rank from ever being refused."""
+    flooding rank from ever being refused. A current RESULT whose payload was refused is
+    garbage, not good: counted good, a rank that answered each WORK with 2,000 of them was
+    never refused, and went on taking tasks to fail (42 deferred in 32 s)."""
 
     GARBAGE_AFTER = 1_000
     GARBAGE_RATIO = 10
@@ -1317,13 +1319,18 @@ class RankHealth:
         self.heard: set[int] = set()  # ranks whose READY came, whatever it said
 
     def note(self, readies: Sequence[tuple[int, object]],
-             results: Sequence[tuple[int, object]]) -> None:
+             results: Sequence[tuple[int, object]], rejected: Sequence[int] = ()) -> None:
+        """`rejected`: the rank of each current RESULT among `results` whose payload was
+        refused (`ResultRound.rejected`)."""
         for rank, status in readies:
             self.heard.add(rank)
             if status is not ReadyStatus.IDLE:
                 self._count(rank, status is ReadyStatus.CURRENT)
         for rank, status in results:
             self._count(rank, status is ResultStatus.CURRENT)
+        for rank in rejected:
+            self.good[rank] -= 1
+            self._count(rank, False)
 
     def note_bad(self, ranks) -> None:
         for rank in ranks:

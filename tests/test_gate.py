@@ -175,7 +175,8 @@ def test_a_flood_of_invalid_results_for_one_dispatch_writes_one_event_and_counts
     tid, tok = started(farm)
     bad = [Inbound(1, {"token": tok, "status": "bogus"})] * 1_000
     with farm.store.transaction() as tx:
-        farm.gate.apply_results(tx, [Inbound(1, {"token": None})] + bad)
+        out = farm.gate.apply_results(tx, [Inbound(1, {"token": None})] + bad)
+    assert out.rejected == [1] * 1_000  # (what the master's watch counts as garbage)
     for _ in range(4):
         farm.result_raw(1, [tok])  # malformed: a third reason, in later transactions
     [d] = rows(farm, dispatches)

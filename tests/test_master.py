@@ -675,6 +675,95 @@ def test_an_idle_ready_beside_the_garbage_does_not_keep_a_flooding_rank_in_work(
     assert health.counts(2)[1] == 0
 
 
+def test_a_current_result_refused_for_its_payload_counts_as_garbage():
+    """A current RESULT whose payload was refused moved nothing on: counted good, a rank
+    that answered each WORK with 2,000 of them and its one current READY was never refused."""
+    from coordinator.master import RankHealth
+    from coordinator.protocol import ReadyStatus, ResultStatus
+
+    health = RankHealth()
+    for _ in range(RankHealth.GARBAGE_AFTER // 100):
+        health.note([(2, ReadyStatus.CURRENT)], [(2, ResultStatus.CURRENT)] * 100, [2] * 100)
+        # Rank 3's worker sends one such RESULT per task, beside its READY: not mostly
+        # garbage (a buggy build, or a callable's value that cannot be stored).
+        health.note([(3, ReadyStatus.CURRENT)], [(3, ResultStatus.CURRENT)], [3])
+    assert health.garbage_senders() == [2]
+    assert health.counts(2) == (RankHealth.GARBAGE_AFTER, RankHealth.GARBAGE_AFTER // 100)
+    assert health.counts(3) == (10, 10)
+
+
+class InvalidFlood(InstantWorkers):
+    """Three instant workers, but rank 1 answers each WORK with `n` RESULTs of its token and
+    a status no worker sends, then its READY: each an invalid payload of its current
+    dispatch."""
+
+    def __init__(self, n: int):
+        super().__init__(3)
+        self.n = n
+        self.sent = 0  # the bad RESULTs sent
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if dest != 1:
+            return super().send_work(data, dest)
+        token = decode_work(data).token
+        bad = encode(Result(token=token, status="bogus"))
+        self.queues[TAG_RESULT].extend(Received(1, TAG_RESULT, bytearray(bad))
+                                       for _ in range(self.n))
+        self.sent += self.n
+        self.queues[TAG_READY].append(ready_message(1, token))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_flooding_invalid_results_writes_few_rows_and_is_refused(tmp_path, capsys):
+    """A rank answering each WORK with 2,000 bad RESULTs of the current token wrote an
+    `invalid` event per message (168,000 rows, 23 MB in 32 s) and, its READYs being current,
+    was never refused: 42 tasks deferred in 32 s. Each dispatch now writes one `invalid`
+    event, the messages are counted exactly in the sampled quarantine, and the rank is
+    refused like any rank whose messages are mostly quarantined: the others run every task."""
+    from store.audit import audit
+    from store.journal import RetryPolicy
+
+    # A budget that outlasts the flood (at most 4 dispatches), so that no task of the few
+    # it failed is deferred: all 200 must be done.
+    store = Store.open(tmp_path / "c.db", policy=RetryPolicy(retries=8))
+    with store.transaction("import") as tx:
+        enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(200)])
+    ranks = InvalidFlood(300)
+    try:
+        summary = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=1, stop_wait_s=1,
+                                                    stats_file=None)).run()
+    finally:
+        store.close()
+    assert summary.committed == 200 and summary.unacked_ranks == [1]
+    assert "rank 1 is refused: " in capsys.readouterr().err
+    with contextlib.closing(sqlite3.connect(tmp_path / "c.db")) as db:
+        dispatched = db.execute("SELECT count(*) FROM events WHERE kind = 'invalid'"
+                                ).fetchone()[0]
+        q = db.execute("SELECT reason, count(*), sum(repeats) FROM quarantine "
+                       "WHERE channel = 'result' AND rank = 1 GROUP BY reason").fetchall()
+        by_rank = dict(db.execute("SELECT rank, count(*) FROM results GROUP BY rank"))
+        held = db.execute("SELECT count(*) FROM tasks WHERE state != 'done'").fetchone()[0]
+    # Refused past 1,000 garbage messages, 10 times its good ones: its 4th dispatch at most.
+    assert 1 <= dispatched <= 4, dispatched
+    # Every bad RESULT counted, once: as an invalid payload while it held its dispatch, as
+    # unowned once it no longer did (after the join rolled it back, or the refusal); no more
+    # than 100 rows for each reason.
+    assert sum(m for _, _, m in q) == ranks.sent, (q, ranks.sent)
+    assert all(n <= 100 for _, n, _ in q), q
+    assert sorted(by_rank) == [2, 3] and sum(by_rank.values()) == 200 and held == 0
+    store = Store.open(tmp_path / "c.db", resume=True)
+    try:
+        with store.reading() as conn:
+            report = audit(conn)
+            stats = read_stats(conn)
+    finally:
+        store.close()
+    assert report.violations == [], report.text()
+    assert (stats.refused_ranks, stats.deferred) == (1, 0)
+    assert stats.events["invalid"] == dispatched
+    assert sum(stats.quarantine["result"].values()) == ranks.sent
+
+
 class SizedWorks(InstantWorkers):
     """Instant workers that note each WORK's size and task count."""
 
