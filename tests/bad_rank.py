@@ -80,6 +80,23 @@ def honest(first_ready: bool = True, forged_acks: int = 0) -> None:
         send(ready(token), TAG_READY)
 
 
+def flood(n: int) -> None:
+    """Answers every WORK with `n` RESULTs that carry its (current) token and a status no
+    worker sends, then the READY echoing it: each RESULT is an invalid payload of the
+    current dispatch. Acknowledges STOP, if it gets one."""
+    send(ready(), TAG_READY)
+    while True:
+        tag, data = recv((TAG_STOP, TAG_WORK))
+        if tag == TAG_STOP:
+            send(encode(Stop(token=decode_stop(data).token)), TAG_STOP_ACK)
+            os._exit(0)
+        token = decode_work(data).token
+        bad = encode(Result(token=token, status="bogus"))
+        for _ in range(n):
+            send(bad, TAG_RESULT)
+        send(ready(token), TAG_READY)
+
+
 def answer(token: str) -> bytes:
     return encode(Result(token=token, status="ok", value={"n": 0}))
 
@@ -147,6 +164,8 @@ def main() -> None:
     elif MODE == "garbage":  # ARG undecodable RESULTs and READYs, then honest
         for i in range(int(ARG)):
             send(b"\xc1garbage", TAG_RESULT if i % 2 else TAG_READY)
+    elif MODE == "flood":  # each WORK answered with ARG bad RESULTs of its token, then READY
+        flood(int(ARG))
     elif MODE == "acks":  # honest, but ARG forged STOP_ACKs before its own at the stop
         honest(forged_acks=int(ARG))
     elif MODE == "pickle":  # pickles to the other workers, on every tag they receive

@@ -215,3 +215,41 @@ def test_forged_stop_acks_are_counted_not_printed(tmp_path):
     rows, messages = quarantined(db)[("stop_ack", "stale")]
     assert messages == 10_000 and rows <= 100
     check_conservation(db, expected_tasks=60)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_flooding_invalid_results_is_refused_and_its_rows_stay_few(tmp_path):
+    """A rank that answered each WORK with 2,000 bad RESULTs of its current token wrote an
+    `invalid` event per message (168,000 rows, a 23 MB file in 32 s) and, its READYs being
+    current, was never refused: it failed 84 dispatches, deferring 42 tasks. Now one event per
+    dispatch, the messages counted exactly in the sampled quarantine, and the rank refused as
+    one whose messages are mostly quarantined; the honest ranks run every task once."""
+    per_work, tasks = 200, 300
+    # (a budget that outlasts the flood: the few tasks it fails are requeued, not deferred)
+    job, db, _ = hostile_job(tmp_path, "flood", str(per_work), "--batch", "1", "--retries", "8",
+                             "--demo-work-ms", "20", tasks=tasks)
+    done = finish(job, timeout=200)
+    assert "rank 1 is refused: " in done.stderr, done.stderr[-3000:]
+    assert done.returncode == ExitStatus.UNACKED, done.stderr[-3000:]  # ended with the job
+    check_conservation(db, expected_tasks=tasks)
+    assert query(db, "SELECT rank, count(*), count(DISTINCT task_id) FROM results "
+                     "GROUP BY rank HAVING rank = 1") == []
+    assert query(db, "SELECT count(*), count(DISTINCT task_id) FROM results") == [(tasks, tasks)]
+    # Its dispatches (each ended without a result, each recorded by its `dispatched` event):
+    # refused past 1,000 quarantined messages, 10 times its current READYs, so 5 at most.
+    [(works,)] = query(db, "SELECT count(*) FROM events WHERE kind = 'dispatched' AND rank = 1")
+    assert 1 <= works <= 5, works
+    assert query(db, "SELECT count(*), count(DISTINCT token) FROM events "
+                     "WHERE kind = 'invalid'") == [(works, works)]
+    q = quarantined(db)
+    assert sum(m for (c, _), (_, m) in q.items() if c == "result") == works * per_work, q
+    assert all(n <= 100 for n, _ in q.values()), q
+    # Besides its tasks' `enqueued`: the start, each of its dispatches' record, mark and
+    # rollback (`recovered`, `requeued`), its refusal, and the stop.
+    [(events,)] = query(db, "SELECT count(*) FROM events WHERE kind != 'enqueued'")
+    assert events <= 4 * works + 3, query(db, "SELECT kind, count(*) FROM events GROUP BY 1")
+    checked = subprocess.run([sys.executable, "-m", "coordinator", "check", "--db", str(db)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0 and "consistent" in checked.stdout, checked
+    seen = status_json(db)
+    assert (seen["worker_deaths"], seen["refused_ranks"], seen["deferred"]) == (0, 1, 0)
