@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import math
 import os
@@ -32,7 +33,6 @@ from .processes import (
     exit_now,
     host_and_pid,
     kill_running_commands,
-    process_exists,
     real_exit,
     teardown_when_safe,
 )
@@ -70,21 +70,40 @@ WAIT_CAP_S = 1e-3
 
 #: This worker's scratch directory while it serves (a teardown removes it too).
 _scratch: list[Path] = []
-#: The scratch directories' names begin so; each holds SCRATCH_OWNER, "HOST PID", its rank's.
+#: The scratch directories' names begin so. Each holds SCRATCH_OWNER, which its rank keeps
+#: open with an exclusive `flock` for its life ("HOST PID" inside, for a reader).
 SCRATCH_PREFIX = "coordinator-rank"
 SCRATCH_OWNER = ".owner"
 #: An older version's scratch directory (no SCRATCH_OWNER) is removed once empty and this old:
 #: a rank that has just made its own has not written its owner yet.
 SCRATCH_OWNERLESS_AGE_S = 3600.0
+#: The descriptor holding this rank's SCRATCH_OWNER lock (released by the kernel at its end).
+_owner_fd: list[int] = []
+
+
+def own_scratch(scratch_dir: Path) -> None:
+    """Marks `scratch_dir` as a live rank's: SCRATCH_OWNER, held locked until the process
+    ends, however it ends. Best effort: a full disk must leave the rank to answer `not_run`
+    for its host, not end it here."""
+    with contextlib.suppress(OSError):
+        fd = os.open(scratch_dir / SCRATCH_OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            host, pid = host_and_pid()
+            os.write(fd, f"{host} {pid}\n".encode())
+        except OSError:
+            os.close(fd)
+            raise
+        _owner_fd.append(fd)
 
 
 def remove_orphaned_scratch(parent: Path) -> None:
     """A rank ended by SIGKILL (mpiexec's teardown, the OOM killer, a node's kill -9) cannot
     remove its scratch directory: measured, 4,467 were left in a test machine's /tmp in two
     days, each holding what its last command's run wrote (a SymCC run's outputs). Each start
-    removes this user's whose rank, on this host, is gone; another host's (a shared scratch
-    file system) and a live or reused pid's are left alone."""
-    host = host_and_pid()[0]
+    removes this user's whose SCRATCH_OWNER lock nobody holds. The lock, not the pid: a rank
+    in another pid namespace sharing this /tmp and host name (a container) has a pid that
+    does not exist here, and a pid may be reused."""
     now = time.time()
     for d in parent.glob(SCRATCH_PREFIX + "*"):
         try:
@@ -92,16 +111,21 @@ def remove_orphaned_scratch(parent: Path) -> None:
             if not d.is_dir() or d.is_symlink() or st.st_uid != os.getuid():
                 continue
             try:
-                owner = (d / SCRATCH_OWNER).read_text().split()
+                fd = os.open(d / SCRATCH_OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 if now - st.st_mtime > SCRATCH_OWNERLESS_AGE_S:
                     d.rmdir()  # (only if empty)
                 continue
-            if len(owner) == 2 and owner[0] == host and owner[1].isdigit() \
-                    and not process_exists(int(owner[1])):
-                shutil.rmtree(d, ignore_errors=True)
-        except (OSError, ValueError):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its rank lives
+            finally:
+                os.close(fd)  # (a lock taken goes with it: the directory is removed next)
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
             continue  # gone meanwhile, not empty, unreadable: not known to be orphaned
+
 
 #: When this worker last received each of STOP_SIGNALS (monotonic).
 _stop_signals_seen: dict[int, float] = {}
@@ -350,11 +374,7 @@ def _serve(transport: Transport, executor: Executor, scratch: Path | None,
     scratch_dir = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{transport.rank}-",
                                         dir=scratch))
     _scratch.append(scratch_dir)
-    host, pid = host_and_pid()
-    # Best effort: a full disk must leave the rank to answer `not_run` for its host, not end
-    # it here (the tmpfs of test_one_node_whose_disk_is_full_... has no inode for this file).
-    with contextlib.suppress(OSError):
-        (scratch_dir / SCRATCH_OWNER).write_text(f"{host} {pid}\n")
+    own_scratch(scratch_dir)
     with contextlib.suppress(OSError):
         remove_orphaned_scratch(scratch_dir.parent)
     backoff = Backoff(fast_cap=WAIT_CAP_S, cap=WAIT_CAP_S, yield_window=spin_s)

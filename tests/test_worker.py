@@ -211,24 +211,21 @@ def test_a_retried_run_too_large_to_send_is_still_retried_not_committed_as_an_er
 
 def test_a_start_removes_the_scratch_directories_of_ranks_that_are_gone(tmp_path):
     """A rank ended by SIGKILL leaves its scratch directory (and what its last run wrote):
-    4,467 had piled up in a test machine's /tmp in two days. A start removes this host's
-    whose rank is gone, and nothing of a live rank, another host or an unknown owner."""
+    4,467 had piled up in a test machine's /tmp in two days. A start removes those whose
+    owner lock nobody holds, and nothing of a live rank: not by its pid, which a rank in
+    another pid namespace (a container sharing /tmp) does not have here."""
     import os
-    import socket
     import subprocess
     import sys
     import time
 
-    from coordinator.worker import SCRATCH_OWNER, remove_orphaned_scratch
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    host = socket.gethostname()
+    from coordinator.worker import SCRATCH_OWNER, own_scratch, remove_orphaned_scratch
 
-    def scratch(name: str, owner: str | None, *, files: bool = False, age_s: float = 0.0):
+    def scratch(name: str, *, files: bool = False, age_s: float = 0.0, owner: bool = True):
         d = tmp_path / f"coordinator-rank{name}"
         d.mkdir()
-        if owner is not None:
-            (d / SCRATCH_OWNER).write_text(owner + "\n")
+        if owner:  # as a rank that ended left it: written, its lock gone with it
+            (d / SCRATCH_OWNER).write_text("elsewhere 1\n")
         if files:
             (d / "dispatch-x").mkdir()
             (d / "dispatch-x" / "out").write_bytes(b"a SymCC run's output")
@@ -236,15 +233,32 @@ def test_a_start_removes_the_scratch_directories_of_ranks_that_are_gone(tmp_path
             os.utime(d, (time.time() - age_s,) * 2)
         return d
 
-    dead = scratch("1-dead", f"{host} {gone.pid}", files=True)
-    live = scratch("2-live", f"{host} {os.getpid()}", files=True)
-    elsewhere = scratch("3-other", f"another-host {gone.pid}", files=True)
-    old_empty = scratch("4-old", None, age_s=7200)
-    new_empty = scratch("5-new", None)
-    old_full = scratch("6-full", None, files=True, age_s=7200)
-    foreign = tmp_path / "unrelated"
-    foreign.mkdir()
-    remove_orphaned_scratch(tmp_path)
-    assert not dead.exists() and not old_empty.exists()
-    assert live.exists() and elsewhere.exists() and new_empty.exists() and old_full.exists()
-    assert foreign.exists()
+    dead = scratch("1-dead", files=True)
+    live = tmp_path / "coordinator-rank2-live"
+    live.mkdir()
+    # A live rank, whatever its pid: another process holding its directory's owner lock.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; "
+         "from coordinator.worker import own_scratch; "
+         f"own_scratch(Path({str(live)!r})); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (live / "dispatch-y").mkdir()
+        old_empty = scratch("4-old", owner=False, age_s=7200)
+        new_empty = scratch("5-new", owner=False)
+        old_full = scratch("6-full", owner=False, files=True, age_s=7200)
+        foreign = tmp_path / "unrelated"
+        foreign.mkdir()
+        mine = tmp_path / "coordinator-rank7-mine"
+        mine.mkdir()
+        own_scratch(mine)  # this process's own: held too
+        remove_orphaned_scratch(tmp_path)
+        assert not dead.exists() and not old_empty.exists()
+        assert (live / "dispatch-y").exists() and mine.exists()
+        assert new_empty.exists() and old_full.exists() and foreign.exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    remove_orphaned_scratch(tmp_path)  # its rank gone: removed at the next start
+    assert not live.exists() and mine.exists()
