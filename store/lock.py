@@ -127,12 +127,15 @@ def lock_campaign(path: str | os.PathLike[str]) -> int:
     except BaseException:
         os.close(fd)
         raise
+    legacy = None
     try:
         legacy = _hold_legacy_lock(path)
+        refuse_aliases(path)  # (a link made while it was being opened)
     except BaseException:
+        if legacy is not None:
+            os.close(legacy)
         os.close(fd)
         raise
-    refuse_aliases(path)  # (a link made while it was being opened)
     _held[fd] = os.path.realpath(path)
     if legacy is not None:
         _legacy_held[fd] = legacy
@@ -152,20 +155,28 @@ def _hold_legacy_lock(path: str | os.PathLike[str]) -> int | None:
     it refuses the newer schema); the descriptor, or None where there is none to hold."""
     lock = _legacy_lock_path(path)
     try:
-        fd = os.open(lock, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
-    except OSError:  # none (the usual case), or one this process cannot open: nothing held it
-        return None
+        # Read-only: `flock` needs no write access, and the older versions made it 0644, so
+        # another user's master left one this process may not open for writing.
+        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None  # (the usual case)
+    except OSError as e:
+        raise CampaignLockedError(
+            f"{path} has an older coordinator version's lock file {lock}, which cannot be "
+            f"read ({e.strerror}): whether a master of that version runs on it cannot be "
+            f"told; if none does, remove {lock}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        written = os.pread(fd, 200, 0).decode(errors="replace").split()  # "pid N on HOST"
         os.close(fd)
-        pid = written[1] if len(written) == 4 and written[1].isdigit() else None
+        # The kernel's holder, not the pid written in the file: an older `db upgrade` held
+        # it without writing its own, so the file can name a master long gone.
+        pid = _flock_holder(lock)
         raise CampaignLockedError(
-            f"{path} is in use by a master of an older coordinator version"
-            + (f" (pid {pid} on {written[3]})" if pid else "")
+            f"{path} is in use by a master (or a `db upgrade`) of an older coordinator "
+            f"version" + (f" (pid {pid})" if pid else "")
             + f", which holds {lock}; stop it first"
-            + (f" (`kill -TERM {pid}` stops it gracefully)" if pid else "")
+            + (f" (`kill -TERM {pid}` stops a master gracefully)" if pid else "")
             + ", then --resume it with this version") from None
     except BaseException:
         os.close(fd)
@@ -265,22 +276,22 @@ def lock_holder(path: str | os.PathLike[str]) -> int | None:
     """The pid of the process on this host that holds the campaign file's lock now (a master,
     or a `db upgrade`), from the kernel's table of locks (Linux `/proc/locks`: no pid to be
     reused, nothing taken); None if none does, or it cannot be told (no /proc)."""
+    # The file's own lock, then that of an older version's master (`_hold_legacy_lock`).
+    return _flock_holder(path) or _flock_holder(_legacy_lock_path(path))
+
+
+def _flock_holder(path: str | os.PathLike[str]) -> int | None:
     try:
+        st = os.stat(path)
         table = Path("/proc/locks").read_text()
     except OSError:
         return None
-    # The file's own lock, then that of an older version's master (`_hold_legacy_lock`).
-    for held in (path, _legacy_lock_path(path)):
-        try:
-            st = os.stat(held)
-        except OSError:
-            continue
-        ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        for line in table.splitlines():
-            f = line.split()
-            # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"
-            if len(f) >= 6 and f[1] == "FLOCK" and f[5] == ours and f[4].isdigit():
-                return int(f[4])
+    ours = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in table.splitlines():
+        f = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"
+        if len(f) >= 6 and f[1] == "FLOCK" and f[5] == ours and f[4].isdigit():
+            return int(f[4])
     return None
 
 

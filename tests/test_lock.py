@@ -6,8 +6,10 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import Farm
@@ -91,6 +93,37 @@ def test_the_lock_says_whether_a_master_runs_the_campaign(db_path):
     assert lock_holder(db_path) is None
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_an_older_masters_lock_file_of_another_user_is_tested_all_the_same(tmp_path):
+    """The older versions made NAME.lock 0644: another user's master left one this process
+    cannot open for writing, which was taken for "nobody holds it". `flock` needs no write
+    access."""
+    import tempfile
+    where = Path(tempfile.mkdtemp(prefix="legacy-lock-"))
+    try:
+        where.chmod(0o755)
+        db = where / "c.db"
+        db.write_bytes(b"")
+        lock = where / "c.db.lock"
+        old = subprocess.Popen([sys.executable, "-c", _OLD_MASTER.format(lock=str(lock))],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert old.stdout.readline() == "locked\n"
+            assert oct(lock.stat().st_mode & 0o777) == "0o644" and lock.stat().st_uid == 0
+            other = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                 "-c", f"from store.lock import _hold_legacy_lock; _hold_legacy_lock({str(db)!r})"],
+                capture_output=True, text=True, timeout=60, cwd=where)
+            assert "CampaignLockedError" in other.stderr, other.stderr
+            assert f"(pid {old.pid})" in other.stderr, other.stderr
+        finally:
+            old.stdin.close()
+            old.wait(timeout=30)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 # What a master of a version at revision 0008 or older held: `flock` on `REALPATH.lock`, in
 # which it wrote its pid and host (store/campaign.py before 18e6230).
 _OLD_MASTER = """
@@ -127,7 +160,7 @@ def test_a_master_of_an_older_version_still_running_is_seen_by_every_command(db_
         assert f"master: running (pid {old.pid} on " in status.stdout, status.stdout
         assert _files(db_path.parent) == before
         with pytest.raises(CampaignLockedError, match=f"older coordinator version \\(pid "
-                                                      f"{old.pid} on "):
+                                                      f"{old.pid}\\), which holds "):
             Store.open(db_path, resume=True)
     finally:
         old.stdin.close()
