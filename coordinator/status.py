@@ -127,7 +127,7 @@ def status(db: Path, as_json: bool) -> int:
                  None: f"{where} (whether it runs cannot be told from here)"}[master["running"]]
         print("master: " + state)
     if stop is not None:
-        print(f"  {_stop_text(stop, running)}")
+        print(f"  {_stop_text(stop, None if master is None else master['running'])}")
     if times.created_at is not None:
         started = times.incarnation_started_at
         run = ("" if started is None else
@@ -225,16 +225,22 @@ def _upgrade(copy: Path) -> None:
     upgrade(copy)
 
 
-def _stop_text(stop: tuple[float, str], running: bool) -> str:
+def _stop_text(stop: tuple[float, str], running: bool | None) -> str:
     """What this incarnation's `stop` event means to its operator: a master that is stopping,
     or one whose end was a stop (a signal, or storage it could not write), not a crash: the
-    runs it left in flight rerun at `--resume` uncharged."""
+    runs it left in flight, if any, rerun at `--resume` uncharged. (`running`: None when it
+    cannot be told, as for `master`.)"""
     at, cause = stop
     if running:
         return (f"stopping since {clock_utc(at)}: {cause} (no new dispatches; in-flight work "
                 f"finishes within the grace period or goes back to the queue)")
-    return (f"it was stopping since {clock_utc(at)}: {cause}; the runs it left in flight "
-            f"are charged nothing at `--resume` (up to {STOPPED_FREE} such stops per task)")
+    if running is None:  # (no /proc here, or a master on another host)
+        return (f"a stop began {clock_utc(at)}: {cause}; the runs it leaves in flight, if "
+                f"any, are charged nothing at `--resume` (up to {STOPPED_FREE} such stops "
+                f"per task)")
+    return (f"it was stopping since {clock_utc(at)}: {cause}; the runs it left in flight, if "
+            f"any, are charged nothing at `--resume` (up to {STOPPED_FREE} such stops per "
+            f"task)")
 
 
 def _master_state(last: tuple[int, str] | None, holder: int | None) -> dict | None:

@@ -182,8 +182,12 @@ def test_an_incarnation_that_got_a_stop_signal_says_so_and_what_it_means(campaig
     assert got["stop"] == {"at": pytest.approx(at), "cause": "SIGTERM"}
     assert main(["status", "--db", str(copy)]) == ExitStatus.OK
     out = capsys.readouterr().out
-    assert (f"\n  it was stopping since {clock_utc(at)}: SIGTERM; the runs it left in flight "
-            f"are charged nothing at `--resume` (up to 3 such stops per task)\n") in out
+    assert (f"\n  it was stopping since {clock_utc(at)}: SIGTERM; the runs it left in flight, "
+            f"if any, are charged nothing at `--resume` (up to 3 such stops per task)\n") in out
+    # Where whether a master runs cannot be told, neither is claimed.
+    from coordinator.status import _stop_text
+    assert _stop_text((at, "SIGTERM"), None).startswith(f"a stop began {clock_utc(at)}: ")
+    assert _stop_text((at, "SIGTERM"), True).startswith(f"stopping since {clock_utc(at)}: ")
     # A resume's own incarnation got none: the one before's is not shown as its.
     Store.open(copy, resume=True, note=f"master pid={gone.pid} host={socket.gethostname()} "
                                        f"ranks=4").close()
