@@ -159,16 +159,22 @@ def test_a_master_killed_between_observations_ran_until_the_last_it_left(campaig
     assert got["rate"]["overall"] == pytest.approx(299 / 5.0)
 
 
+def _resumed_by_a_master_that_is_gone(copy: Path) -> tuple[Store, int]:
+    """The campaign resumed (a new incarnation) under the note of a master whose pid no
+    longer exists: (its store, still open, and that pid)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return Store.open(copy, resume=True, note=f"master pid={gone.pid} "
+                                              f"host={socket.gethostname()} ranks=4"), gone.pid
+
+
 def test_an_incarnation_that_got_a_stop_signal_says_so_and_what_it_means(campaign, tmp_path,
                                                                          capsys):
     """A Slurm time limit ended the last incarnation: its `stop` event, which tells `--resume`
     to charge its runs nothing, is what the operator reads too, not a silent "not running"."""
     from store.schema import EventKind
     copy = copy_of(campaign, tmp_path)
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    store = Store.open(copy, resume=True,
-                       note=f"master pid={gone.pid} host={socket.gethostname()} ranks=4")
+    store, gone = _resumed_by_a_master_that_is_gone(copy)
     try:
         with store.transaction("stop") as tx:
             tx.event(EventKind.STOP, detail="SIGTERM")
@@ -189,8 +195,7 @@ def test_an_incarnation_that_got_a_stop_signal_says_so_and_what_it_means(campaig
     assert _stop_text((at, "SIGTERM"), None).startswith(f"a stop began {clock_utc(at)}: ")
     assert _stop_text((at, "SIGTERM"), True).startswith(f"stopping since {clock_utc(at)}: ")
     # A resume's own incarnation got none: the one before's is not shown as its.
-    Store.open(copy, resume=True, note=f"master pid={gone.pid} host={socket.gethostname()} "
-                                       f"ranks=4").close()
+    _resumed_by_a_master_that_is_gone(copy)[0].close()
     assert _status(copy, capsys)["stop"] is None
 
 
@@ -201,10 +206,7 @@ def test_a_master_killed_before_it_recorded_anything_ran_for_no_known_time(
     that far, the observation it writes at once are all it left. Its incarnation read "ran
     0s"; its end is not known, and no rate is made from its start to now."""
     copy = copy_of(campaign, tmp_path)
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    store = Store.open(copy, resume=True,
-                       note=f"master pid={gone.pid} host={socket.gethostname()} ranks=4")
+    store, gone = _resumed_by_a_master_that_is_gone(copy)
     try:
         if observed:
             with store.transaction("observation") as tx:
