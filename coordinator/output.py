@@ -33,15 +33,22 @@ _KEY_BYTES = 16  # of a SHA-256: no two contents of a campaign share them
 # Our temp files are dot files: AFL and our own scan skip them.
 _TMP_PREFIX = ".tcw-tmp-"
 _TMP_PREFIX_B = _TMP_PREFIX.encode()
-# The digest of each AFL-style file, so that a start reads only the files it does not know
-# (a dot file: AFL and our scan skip it). A cache of the directory: lost or damaged, it costs
-# one reading of the files again, never a wrong answer (a hit is compared byte for byte).
+# The digest and inode of each AFL-style file, so that a start reads only the files it does
+# not know. Kept beside the queue, in the instance directory (DIR/NAME/): `afl-fuzz -i` and
+# `find -type f` tools (afl-cmin) read dot files in a queue too; AFL's sync reads only other
+# instances' queue/. A cache of the directory: lost or damaged, it costs one reading of the
+# files again, never a wrong answer (a hit is compared byte for byte).
 INDEX_NAME = ".coordinator-index"
-_INDEX_HEADER = b"coordinator test-case index 1\n"
-_RECORD = re.compile(rb"^([0-9a-f]{32}) ([^\n]+)\n\Z")
+_INDEX_HEADER = b"coordinator test-case index 2\n"
+# "<first 16 bytes of the SHA-256, hex> <inode> <name>\n"
+_RECORD = re.compile(rb"^([0-9a-f]{32}) ([0-9]+) ([^\n]+)\n\Z")
+_HEX = b"0123456789abcdef"
 _OFFSET_BITS = 40  # an index of up to 1 TB: a record's offset beside its key in one int
 #: Unknown files past this many at a start: one line says they are read, and why.
 SAY_HASHING = 10_000
+#: Records appended at least this often while a start reads unknown files (a master killed
+#: during a long first reading keeps what it read).
+FLUSH_EVERY = 10_000
 
 
 def input_id(payload: dict, task_id: int) -> str:
@@ -62,11 +69,13 @@ class TestcaseWriter:
 
     Names never come from a worker: they are ``id:NNNNNN,src:<src>`` (AFL style) or the first
     16 hex digits of the content's SHA-256. A plain name says where a content would be, so
-    nothing is held in memory for them. AFL-style names do not: the digest of each file is
-    kept in ``out_dir/.coordinator-index`` (`INDEX_NAME`), so a content written before a
-    master restart is not written again, and a start (`scan`) lists the directory but reads
-    only the files the index does not name (a crash between a file and its record, a file put
-    there by hand). In memory: 16 bytes per file of earlier starts (an 8-byte key and where
+    nothing is held in memory for them. AFL-style names do not: the digest and inode of each
+    file are kept in ``out_dir.parent/.coordinator-index`` (`INDEX_NAME`, beside the queue
+    ``DIR/NAME/queue``, in the instance directory), so a content written before a master
+    restart is not written again, and a start (`scan`) lists the directory but reads only the
+    files the index does not name with their inode (a crash between a file and its record, a
+    file put there or replaced by hand; one overwritten in place keeps its inode and is not
+    noticed). In memory: 16 bytes per file of earlier starts (an 8-byte key and where
     its record is), the digest and name of those written since. Single-threaded use (the
     master loop) is assumed.
     """
@@ -91,7 +100,10 @@ class TestcaseWriter:
         self._names: dict[bytes, str] = {}
         self._keys = array("Q")
         self._offsets = array("Q")
+        #: Where the index is (the only place it is derived): beside the queue, not in it.
+        self.index_path = self.out_dir.parent / INDEX_NAME
         self._index: io.FileIO | None = None  # (closed with the writer)
+        self._index_writable = False  # opened read-only: lookups work, no record is added
         self._index_pending: list[bytes] = []
         #: What the last `scan` did: files listed, read (not in the index), index rewritten?
         self.scanned: tuple[int, int, bool] = (0, 0, False)
@@ -131,45 +143,56 @@ class TestcaseWriter:
                     if entry.name.startswith(_TMP_PREFIX):
                         _remove_quietly(entry.path)  # left by a master killed mid-write
             return
-        index = self.out_dir / INDEX_NAME
+        # Where the index was first kept (queue/, never released): AFL's -i reads it there.
+        # Its records had no inode: the files are read once more instead.
+        _remove_quietly(os.path.join(self.out_dir, INDEX_NAME))
+        index = self.index_path
         packed, known, damaged = _read_index(index)
-        listed, matched, unknown = 0, 0, []
+        listed, matched = 0, 0
+        unknown: list[bytes] = []
+        inodes = array("Q")  # of the names in `unknown`
         next_id = self._next_id
         # Streamed, and in bytes: a list of the entries held ~1 KB a file at once (290 MiB
-        # for 300,000), and names the index matches as it stores them, undecoded.
-        with os.scandir(os.fsencode(self.out_dir)) as it:
-            for entry in it:
-                name = entry.name
-                if name[:1] == b".":
-                    if name.startswith(_TMP_PREFIX_B):
-                        _remove_quietly(entry.path)  # left by a master killed mid-write
-                    continue
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                listed += 1
-                match = _AFL_ID_B.match(name)
-                if match and int(match.group(1)) >= next_id:
-                    next_id = int(match.group(1)) + 1
-                if hash(name) in known:
-                    matched += 1
-                else:
-                    unknown.append(name)
+        # for 300,000), and names the index matches as it stores them, undecoded. A name is
+        # known with its inode (d_ino: no stat), so a file replaced under it is read again.
+        for name, inode in _listing(self.out_dir, remove_temp=True):
+            listed += 1
+            match = _AFL_ID_B.match(name)
+            if match and int(match.group(1)) >= next_id:
+                next_id = int(match.group(1)) + 1
+            if hash((name, inode)) in known:
+                matched += 1
+            else:
+                unknown.append(name)
+                inodes.append(inode)
         self._next_id = next_id
         # Records of files no longer there (the directory emptied, a file replaced), two of
-        # one name, a torn last line: the index is written again from what is listed.
+        # one name, a damaged or torn line: the index is written again from what is listed.
         rewrite = damaged or matched != len(known) or len(packed) != len(known)
         del known
         if rewrite:
-            packed = _rewrite_index(index, _listed_names(self.out_dir))
+            packed = _rewrite_index(index, _listed(self.out_dir))
         self._open_index()
-        self._load_keys(packed if self._index is not None else [])
-        self._read_unknown(unknown)
+        if packed is None or self._index is None:
+            # The index could not be written again (it is removed) or opened: the names it
+            # matched are known nowhere, so they are read now, or their contents would be
+            # written again.
+            packed = []
+            if matched:
+                unknown, inodes = [], array("Q")
+                for name, inode in _listing(self.out_dir):
+                    unknown.append(name)
+                    inodes.append(inode)
+        self._load_keys(packed)
+        self._read_unknown(unknown, inodes)
         self.scanned = (listed, len(unknown), rewrite)
-        self._flush_index()
-        if unknown and not self._index_pending and self._index is not None:
+        flushed = self._flush_index()
+        if unknown and flushed and self._index_writable:
             # What was just read is in the index now: held as compactly as the rest.
-            self._load_keys(_read_index(index)[0])
-            self._names.clear()
+            reread = _read_index(index)
+            if not reread[2]:
+                self._load_keys(reread[0])
+                self._names.clear()
 
     def _load_keys(self, packed: list[int]) -> None:
         packed.sort()
@@ -178,16 +201,16 @@ class TestcaseWriter:
         self._offsets = array("Q", (p & mask for p in packed))
         packed.clear()
 
-    def _read_unknown(self, names: list[bytes]) -> None:
+    def _read_unknown(self, names: list[bytes], inodes: array) -> None:
         """Reads the files the index does not name, and records them there."""
         if not names:
             return
         if len(names) >= SAY_HASHING:
             print(f"coordinator: reading {len(names):,} test cases in {self.out_dir} that its "
-                  f"index ({INDEX_NAME}) does not name yet, to know their contents; a later "
-                  f"start reads only files added since", file=sys.stderr, flush=True)
+                  f"index ({self.index_path}) does not name yet, to know their contents; a "
+                  f"later start reads only files added since", file=sys.stderr, flush=True)
         campaign = held_file_ids()
-        for raw in names:
+        for raw, inode in zip(names, inodes, strict=True):
             name = os.fsdecode(raw)
             path = os.path.join(self.out_dir, name)
             try:
@@ -204,8 +227,10 @@ class TestcaseWriter:
             digest = _hash_file(path)
             if digest is not None:
                 # (A second file of a content known: recorded too, or read at each start.)
-                self._remember(digest[:_KEY_BYTES], name,
+                self._remember(digest[:_KEY_BYTES], name, inode,
                                first=self._known(digest[:_KEY_BYTES]) is None)
+                if len(self._index_pending) >= FLUSH_EVERY:
+                    self._flush_index()
 
     def _known(self, key: bytes) -> str | None:
         """The name of the file the index or this process has for the digest `key`."""
@@ -215,45 +240,66 @@ class TestcaseWriter:
         short = int.from_bytes(key[:8], "big")
         i = bisect.bisect_left(self._keys, short)
         while i < len(self._keys) and self._keys[i] == short:
-            record = _record_at(self._index.fileno(), self._offsets[i])
+            try:
+                record = _record_at(self._index.fileno(), self._offsets[i])
+            except OSError:
+                record = None
             if record is not None and record[0] == key:
                 return record[1]
             i += 1
         return None
 
-    def _remember(self, key: bytes, name: str, *, first: bool = True) -> None:
+    def _remember(self, key: bytes, name: str, inode: int, *, first: bool = True) -> None:
         if first:
             self._names[key] = name
         raw = os.fsencode(name)
         if b"\n" not in raw:  # (such a name is read again at each start)
-            self._index_pending.append(key.hex().encode() + b" " + raw + b"\n")
+            self._index_pending.append(b"%s %d %s\n" % (key.hex().encode(), inode, raw))
 
-    def _flush_index(self) -> None:
-        """Appends the records of the files written or read since the last call. Not synced:
-        a record lost with the OS only makes the next start read that file again."""
+    def _flush_index(self) -> bool:
+        """Appends the records of the files written or read since the last call; whether all
+        are in the index now. Not synced: a record lost with the OS only makes the next start
+        read that file again. Never fails the writer (a full disk, an index it may not write):
+        what is not recorded is known here (`_names`) and read again at the next start."""
         if not self._index_pending:
-            return
-        if self._index is None:
-            self._open_index()
-        try:
-            if self._index is None:
-                return  # kept in `_names` meanwhile; the next start reads those files again
-            self._index.write(b"".join(self._index_pending))
-        except OSError:
-            return
-        self._index_pending.clear()
+            return True
+        self._open_index()
+        if self._index is None or not self._index_writable:
+            # Those files are not in the index: the next start reads them. (Not kept pending:
+            # they would pile up for the writer's life.)
+            self._index_pending.clear()
+            return False
+        data = b"".join(self._index_pending)
+        done = _append(self._index, data)
+        # What was not written is kept, whole or the rest of a record the write cut short:
+        # appended next time, it completes the line.
+        self._index_pending = [data[done:]] if done < len(data) else []
+        return done == len(data)
 
     def _open_index(self) -> None:
         if self._index is not None or not self.out_dir.is_dir():
             return
+        path = self.index_path
         try:
             # Held open while the writer lives: a hit reads its record with one pread.
-            f = open(self.out_dir / INDEX_NAME, "a+b", buffering=0)  # noqa: SIM115
+            f = open(path, "a+b", buffering=0)  # noqa: SIM115
         except OSError:
+            try:
+                # One it may read but not append to (another user's): lookups still work.
+                self._index = open(path, "rb", buffering=0)  # noqa: SIM115
+            except OSError:
+                return
+            self._index_writable = False
             return
-        if f.seek(0, os.SEEK_END) == 0:
-            f.write(_INDEX_HEADER)
+        try:
+            if f.seek(0, os.SEEK_END) == 0 and _append(f, _INDEX_HEADER) != len(_INDEX_HEADER):
+                raise OSError("the index's header could not be written")
+        except OSError:
+            f.close()
+            _remove_quietly(str(path))  # (an empty or torn header: nothing lost)
+            return
         self._index = f
+        self._index_writable = True
 
     def write(self, content: bytes, src: str) -> pathlib.Path | None:
         """Writes ``content`` once; returns its path, or None if the content is already there."""
@@ -293,8 +339,8 @@ class TestcaseWriter:
         if known is not None and _holds(self.out_dir / known, content):
             return self.out_dir / known, False
         target = self._free_afl_name(src, taken)
-        self._write_atomically(target, content)
-        self._remember(digest[:_KEY_BYTES], target.name)
+        inode = self._write_atomically(target, content)
+        self._remember(digest[:_KEY_BYTES], target.name, inode)
         return target, True
 
     def _store_plain(self, content: bytes, digest: str) -> tuple[pathlib.Path, bool]:
@@ -324,7 +370,8 @@ class TestcaseWriter:
             if not target.exists() and (taken is None or not taken(target)):
                 return target
 
-    def _write_atomically(self, target: pathlib.Path, content: bytes) -> None:
+    def _write_atomically(self, target: pathlib.Path, content: bytes) -> int:
+        """Returns the file's inode (what the index records with its name)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)  # created on the first write
         fd, tmp = _create_temp(self.out_dir)
         try:
@@ -332,6 +379,7 @@ class TestcaseWriter:
                 f.write(content)
                 f.flush()
                 os.fsync(f.fileno())
+                inode = os.fstat(f.fileno()).st_ino
             os.replace(tmp, target)
         except BaseException:
             _remove_quietly(tmp)
@@ -339,6 +387,7 @@ class TestcaseWriter:
         # (The directory's fsync, in `sync`: 5.8 ms a file with one each, 1.1 with one for
         # 500 files, on this VM's ext4; a SymCC run writes hundreds.)
         self._unsynced = True
+        return inode
 
 
 def replace_text(path: pathlib.Path, text: str) -> None:
@@ -379,9 +428,10 @@ def afl_sync_counter(afl_out: pathlib.Path, name: str) -> tuple[str, int] | None
 
 def _read_index(path: pathlib.Path) -> tuple[list[int], set[int], bool]:
     """The index's records: each one's key (the digest's first 8 bytes) and offset packed in
-    one int, the `hash` of each name (as bytes), and whether anything in it was not a record.
-    (Checked by shape, not by `_RECORD`, whose match was ~0.6 s of 300,000 lines: a record
-    damaged past its shape is only a key no lookup finds, or a name no file has.)"""
+    one int, the `hash` of each (name as bytes, inode), and whether anything in it was not a
+    record. (Checked by shape, not by `_RECORD`, whose match was ~0.6 s of 300,000 lines; the
+    digest strictly: `int(..., 16)` takes "-", " " and "_" too, and a negative key would stop
+    the start.)"""
     packed: list[int] = []
     names: set[int] = set()
     damaged = False
@@ -391,13 +441,15 @@ def _read_index(path: pathlib.Path) -> tuple[list[int], set[int], bool]:
                 return [], set(), True
             offset = len(_INDEX_HEADER)
             for line in f:
-                try:
-                    if len(line) < 35 or line[32] != 32 or line[-1] != 10:  # b" ", b"\n"
-                        raise ValueError
-                    packed.append(int(line[:16], 16) << _OFFSET_BITS | offset)
-                    names.add(hash(line[33:-1]))
-                except ValueError:
+                end = len(line) - 1
+                space = line.find(b" ", 33, end)
+                if (end < 36 or line[32] != 32 or line[end] != 10 or space < 34
+                        or space == end - 1 or line[:32].translate(None, _HEX)
+                        or not line[33:space].isdigit()):
                     damaged = True
+                else:
+                    packed.append(int(line[:16], 16) << _OFFSET_BITS | offset)
+                    names.add(hash((line[space + 1:end], int(line[33:space]))))
                 offset += len(line)
     except FileNotFoundError:
         return [], set(), False
@@ -406,25 +458,27 @@ def _read_index(path: pathlib.Path) -> tuple[list[int], set[int], bool]:
     return packed, names, damaged
 
 
-def _records(path: pathlib.Path) -> Iterator[bytes]:
+def _records(path: pathlib.Path) -> Iterator[tuple[bytes, int]]:
+    """The index's well-formed records, each with the `hash` of its (name, inode)."""
     try:
         with open(path, "rb") as f:
             if f.readline() == _INDEX_HEADER:
                 for line in f:
-                    if _RECORD.match(line):
-                        yield line
+                    match = _RECORD.match(line)
+                    if match:
+                        yield line, hash((match.group(3), int(match.group(2))))
     except OSError:
         return
 
 
-def _rewrite_index(path: pathlib.Path, listed: set[int]) -> list[int]:
-    """Writes the index again with one record for each name in `listed` (the last one the
-    old index had: the newest file of that name) and returns its packed keys (`_read_index`)."""
+def _rewrite_index(path: pathlib.Path, listed: set[int]) -> list[int] | None:
+    """Writes the index again with one record for each (name, inode) in `listed` (the last
+    one the old index had) and returns its packed keys (`_read_index`). On failure (a full
+    disk) the index is removed and None returned: nothing in it can be trusted to be there."""
     last: dict[int, int] = {}
-    for n, line in enumerate(_records(path)):
-        h = hash(line[33:-1])
-        if h in listed:
-            last[h] = n
+    for n, (_line, ident) in enumerate(_records(path)):
+        if ident in listed:
+            last[ident] = n
     keep = set(last.values())
     del last
     packed: list[int] = []
@@ -433,7 +487,7 @@ def _rewrite_index(path: pathlib.Path, listed: set[int]) -> list[int]:
         with open(tmp, "wb") as out:
             out.write(_INDEX_HEADER)
             offset = len(_INDEX_HEADER)
-            for n, line in enumerate(_records(path)):
+            for n, (line, _ident) in enumerate(_records(path)):
                 if n in keep:
                     out.write(line)
                     packed.append(int(line[:16], 16) << _OFFSET_BITS | offset)
@@ -441,16 +495,45 @@ def _rewrite_index(path: pathlib.Path, listed: set[int]) -> list[int]:
         os.replace(tmp, path)
     except OSError:
         _remove_quietly(str(tmp))
-        _remove_quietly(str(path))  # then every file is read at the next start: slow, right
-        return []
+        _remove_quietly(str(path))
+        return None
     return packed
 
 
-def _listed_names(directory: pathlib.Path) -> set[int]:
-    """The `hash` of each file name in `directory` (bytes; dot names left out)."""
+def _listing(directory: pathlib.Path, *, remove_temp: bool = False) -> Iterator[tuple[bytes, int]]:
+    """(name as bytes, inode) of each regular file in `directory` but dot names, streamed
+    (names and d_type/d_ino from the listing: no stat). `remove_temp`: the temp files a
+    master killed mid-write left are removed."""
     with os.scandir(os.fsencode(directory)) as it:
-        return {hash(e.name) for e in it
-                if e.name[:1] != b"." and e.is_file(follow_symlinks=False)}
+        for entry in it:
+            name = entry.name
+            if name[:1] == b".":
+                if remove_temp and name.startswith(_TMP_PREFIX_B):
+                    _remove_quietly(entry.path)  # left by a master killed mid-write
+                continue
+            if entry.is_file(follow_symlinks=False):
+                yield name, entry.inode()
+
+
+def _listed(directory: pathlib.Path) -> set[int]:
+    """The `hash` of each (name as bytes, inode) of `_listing`."""
+    return {hash(item) for item in _listing(directory)}
+
+
+def _append(f: io.FileIO, data: bytes) -> int:
+    """Writes `data` at the end of `f`; how many bytes were written (a raw write may write
+    fewer than it was given, and a full disk fails the next one)."""
+    done = 0
+    view = memoryview(data)
+    try:
+        while done < len(data):
+            n = f.write(view[done:])
+            if not n:
+                break
+            done += n
+    except OSError:
+        pass
+    return done
 
 
 def _record_at(fd: int, offset: int) -> tuple[bytes, str] | None:
@@ -458,7 +541,7 @@ def _record_at(fd: int, offset: int) -> tuple[bytes, str] | None:
     match = _RECORD.match(line)
     if match is None:
         return None
-    return bytes.fromhex(match.group(1).decode()), os.fsdecode(match.group(2))
+    return bytes.fromhex(match.group(1).decode()), os.fsdecode(match.group(3))
 
 
 def _holds(path: pathlib.Path, content: bytes) -> bool:

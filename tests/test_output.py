@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import os
 import pathlib
 import sys
@@ -19,9 +21,18 @@ from coordinator.output import (
 )
 
 
+@pytest.fixture
+def tmp_path(tmp_path):
+    """Each test's own directory, one level down: an AFL-style writer keeps its index beside
+    its queue (`out_dir.parent`), which must not be a directory that all tests share."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    return queue
+
+
 def listing(directory: pathlib.Path) -> list[str]:
-    """The files in `directory` but the AFL-style writer's index (temp files included)."""
-    return sorted(p.name for p in directory.iterdir() if p.name != INDEX_NAME)
+    """The files in `directory` (temp files and dot files included)."""
+    return sorted(p.name for p in directory.iterdir())
 
 
 def test_afl_style_names_and_content(tmp_path):
@@ -117,7 +128,7 @@ def test_hostile_src_never_escapes_or_breaks_the_name(tmp_path):
     src = path.name[len("id:000000,src:") :]
     assert len(src) <= 40
     assert set(src) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-    assert listing(tmp_path) == ["out"]
+    assert listing(tmp_path) == [INDEX_NAME, "out"]  # (the index beside the queue)
     assert sanitize_src("") == "unknown"
     assert sanitize_src("rank-3_w.1") == "rank-3_w.1"
 
@@ -312,7 +323,7 @@ def test_a_damaged_or_lost_index_costs_a_reading_never_a_wrong_answer(tmp_path, 
     first = TestcaseWriter(tmp_path, afl_style=True)
     for i in range(5):
         first.write(b"c%d" % i, "a")
-    index = tmp_path / INDEX_NAME
+    index = tmp_path.parent / INDEX_NAME
     with open(index, "ab") as f:
         f.write(b"0123abc torn rec")  # the OS crashed in an append
     read = _count_reads(monkeypatch)
@@ -330,11 +341,159 @@ def test_a_damaged_or_lost_index_costs_a_reading_never_a_wrong_answer(tmp_path, 
     assert len(read) == 6 and fourth.write(b"c0", "b") is None
 
 
-def test_plain_names_are_never_read_at_a_start(tmp_path, monkeypatch):
+def test_plain_names_keep_no_index_and_find_duplicates_by_name(tmp_path):
+    """`--out` names are digests: a start keeps no index, anywhere, and reads nothing."""
     writer = TestcaseWriter(tmp_path, afl_style=False)
     for i in range(10):
         writer.write(b"p%d" % i, "a")
     (tmp_path / ".tcw-tmp-0011223344556677").write_bytes(b"half")
+    again = TestcaseWriter(tmp_path, afl_style=False)
+    assert again.write(b"p3", "b") is None and again.write(b"p10", "b") is not None
+    assert len(listing(tmp_path)) == 11  # (the temp file removed)
+    assert not (tmp_path / INDEX_NAME).exists() and not (tmp_path.parent / INDEX_NAME).exists()
+
+
+def _fail_open(monkeypatch, path: pathlib.Path, modes: str, failure) -> None:
+    """`open` in coordinator.output, for `path` in a mode with one of `modes`: raises
+    `failure` (an exception), or returns what it makes (a callable of the mode)."""
+    import builtins
+
+    import coordinator.output as output
+
+    def fake(file, mode="r", *args, **kwargs):
+        if os.fspath(file) == os.fspath(path) and any(m in mode for m in modes):
+            if isinstance(failure, BaseException):
+                raise failure
+            return failure(mode)
+        return builtins.open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(output, "open", fake, raising=False)
+
+
+def test_the_index_is_kept_beside_the_queue_and_an_old_one_in_it_removed(tmp_path):
+    """`afl-fuzz -i` and `find -type f` tools (afl-cmin) read dot files in a queue too."""
+    (tmp_path / INDEX_NAME).write_bytes(b"coordinator test-case index 1\n")  # (its first place)
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    writer.write(b"one", "a")
+    assert listing(tmp_path) == ["id:000000,src:a"]
+    assert writer.index_path == tmp_path.parent / INDEX_NAME and writer.index_path.is_file()
+
+
+def test_an_index_it_may_only_read_still_finds_earlier_contents(tmp_path, monkeypatch):
+    """Another user's index (mode 0644): it cannot be appended to, but its lookups work; the
+    files written meanwhile are read at the next start."""
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    for i in range(3):
+        first.write(b"c%d" % i, "a")
+    _fail_open(monkeypatch, tmp_path.parent / INDEX_NAME, "a+w",
+               PermissionError(errno.EACCES, "Permission denied"))
     read = _count_reads(monkeypatch)
-    TestcaseWriter(tmp_path, afl_style=False)
-    assert read == [] and len(listing(tmp_path)) == 10 and not (tmp_path / INDEX_NAME).exists()
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == [] and again.write(b"c1", "b") is None
+    assert again.write(b"new", "b") == tmp_path / "id:000003,src:b"
+    third = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == ["id:000003,src:b"] and third.scanned == (4, 1, False)
+    assert third.write(b"c2", "c") is None and third.write(b"new", "c") is None
+
+
+def test_a_file_renamed_over_a_known_name_is_read_again(tmp_path, monkeypatch):
+    """Its inode is not the one its record has: its new content is known, not written twice."""
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    path = first.write(b"old", "a")
+    (tmp_path.parent / "new").write_bytes(b"new content")
+    os.replace(tmp_path.parent / "new", path)
+    read = _count_reads(monkeypatch)
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == [path.name] and again.scanned == (1, 1, True)
+    assert again.write(b"new content", "b") is None
+    assert again.write(b"old", "b") == tmp_path / "id:000001,src:b"
+    read.clear()
+    third = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == [] and third.scanned == (2, 0, False)
+    assert third.write(b"new content", "c") is None and third.write(b"old", "c") is None
+
+
+def test_a_damaged_digest_is_a_damaged_record_not_a_failed_start(tmp_path, monkeypatch):
+    """`int(key, 16)` takes "-": a negative key stopped the start (OverflowError)."""
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    first.write(b"c0", "a")
+    first.write(b"c1", "a")
+    index = tmp_path.parent / INDEX_NAME
+    header, one, two, end = index.read_bytes().split(b"\n")
+    index.write_bytes(b"\n".join([header, b"-" + one[1:], two[:32].upper() + two[32:], end]))
+    read = _count_reads(monkeypatch)
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert sorted(read) == ["id:000000,src:a", "id:000001,src:a"]
+    assert again.scanned == (2, 2, True) and again.write(b"c0", "b") is None
+    read.clear()
+    assert TestcaseWriter(tmp_path, afl_style=True).scanned == (2, 0, False) and read == []
+
+
+def test_a_full_disk_never_fails_the_writer_for_its_index(tmp_path, monkeypatch):
+    _fail_open(monkeypatch, tmp_path.parent / INDEX_NAME, "a",
+               lambda mode: open("/dev/full", mode, buffering=0))  # noqa: SIM115
+    writer = TestcaseWriter(tmp_path, afl_style=True)  # (the index's header: ENOSPC)
+    assert writer.write(b"one", "a") == tmp_path / "id:000000,src:a"
+    assert writer.write(b"one", "b") is None
+
+
+def test_a_short_write_of_the_index_keeps_what_it_did_not_write(tmp_path, monkeypatch):
+    cut = []
+
+    class Short(io.FileIO):
+        def write(self, data):
+            data = bytes(data)
+            if not cut and not data.startswith(b"coordinator"):
+                cut.append(data)
+                data = data[:len(data) // 2]
+            return super().write(data)
+
+    _fail_open(monkeypatch, tmp_path.parent / INDEX_NAME, "a",
+               lambda mode: Short(tmp_path.parent / INDEX_NAME, "a+"))
+    writer = TestcaseWriter(tmp_path, afl_style=True)
+    writer.write(b"c0", "a")
+    writer.write(b"c1", "a")
+    assert cut
+    read = _count_reads(monkeypatch)
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert read == [] and again.scanned == (2, 0, False) and again.write(b"c0", "b") is None
+
+
+def test_an_index_that_cannot_be_written_again_makes_the_start_read_its_files(tmp_path,
+                                                                            monkeypatch):
+    """Removed when it could not be written again: the names it matched are read now, or
+    their contents would be written a second time."""
+    first = TestcaseWriter(tmp_path, afl_style=True)
+    for i in range(3):
+        first.write(b"c%d" % i, "a")
+    with open(tmp_path.parent / INDEX_NAME, "ab") as f:
+        f.write(b"torn")
+    _fail_open(monkeypatch, tmp_path.parent / ".tcw-tmp-index", "w",
+               OSError(errno.ENOSPC, "No space left on device"))
+    read = _count_reads(monkeypatch)
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert len(read) == 3 and again.write(b"c1", "b") is None
+    read.clear()
+    assert TestcaseWriter(tmp_path, afl_style=True).scanned == (3, 0, False) and read == []
+
+
+def test_a_long_first_reading_keeps_what_it_read_when_killed(tmp_path, monkeypatch):
+    import coordinator.output as output
+    monkeypatch.setattr(output, "FLUSH_EVERY", 2, raising=False)
+    for i in range(5):
+        (tmp_path / f"id:{i:06d},src:afl").write_bytes(b"%d" % i)
+    real, hashed = output._hash_file, []
+
+    def killed_at_the_fifth(path):
+        if len(hashed) == 4:
+            raise KeyboardInterrupt  # (the master killed)
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(output, "_hash_file", killed_at_the_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        TestcaseWriter(tmp_path, afl_style=True)
+    monkeypatch.setattr(output, "_hash_file", real)
+    read = _count_reads(monkeypatch)
+    again = TestcaseWriter(tmp_path, afl_style=True)
+    assert len(read) == 1 and again.scanned == (5, 1, False)
