@@ -49,8 +49,11 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 
 def queue_files(queue: Path) -> list[Path]:
-    """The files of our AFL queue but the writer's index of their digests."""
-    return [p for p in queue.iterdir() if p.name != INDEX_NAME]
+    """The files of our AFL queue: the writer's index of their digests is beside it, in the
+    instance directory (`afl-fuzz -i` and afl-cmin read a queue's dot files too)."""
+    files = list(queue.iterdir())
+    assert INDEX_NAME not in {p.name for p in files} and (queue.parent / INDEX_NAME).is_file()
+    return files
 
 
 def test_demo_300_completes_and_status_agrees(tmp_path):
