@@ -168,17 +168,20 @@ class Gate:
                  commit: Callable[..., dsp.CommitItem] = default_commit,
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None,
                  host_ran: Callable[[Tx, int, str | None], bool] | None = None,
-                 stopping: Callable[[], bool] = lambda: False):
+                 stopping: Callable[[], bool] = lambda: False,
+                 misbehaved: Callable[[int, str], None] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept. `host_ran`: told of
         each current RESULT's rank and, when none of its tasks ran (all `not_run`), what its
         host could not do (None when one ran), in the round's transaction; returns whether
         the `not_run` ones are charged (`coordinator.cooldown`). None: they always are.
         `stopping`: whether the master is stopping, when an `interrupted` run (cut short by the
-        signal that stops the job) is charged nothing."""
+        signal that stops the job) is charged nothing. `misbehaved`: told of each rank whose
+        dispatch the sweep rolls back for the rank's own invalid RESULT, and why (a split a
+        worker asked for is no failure), in the round's transaction."""
         self.store = store
         self.validate, self.commit, self.salvage = validate, commit, salvage
-        self.host_ran, self.stopping = host_ran, stopping
+        self.host_ran, self.stopping, self.misbehaved = host_ran, stopping, misbehaved
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
@@ -437,6 +440,8 @@ class Gate:
                                        cause=EventKind.SPLIT if asked else EventKind.RECOVERED)
             if rec is not None:
                 recovered.append(rec)
+                if not asked and self.misbehaved is not None:
+                    self.misbehaved(rank, why)
         return recovered
 
     # -- phase 5: watchdog -----------------------------------------------------------------

@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,9 +141,17 @@ class Master:
         self.store, self.transport, self.config = store, transport, config
         self.sources, self.writer = list(sources), writer
         self._cooldown = HostCooldown(self._able)  # ranks whose host fails tasks
+        # Ranks whose own answers were invalid (a current RESULT missing, malformed or refused
+        # for its payload, then its READY): paused as a broken host is. Without the pause such
+        # a rank, answering at once, took the retried task back from the head of the queue and
+        # failed it again: one rank sending 5 bad RESULTs per WORK beside two honest ones
+        # deferred 71 of 200 tasks. Its failures stay charged (R7): the pause only lets
+        # the honest ranks take the retries.
+        self._misbehaving = HostCooldown(self._able)
+        self._invalid_said_at: dict[int, float] = {}
         self.gate = Gate(store, validate=check_result, commit=self._commit,
                          salvage=self._salvage, host_ran=self._host_ran,
-                         stopping=self._stopping)
+                         stopping=self._stopping, misbehaved=self._misbehaved)
         self.summary = Summary()
         self._stop_signal: str | None = None
         self._no_stop_seen_until = -math.inf  # (`_stopping`)
@@ -493,8 +501,8 @@ class Master:
         if self._answered:
             return 0.0
         # (a rank cooling down takes work when it ends: nothing to poll for until then)
-        cooled = (self._cooldown.wait_s(self._idle, time.monotonic())
-                  if self._cooldown.until and self._idle and self._may_have_queued else None)
+        cooled = (self._cool_wait(self._idle, time.monotonic())
+                  if self._idle and self._may_have_queued else None)
         if not self._expected.sent_at:
             return 0.0 if cooled is None else cooled
         first = self._expected.first_expected()
@@ -590,7 +598,7 @@ class Master:
               ) -> list[tuple[dsp.Planned, bytes]]:
         self._refresh_idle(tx)
         now = time.monotonic()
-        held = self._cooldown.held(self._idle, now)
+        held = self._held(self._idle, now)
         able = [r for r in self._idle if r not in held] if held else self._idle
         if not able:
             self._idle_waits()
@@ -677,7 +685,37 @@ class Master:
         """Whether an idle rank may be given work now: one cooling down after its host could
         not run its tasks (`coordinator.cooldown`) waits, and must not make every idle poll
         a transaction meanwhile."""
-        return len(self._cooldown.held(self._idle, now)) < len(self._idle)
+        return len(self._held(self._idle, now)) < len(self._idle)
+
+    def _held(self, ranks: Collection[int], now: float) -> set[int]:
+        """Of `ranks`, those pausing: their host could not run tasks, or their answers were
+        invalid (each pause only while another rank can run tasks)."""
+        if not (self._cooldown.until or self._misbehaving.until):
+            return set()
+        return self._cooldown.held(ranks, now) | self._misbehaving.held(ranks, now)
+
+    def _cool_wait(self, ranks: Collection[int], now: float) -> float | None:
+        """How long until the first pausing rank of `ranks` may take work; None: none is."""
+        waits = [w for c in (self._cooldown, self._misbehaving) if c.until
+                 for w in (c.wait_s(ranks, now),) if w is not None]
+        return min(waits) if waits else None
+
+    def _misbehaved(self, rank: int, reason: str) -> None:
+        """A dispatch of `rank` rolled back for its own invalid answer (`reason`: what was
+        quarantined): the rank pauses (`_misbehaving`). Said on stderr at its second such
+        dispatch in a row, once a minute at most: a rank that only pauses defers nothing, so
+        only the quarantine counts would show the operator a broken worker build."""
+        streak = self._misbehaving.streak.get(rank, 0)
+        self._misbehaving.answered(rank, False)
+        now = time.monotonic()
+        if (streak >= 1 and self._stop_signal is None
+                and now >= self._invalid_said_at.get(rank, -math.inf) + 60):
+            self._invalid_said_at[rank] = now
+            print(f"coordinator: rank {rank} answered its last {streak + 1} dispatches with "
+                  f"invalid results ({reason}); their tasks go back to the retry policy and the "
+                  f"other ranks, and it gets work again after a pause (up to "
+                  f"{self._misbehaving.CAP_S:g} s while it goes on); check that rank's worker",
+                  file=sys.stderr, flush=True)
 
     def _able(self) -> Iterator[int]:
         """The ranks that could run a task (`coordinator.cooldown`): those whose WORK is out
@@ -685,8 +723,15 @@ class Master:
         within ANSWERED_ABLE_S (its READY follows at once; one that never comes, a rank hung
         after its RESULT, must not excuse a broken host for ever), the idle ones, and those
         given work this round (its WORK leaves after the COMMIT: a healthy rank is in none of
-        the others then). Never a dead, refused, unreachable or lost one."""
+        the others then), and those still starting (no READY yet, not yet lost at
+        --start-wait's end: an honest rank slower to start than a broken one would otherwise
+        leave it no one to wait for, and the broken one failed the first task twice, deferring
+        it). Never a dead, refused, unreachable or lost one."""
         gone = self._failed_ranks | self._lost
+        if not self._lost_checked:
+            heard = self._health.heard
+            yield from (r for r in range(1, self.transport.size)
+                        if r not in heard and r not in gone)
         recent = time.monotonic() - ANSWERED_ABLE_S
         yield from (r for r in self._expected.sent_at if r not in gone)
         yield from (r for r, (at, _) in self._answered.items() if at > recent and r not in gone)
@@ -699,6 +744,8 @@ class Master:
         known to fail (its second such answer in a row); both again when it runs tasks
         again: a rank that only cools down defers nothing, so neither `status`'s held
         reasons nor the deferred count would show the operator a host to fix."""
+        if self._misbehaving.streak:
+            self._misbehaving.answered(rank, True)  # (a valid answer ends its pause)
         streak = self._cooldown.streak.get(rank, 0)
         charged = self._cooldown.answered(rank, unrun is None)
         if unrun is not None:

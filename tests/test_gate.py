@@ -167,6 +167,34 @@ def test_invalid_payload_of_a_current_result_sets_the_mark(farm):
     assert len(farm.sweep()) == 1
 
 
+def test_the_master_is_told_of_each_rank_rolled_back_for_its_own_invalid_result(farm):
+    """`misbehaved` (the master pauses such a rank): told of the rank and what was quarantined
+    at each sweep recovery of an invalid RESULT joined with its READY; not of a split the
+    worker asked for (no failure), nor of a dispatch whose later valid RESULT committed."""
+    from coordinator.wire import SPLIT_STATUS
+
+    told: list[tuple[int, str]] = []
+    farm.gate.misbehaved = lambda rank, why: told.append((rank, why))
+    farm.enqueue(*({"path": f"/seeds/{i}"} for i in range(6)))
+    farm.ready(1)
+    for body in ({"status": "bogus"}, {"token": None}):
+        tok = farm.dispatch(1, sent=True)[1]
+        farm.result_raw(1, {"token": tok, **body} if "token" not in body else body)
+        farm.ready(1, tok)
+        assert len(farm.sweep()) == 1
+    assert told == [(1, "payload"), (1, "missing")]
+    [p] = farm.plan(1, batch=2, sent=True)
+    farm.result_raw(1, {"token": p.token, "status": SPLIT_STATUS, "detail": "too big"})
+    farm.ready(1, p.token)
+    [rec] = farm.sweep()
+    assert rec.halves is not None and len(told) == 2
+    tok = farm.dispatch(1, sent=True)[1]
+    farm.result(1, tok, status="bogus")
+    farm.result(1, tok)  # R5: the valid one commits; nothing is rolled back
+    farm.ready(1, tok)
+    assert farm.sweep() == [] and len(told) == 2
+
+
 def test_a_flood_of_invalid_results_for_one_dispatch_writes_one_event_and_counts_all(farm):
     """One rank answering its WORK with 2,000 bad RESULTs of the current token wrote an
     `invalid` event per message (168,000 rows in 32 s). The first sets the mark and is the

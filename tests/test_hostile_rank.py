@@ -224,8 +224,9 @@ def test_a_rank_flooding_invalid_results_is_refused_and_its_rows_stay_few(tmp_pa
     current, was never refused: it failed 84 dispatches, deferring 42 tasks. Now one event per
     dispatch, the messages counted exactly in the sampled quarantine, and the rank refused as
     one whose messages are mostly quarantined; the honest ranks run every task once."""
-    per_work, tasks = 200, 300
-    # (a budget that outlasts the flood: the few tasks it fails are requeued, not deferred)
+    per_work, tasks = 600, 300
+    # (a budget that outlasts the flood: the few tasks it fails are requeued, not deferred;
+    # refused at its second dispatch, 1 s later, after the pause its first one earned)
     job, db, _ = hostile_job(tmp_path, "flood", str(per_work), "--batch", "1", "--retries", "8",
                              "--demo-work-ms", "20", tasks=tasks)
     done = finish(job, timeout=200)
@@ -253,3 +254,30 @@ def test_a_rank_flooding_invalid_results_is_refused_and_its_rows_stay_few(tmp_pa
     assert checked.returncode == 0 and "consistent" in checked.stdout, checked
     seen = status_json(db)
     assert (seen["worker_deaths"], seen["refused_ranks"], seen["deferred"]) == (0, 1, 0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("batch", [["--batch", "1"], []], ids=["alone", "auto"])
+def test_a_rank_sending_a_few_bad_results_per_work_defers_no_task(tmp_path, batch):
+    """A rank that answered each WORK with 5 bad RESULTs of its token, then READY, stays far
+    below the garbage watch's refusal, and, answering at once, took each retried task back
+    from the head of the queue and failed it again: 71 of 200 tasks deferred beside two
+    honest ranks (55 with automatic batches). Now such a rank pauses as a broken host does
+    (1 s, doubling), so the honest ranks take the retries: none deferred, every task done
+    once, and the operator told which rank to look at."""
+    tasks = 200
+    job, db, _ = hostile_job(tmp_path, "flood", "5", *batch, "--demo-work-ms", "20",
+                             tasks=tasks)
+    done = finish(job, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1 answered its last 2 dispatches with invalid results (payload)" in \
+        done.stderr, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=tasks)
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("done", tasks)]
+    assert query(db, "SELECT count(*) FROM results WHERE rank = 1") == [(0,)]
+    seen = status_json(db)
+    assert (seen["deferred"], seen["refused_ranks"]) == (0, 0)
+    # Its failures stay charged (R7), each once: the honest ranks ran them next.
+    [(charged,)] = query(db, "SELECT count(*) FROM tasks WHERE attempts > 0")
+    [(rolled,)] = query(db, "SELECT count(DISTINCT token) FROM events WHERE kind = 'invalid'")
+    assert 1 <= rolled <= 12 and charged <= rolled, (rolled, charged)

@@ -724,11 +724,13 @@ def test_a_rank_flooding_invalid_results_writes_few_rows_and_is_refused(tmp_path
     from store.journal import RetryPolicy
 
     # A budget that outlasts the flood (at most 4 dispatches), so that no task of the few
-    # it failed is deferred: all 200 must be done.
+    # it failed is deferred: all 200 must be done. (Enough bad RESULTs per WORK to pass the
+    # refusal's 1,000 in its first dispatch: paused after it, the rank gets no second one in
+    # a run this short.)
     store = Store.open(tmp_path / "c.db", policy=RetryPolicy(retries=8))
     with store.transaction("import") as tx:
         enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(200)])
-    ranks = InvalidFlood(300)
+    ranks = InvalidFlood(1_200)
     try:
         summary = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=1, stop_wait_s=1,
                                                     stats_file=None)).run()
