@@ -1034,12 +1034,16 @@ class Master:
             return
         self._stop_recorded = True
         with self._tx("stop") as tx:
-            if why in _STOP_SIGNAL_NAMES and self._gone_ranks(tx, take_failed=False):
+            tx.event(EventKind.STOP, detail=why)
+            if why in _STOP_SIGNAL_NAMES:
                 # A worker holding work is gone: without ULFM that death is what made the
                 # launcher signal this master (measured: a poison task then reran uncharged
-                # at each --resume). Its runs are charged as after a crash.
-                return
-            tx.event(EventKind.STOP, detail=why)
+                # at each --resume), so its run is charged as after a crash. Only its own:
+                # no event at all charged every rank's, and one READY naming a pid that is no
+                # process here (a hostile rank, or one in another pid namespace) cost the
+                # honest ranks an attempt each.
+                for rank in sorted(self._gone_ranks(tx, take_failed=False)):
+                    tx.event(EventKind.STOP, rank=rank, detail=dsp.GONE_AT_STOP)
 
     def _stopping(self) -> bool:
         """Asked for an `interrupted` run: whether the master stops, after waiting up to

@@ -237,10 +237,10 @@ def _stop_text(stop: tuple[float, str], running: bool | None) -> str:
     if running is None:  # (no /proc here, or a master on another host)
         return (f"a stop began {clock_utc(at)}: {cause}; the runs it leaves in flight, if "
                 f"any, are charged nothing at `--resume` (up to {STOPPED_FREE} such stops "
-                f"per task)")
+                f"per task; but a worker's that was already gone)")
     return (f"it was stopping since {clock_utc(at)}: {cause}; the runs it left in flight, if "
             f"any, are charged nothing at `--resume` (up to {STOPPED_FREE} such stops per "
-            f"task)")
+            f"task; but a worker's that was already gone)")
 
 
 def _master_state(last: tuple[int, str] | None, holder: int | None) -> dict | None:

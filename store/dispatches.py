@@ -695,14 +695,27 @@ def recover_dispatch(tx: Tx, rank: int, token: str, *, cause: EventKind = EventK
 STOPPED_BY = "stopped ("
 
 
-def stop_signals(tx: Tx) -> dict[int, str]:
-    """incarnation -> the first stop signal it got (its `stop` events; one index range)."""
+#: The detail of a `stop` event that names a rank, written just after the stop's own: that
+#: rank held work and its worker was gone when the stop signal came (MPI reported it dead, or
+#: its pid was no process on its host). Without ULFM such a death is what makes the launcher
+#: signal the master, so that rank's run is charged at `--resume` as a crash's; the other
+#: ranks' runs are not.
+GONE_AT_STOP = "its worker was gone when the stop came"
+
+
+def stop_signals(tx: Tx) -> tuple[dict[int, str], set[tuple[int, int]]]:
+    """incarnation -> the first stop signal it got, and the (incarnation, rank) whose worker
+    was gone at it (its `stop` events; one index range)."""
     got: dict[int, str] = {}
-    for incarnation, detail in tx.db.execute(
-            f"SELECT incarnation, detail FROM events WHERE kind = 'stop' AND {COUNTED_KIND_SQL} "
-            "ORDER BY id"):
-        got.setdefault(incarnation, detail or "a stop signal")
-    return got
+    gone: set[tuple[int, int]] = set()
+    for incarnation, rank, detail in tx.db.execute(
+            f"SELECT incarnation, rank, detail FROM events WHERE kind = 'stop' "
+            f"AND {COUNTED_KIND_SQL} ORDER BY id"):
+        if rank is None:
+            got.setdefault(incarnation, detail or "a stop signal")
+        else:
+            gone.add((incarnation, rank))
+    return got, gone
 
 
 def _stopped_free_runs(tx: Tx, task_id: int) -> int:
@@ -734,7 +747,7 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
                            .where(cond).order_by(dispatches.c.created_at.desc(),
                                                  dispatches.c.rank.desc())).all()
     kind = EventKind.INTERRUPTED if earlier_incarnations else EventKind.STOP_REQUEUED
-    stopped = stop_signals(tx) if earlier_incarnations and rows else {}
+    stopped, gone = stop_signals(tx) if earlier_incarnations and rows else ({}, set())
     back: list[int] = []
     for r in rows:  # newest first, each to the head: the oldest ends up first
         taken = _take(tx, r.rank, r.token)
@@ -749,6 +762,7 @@ def requeue_in_flight(tx: Tx, *, earlier_incarnations: bool,
         # Bounded: a target that signals the whole job (or a worker's death that makes
         # `mpiexec` signal the master) must not get its task rerun uncharged for ever.
         if suspect and n == 1 and r.incarnation in stopped \
+                and (r.incarnation, r.rank) not in gone \
                 and _stopped_free_runs(tx, r.task_id) < STOPPED_FREE:
             free = f"{STOPPED_BY}{stopped[r.incarnation]}): not charged"
         charged = suspect and n == 1 and free is None

@@ -234,4 +234,4 @@ def incarnation_stop(conn: Reader, incarnation: int) -> tuple[float, str] | None
     death, a run that finished, or a file from before 0018)."""
     return conn.exec_driver_sql(
         f"SELECT at, detail FROM events WHERE kind = 'stop' AND {COUNTED_KIND_SQL} "
-        f"AND incarnation = ? ORDER BY id LIMIT 1", (incarnation,)).first()
+        f"AND incarnation = ? AND rank IS NULL ORDER BY id LIMIT 1", (incarnation,)).first()

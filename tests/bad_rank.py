@@ -97,6 +97,17 @@ def flood(n: int) -> None:
         send(ready(token), TAG_READY)
 
 
+def fake_pid(pid: int) -> None:
+    """Reports this host's name and `pid`, a process that does not exist (a lie, or a rank in
+    another pid namespace), then holds each WORK until its STOP comes, and acknowledges it."""
+    send(ready(pid=pid), TAG_READY)
+    while True:
+        tag, data = recv((TAG_STOP, TAG_WORK))
+        if tag == TAG_STOP:
+            send(encode(Stop(token=decode_stop(data).token)), TAG_STOP_ACK)
+            os._exit(0)
+
+
 def answer(token: str) -> bytes:
     return encode(Result(token=token, status="ok", value={"n": 0}))
 
@@ -132,6 +143,8 @@ def main() -> None:
             time.sleep(60)
     elif MODE == "pid":  # a pid the store cannot hold, then honest
         send(ready(pid=2**64 - 1), TAG_READY)
+    elif MODE == "fakepid":  # a pid no process has, each WORK held until the STOP
+        fake_pid(int(ARG))
     elif MODE == "steer":  # another process's pid, then deaf to STOP
         send(ready(pid=int(ARG)), TAG_READY)
         while True:

@@ -213,6 +213,37 @@ def test_an_incarnation_stopped_by_its_operator_leaves_its_runs_uncharged(db_pat
     farm.close()
 
 
+def test_a_stop_charges_only_the_run_of_a_worker_gone_at_it(db_path):
+    """A worker holding work was gone when the stop signal came (without ULFM its death is
+    what makes the launcher signal the master): its run is charged at the resume as a
+    crash's, the other ranks' are not. (The master wrote no `stop` event at all then, and
+    one rank's READY naming a pid that is no process here cost every honest rank's run an
+    attempt.) `status` still reads the stop's cause from its own event."""
+    from store.dispatches import GONE_AT_STOP, STOPPED_BY
+    from store.schema import EventKind
+    from store.stats import incarnation_stop
+    farm = Farm(db_path)
+    honest, suspect = farm.enqueue({"data": "honest"}, {"data": "suspect"})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    farm.dispatch(1, 2)
+    with farm.store.transaction() as tx:
+        tx.event(EventKind.STOP, detail="SIGTERM")
+        tx.event(EventKind.STOP, rank=2, detail=GONE_AT_STOP)
+        incarnation = tx.incarnation
+    farm.close()
+
+    farm = Farm(db_path, resume=True)
+    attempts = {t.id: t.attempts for t in rows(farm, tasks)}
+    assert attempts == {honest: 0, suspect: 1}
+    details = {e.task_id: e.detail for e in rows(farm, events, events.c.kind == "interrupted")}
+    assert details[honest] == f"{STOPPED_BY}SIGTERM): not charged"
+    assert details[suspect] is None
+    with farm.store.reading() as conn:
+        assert incarnation_stop(conn, incarnation)[1] == "SIGTERM"
+    farm.close()
+
+
 def test_stops_cannot_rerun_a_task_uncharged_for_ever(db_path):
     """A target that signals the whole job (or a worker's death that makes `mpiexec` signal
     the master) looks like an operator's stop: STOPPED_FREE such runs of one task go uncharged,

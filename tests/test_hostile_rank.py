@@ -9,6 +9,8 @@ from its own summary (`--summary-json`, peak RSS).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,12 +21,16 @@ from mpi_jobs import (
     MPIEXEC,
     check_conservation,
     finish,
+    kill_job,
+    master_pid,
     mpi_kind,
     output_files,
     query,
     start,
     status_json,
+    wait_for,
 )
+from processes import running
 
 from coordinator.exits import ExitStatus
 from coordinator.launcher import mpiexec_flags
@@ -281,3 +287,40 @@ def test_a_rank_sending_a_few_bad_results_per_work_defers_no_task(tmp_path, batc
     [(charged,)] = query(db, "SELECT count(*) FROM tasks WHERE attempts > 0")
     [(rolled,)] = query(db, "SELECT count(DISTINCT token) FROM events WHERE kind = 'invalid'")
     assert 1 <= rolled <= 12 and charged <= rolled, (rolled, charged)
+
+
+def test_a_rank_naming_a_pid_that_is_no_process_costs_the_honest_ranks_nothing(tmp_path):
+    """A rank whose READY names this host and a pid no process has looks gone. When the stop
+    signal came the master then wrote no `stop` event at all, so a job ended before its
+    graceful stop finished (a scheduler's SIGKILL) had every honest rank's run charged an
+    attempt at `--resume`. Now only that rank's run is."""
+    from conftest import Farm
+
+    from store.dispatches import GONE_AT_STOP
+    probe = subprocess.Popen(["true"])  # (a pid just freed: no process has it)
+    probe.wait()
+    job, db, _ = hostile_job(tmp_path, "fakepid", str(probe.pid), "--batch", "1",
+                             "--demo-work-ms", "60000", "--grace", "30", tasks=6)
+    try:
+        wait_for(db, "SELECT count(*) FROM dispatches WHERE sent_at IS NOT NULL",
+                 lambda n: n == 3)
+        master = master_pid(db)
+        os.kill(master, signal.SIGTERM)
+        wait_for(db, "SELECT count(*) FROM events WHERE kind = 'stop'", lambda n: n == 2)
+        os.kill(master, signal.SIGKILL)  # the scheduler's, before the grace is over
+    finally:
+        kill_job(job)
+    deadline = time.monotonic() + 30
+    while running(master) and time.monotonic() < deadline:  # (it holds the file's lock)
+        time.sleep(0.05)
+    assert query(db, "SELECT rank, detail FROM events WHERE kind = 'stop' ORDER BY id") == [
+        (None, "SIGTERM"), (1, GONE_AT_STOP)]
+    held = dict(query(db, "SELECT rank, task_id FROM dispatches"))
+    assert sorted(held) == [1, 2, 3]
+    farm = Farm(db, resume=True)  # what --resume does with the runs left in flight
+    try:
+        with farm.store.reading() as conn:
+            attempts = dict(conn.exec_driver_sql("SELECT id, attempts FROM tasks").all())
+    finally:
+        farm.close()
+    assert {rank: attempts[task] for rank, task in held.items()} == {1: 1, 2: 0, 3: 0}

@@ -189,7 +189,8 @@ def test_an_incarnation_that_got_a_stop_signal_says_so_and_what_it_means(campaig
     assert main(["status", "--db", str(copy)]) == ExitStatus.OK
     out = capsys.readouterr().out
     assert (f"\n  it was stopping since {clock_utc(at)}: SIGTERM; the runs it left in flight, "
-            f"if any, are charged nothing at `--resume` (up to 3 such stops per task)\n") in out
+            f"if any, are charged nothing at `--resume` (up to 3 such stops per task; but a "
+            f"worker's that was already gone)\n") in out
     # Where whether a master runs cannot be told, neither is claimed.
     from coordinator.status import _stop_text
     assert _stop_text((at, "SIGTERM"), None).startswith(f"a stop began {clock_utc(at)}: ")
