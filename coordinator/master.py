@@ -73,6 +73,7 @@ from .wire import (
     encode,
     failure_detail,
     oversized,
+    shown,
 )
 
 _STOP_SIGNAL_NAMES = frozenset(signal.Signals(s).name for s in STOP_SIGNALS)
@@ -770,7 +771,7 @@ class Master:
             self._host_said[rank] = charged
             self._host_said_at[rank] = time.monotonic()
             print(f"coordinator: rank {rank}'s host could not run its last {streak + 1} "
-                  f"dispatches ({unrun}); "
+                  f"dispatches ({shown(unrun)}); "
                   + ("its tasks go back to the other ranks, not charged, and it gets work "
                      f"again after a pause (up to {self._cooldown.CAP_S:g} s while it keeps "
                      "failing)" if not charged else

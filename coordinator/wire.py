@@ -477,8 +477,13 @@ def detail_summary(detail: str | None, width: int = 200) -> str:
         return "(no detail)"
     own = [line for line in lines[1:] if not DROPPED_NOTE.match(line)]
     last = own[-1] if own else ""
-    text = lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}"
-    # A target's stderr is printed on the operator's terminal: its escape sequences shown,
-    # not obeyed (one could clear the screen or retitle the window).
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    text = shown(lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}")
     return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def shown(text: str) -> str:
+    """`text`, from a target's stderr or a rank's message, safe for the operator's terminal:
+    its escape sequences shown, not obeyed (one could clear the screen or retitle the
+    window)."""
+    return text if text.isprintable() else "".join(
+        c if c.isprintable() else repr(c)[1:-1] for c in text)

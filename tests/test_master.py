@@ -916,20 +916,20 @@ def test_a_run_cut_short_before_the_master_got_its_signal_waits_for_it(tmp_path,
 
 
 class HostFailsThenRuns(InstantWorkers):
-    """Rank 1's host cannot run its first `fails` WORKs (`not_run`), then can; rank 2 runs
-    everything."""
+    """Rank 1's host cannot run its first `fails` WORKs (`not_run`, saying `why`), then can;
+    rank 2 runs everything."""
 
-    def __init__(self, fails: int) -> None:
+    def __init__(self, fails: int,
+                 why: str = "cannot start '/opt/t': [Errno 13] Permission denied\nmore") -> None:
         super().__init__(2)
-        self.fails = fails
+        self.fails, self.why = fails, why
 
     def send_work(self, data: bytes, dest: int) -> None:
         if dest != 1 or self.fails == 0:
             return super().send_work(data, dest)
         self.fails -= 1
         work = decode_work(data)
-        _answer_not_run(self, dest, work.token,
-                        "cannot start '/opt/t': [Errno 13] Permission denied\nmore")
+        _answer_not_run(self, dest, work.token, self.why)
 
 
 @pytest.mark.timeout(60)
@@ -953,6 +953,23 @@ def test_a_host_that_fails_and_recovers_is_said_once_each_way(tmp_path, capsys,
                      "ranks, not charged, and it gets work again after a pause (up to 30 s "
                      "while it keeps failing); fix the host") == 1, err
     assert err.count("rank 1 runs tasks again") == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_what_a_failing_host_says_reaches_the_terminal_escaped(tmp_path, capsys, monkeypatch):
+    """A `not_run` answer's detail is the rank's to write: its escape sequences (retitle the
+    window, clear the screen) reached the operator's terminal raw in the master's line."""
+    monkeypatch.setattr(HostCooldown, "FIRST_S", 0.001)
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 50)
+    try:
+        Master(store, HostFailsThenRuns(fails=3, why="disk full \x1b]0;PWNED\x07\x1b[2Jdone"),
+               MasterConfig(linger_s=0.0, stop_wait_s=0.5, stats_file=None)).run()
+    finally:
+        store.close()
+    err = capsys.readouterr().err
+    assert "could not run its last 2 dispatches (disk full \\x1b]0;PWNED\\x07\\x1b[2Jdone)" \
+        in err, err
+    assert "\x1b" not in err and "\x07" not in err
 
 
 @pytest.mark.timeout(60)
