@@ -79,6 +79,10 @@ class Stray:
 class ReadyRound:
     statuses: list[tuple[int, ReadyStatus]] = field(default_factory=list)
     recovered_workers: list[int] = field(default_factory=list)  # parked ranks back in service
+    #: The rank of each current READY whose dispatch's ready mark was already set: an honest
+    #: worker sends one per dispatch, so the master's garbage watch does not count it as a
+    #: good message (25 of them per WORK kept a rank flooding bad RESULTs from its refusal).
+    repeated: list[int] = field(default_factory=list)
     #: The active dispatches as this phase left them (ready marks included), for the phases
     #: that follow in the same transaction: it saves them reading the table again.
     active: dict[int, dsp.ActiveDispatch] | None = None
@@ -222,6 +226,9 @@ class Gate:
                     out.recovered_workers.append(m.rank)
             elif status is ReadyStatus.CURRENT:
                 assert a is not None
+                if a.ready:  # (the mark is set: nothing to write)
+                    out.repeated.append(m.rank)
+                    continue
                 dsp.set_ready_mark(tx, m.rank, a.token)
                 active[m.rank] = a.with_ready_mark()
             else:

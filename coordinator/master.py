@@ -440,7 +440,7 @@ class Master:
                 planned_early = True
                 plan.extend(self._plan(tx, ready.active))                # 2 dispatch
             rr = self.gate.apply_results(tx, results, active=ready.active)  # 3 drain RESULT
-            self._health.note(ready.statuses, rr.statuses, rr.rejected)
+            self._health.note(ready.statuses, rr.statuses, rr.rejected, ready.repeated)
             self._note_sizes(rr.sizes)
             active, parked = rr.active, ready.parked
             if active is not None:
@@ -1371,9 +1371,11 @@ class RankHealth:
         self.heard: set[int] = set()  # ranks whose READY came, whatever it said
 
     def note(self, readies: Sequence[tuple[int, object]],
-             results: Sequence[tuple[int, object]], rejected: Sequence[int] = ()) -> None:
+             results: Sequence[tuple[int, object]], rejected: Sequence[int] = (),
+             repeated: Sequence[int] = ()) -> None:
         """`rejected`: the rank of each current RESULT among `results` whose payload was
-        refused (`ResultRound.rejected`)."""
+        refused (`ResultRound.rejected`); `repeated`: of each current READY among `readies`
+        that repeated one already seen (`ReadyRound.repeated`), which counts as neither."""
         for rank, status in readies:
             self.heard.add(rank)
             if status is not ReadyStatus.IDLE:
@@ -1383,6 +1385,8 @@ class RankHealth:
         for rank in rejected:
             self.good[rank] -= 1
             self._count(rank, False)
+        for rank in repeated:
+            self.good[rank] -= 1
 
     def note_bad(self, ranks) -> None:
         for rank in ranks:

@@ -195,6 +195,21 @@ def test_the_master_is_told_of_each_rank_rolled_back_for_its_own_invalid_result(
     assert farm.sweep() == [] and len(told) == 2
 
 
+def test_a_repeated_current_ready_is_told_apart_and_writes_nothing(farm):
+    """An honest worker sends one READY per dispatch: the repeats (a rank buying good credit
+    with the master's garbage watch) are listed apart, and write nothing."""
+    _, tok = started(farm)
+    first = farm.ready(1, tok)
+    assert first.statuses == [(1, ReadyStatus.CURRENT)] and first.repeated == []
+    with farm.store.transaction() as tx:
+        again = farm.gate.apply_ready(tx, [Inbound(1, {
+            "rank": 1, "bitmap_version": 0, "empirical_profile_version": "",
+            READY_KEY: tok})] * 3)
+    assert again.statuses == [(1, ReadyStatus.CURRENT)] * 3 and again.repeated == [1] * 3
+    [d] = rows(farm, dispatches)
+    assert d.token == tok and d.ready_at is not None
+
+
 def test_a_flood_of_invalid_results_for_one_dispatch_writes_one_event_and_counts_all(farm):
     """One rank answering its WORK with 2,000 bad RESULTs of the current token wrote an
     `invalid` event per message (168,000 rows in 32 s). The first sets the mark and is the

@@ -692,14 +692,37 @@ def test_a_current_result_refused_for_its_payload_counts_as_garbage():
     assert health.counts(3) == (10, 10)
 
 
+@pytest.mark.timeout(60)
+def test_repeated_current_readies_do_not_buy_a_flooding_rank_out_of_its_refusal(
+        tmp_path, capsys, monkeypatch):
+    """Each current READY counted as a good message, so a rank sending 25 of them with the
+    200 bad RESULTs of each WORK stayed under 10 bad per good and was never refused (41 of
+    300 tasks deferred over MPI). An honest worker sends one per dispatch: the repeats now
+    count as neither, and the rank is refused at its 5th dispatch."""
+    from store.journal import RetryPolicy
+
+    monkeypatch.setattr(HostCooldown, "FIRST_S", 0.001)  # (its pauses: a run this short)
+    store = Store.open(tmp_path / "c.db", policy=RetryPolicy(retries=8))
+    with store.transaction("import") as tx:
+        enqueue_tasks(tx, [NewTask(t.payload, origin="demo") for t in demo_tasks(300)])
+    ranks = InvalidFlood(200, readies=25)
+    try:
+        summary = Master(store, ranks, MasterConfig(linger_s=0.0, grace_s=1, stop_wait_s=1,
+                                                    stats_file=None)).run()
+    finally:
+        store.close()
+    assert "rank 1 is refused: " in capsys.readouterr().err
+    assert summary.committed == 300 and ranks.sent == 1_000
+
+
 class InvalidFlood(InstantWorkers):
     """Three instant workers, but rank 1 answers each WORK with `n` RESULTs of its token and
     a status no worker sends, then its READY: each an invalid payload of its current
     dispatch."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, readies: int = 1):
         super().__init__(3)
-        self.n = n
+        self.n, self.readies = n, readies
         self.sent = 0  # the bad RESULTs sent
 
     def send_work(self, data: bytes, dest: int) -> None:
@@ -710,7 +733,7 @@ class InvalidFlood(InstantWorkers):
         self.queues[TAG_RESULT].extend(Received(1, TAG_RESULT, bytearray(bad))
                                        for _ in range(self.n))
         self.sent += self.n
-        self.queues[TAG_READY].append(ready_message(1, token))
+        self.queues[TAG_READY].extend(ready_message(1, token) for _ in range(self.readies))
 
 
 @pytest.mark.timeout(120)
