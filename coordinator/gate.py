@@ -39,6 +39,7 @@ from .wire import (
     RESULT_STATUSES,
     RETRY_STATUSES,
     SPLIT_STATUS,
+    TIMEOUT_STATUS,
     Undecodable,
     failure_detail,
     split_detail,
@@ -173,7 +174,8 @@ class Gate:
                  salvage: Callable[[Tx, dsp.ActiveDispatch, Any, int], int] | None = None,
                  host_ran: Callable[[Tx, int, str | None], bool] | None = None,
                  stopping: Callable[[], bool] = lambda: False,
-                 misbehaved: Callable[[int, str], None] | None = None):
+                 misbehaved: Callable[[int, str], None] | None = None,
+                 timed_out: Callable[[int, int], None] | None = None):
         """`salvage`: keeps what a current run that is retried already produced (the test
         cases a timed-out SymCC run wrote), returning how many were kept. `host_ran`: told of
         each current RESULT's rank and, when none of its tasks ran (all `not_run`), what its
@@ -182,10 +184,13 @@ class Gate:
         `stopping`: whether the master is stopping, when an `interrupted` run (cut short by the
         signal that stops the job) is charged nothing. `misbehaved`: told of each rank whose
         dispatch the sweep rolls back for the rank's own invalid RESULT, and why (a split a
-        worker asked for is no failure), in the round's transaction."""
+        worker asked for is no failure), in the round's transaction. `timed_out`: told of
+        each current RESULT's rank and how many of its runs it said timed out (the master
+        judges whether any run could have, so soon)."""
         self.store = store
         self.validate, self.commit, self.salvage = validate, commit, salvage
         self.host_ran, self.stopping, self.misbehaved = host_ran, stopping, misbehaved
+        self.timed_out = timed_out
         self._seq = itertools.count(1)
 
     # -- phase 1: READY --------------------------------------------------------------------
@@ -348,6 +353,8 @@ class Gate:
                 if ran in RETRY_STATUSES:
                     # A valid answer that the run failed: not a result to keep, a task for
                     # the retry policy. The rank frees up once its READY is seen.
+                    if ran == TIMEOUT_STATUS and self.timed_out is not None:
+                        self.timed_out(m.rank, 1)
                     charged = charged and not (ran == INTERRUPTED_STATUS and self.stopping())
                     dsp.recover_dispatch(tx, m.rank, a.token, cause=EventKind.TASK_FAILED,
                                          reason=self._salvaged(tx, a, parsed, a.task_id,
@@ -405,6 +412,7 @@ class Gate:
         if len(failed) == len(task_ids):
             dsp.retry_all(tx, a.rank, a.token, failed, unrun, free)
             out.retried.append(a.rank)
+            self._tell_timeouts(a.rank, batch)
             return None
         rows: Iterable[tuple[int, Any, str | None]] = zip(task_ids, batch, values, strict=True)
         if failed:  # before the commits, which end the dispatch
@@ -413,7 +421,14 @@ class Gate:
             rows = [row for row, r in zip(rows, retry, strict=True) if not r]
         commit = self.commit
         out.committed += [commit(tx, a, o, value, t) for t, o, value in rows]
+        if failed:
+            self._tell_timeouts(a.rank, batch)
         return None
+
+    def _tell_timeouts(self, rank: int, batch: Sequence[Any]) -> None:
+        timeouts = sum(_status_of(o) == TIMEOUT_STATUS for o in batch)
+        if timeouts and self.timed_out is not None:
+            self.timed_out(rank, timeouts)
 
     def _charged(self, tx: Tx, rank: int, unrun: str | None) -> bool:
         return True if self.host_ran is None else self.host_ran(tx, rank, unrun)

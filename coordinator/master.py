@@ -119,6 +119,9 @@ class MasterConfig:
     stall_grace_s: float = 120.0     # no rank can take work this long: the run ends
     start_wait_s: float = 60.0       # a rank silent this long after the start is lost
     batch: int | None = 1            # tasks per dispatch; None: sized from the task time
+    # The command's --timeout: a `timeout` answer sooner than half of it per run timed out is
+    # no honest worker's (0: not checked; inf: the executor has none, so none is).
+    task_timeout_s: float = 0.0
 
 
 @dataclass
@@ -152,7 +155,8 @@ class Master:
         self._invalid_said_at: dict[int, float] = {}
         self.gate = Gate(store, validate=check_result, commit=self._commit,
                          salvage=self._salvage, host_ran=self._host_ran,
-                         stopping=self._stopping, misbehaved=self._misbehaved)
+                         stopping=self._stopping, misbehaved=self._misbehaved,
+                         timed_out=self._timed_out)
         self.summary = Summary()
         self._stop_signal: str | None = None
         self._no_stop_seen_until = -math.inf  # (`_stopping`)
@@ -703,9 +707,10 @@ class Master:
 
     def _misbehaved(self, rank: int, reason: str) -> None:
         """A dispatch of `rank` rolled back for its own invalid answer (`reason`: what was
-        quarantined): the rank pauses (`_misbehaving`). Said on stderr at its second such
-        dispatch in a row, once a minute at most: a rank that only pauses defers nothing, so
-        only the quarantine counts would show the operator a broken worker build."""
+        quarantined), or answered with timeouts no run could have reached (`_timed_out`): the
+        rank pauses (`_misbehaving`) until a result of it commits. Said on stderr at its
+        second such dispatch in a row, once a minute at most: a rank that only pauses defers
+        nothing, so only the quarantine counts would show the operator a broken worker."""
         streak = self._misbehaving.streak.get(rank, 0)
         self._misbehaving.answered(rank, False)
         now = time.monotonic()
@@ -717,6 +722,21 @@ class Master:
                   f"other ranks, and it gets work again after a pause (up to "
                   f"{self._misbehaving.CAP_S:g} s while it goes on); check that rank's worker",
                   file=sys.stderr, flush=True)
+
+    def _timed_out(self, rank: int, runs: int) -> None:
+        """A current RESULT of `rank` said `runs` of its runs timed out. Sooner than half the
+        command's --timeout each after its WORK left (or at all, when the executor has no
+        timeout), no run could have: the rank pauses as one whose answers are invalid. A rank
+        answering every WORK at once with a valid `timeout` deferred 46 of 100 tasks beside
+        two honest ones. A real hang never pauses a rank: its run took the whole timeout."""
+        limit = self.config.task_timeout_s
+        took = self._answered.get(rank, (0.0, None))[1]
+        if limit <= 0 or took is None or took >= 0.5 * runs * limit:
+            return
+        self._misbehaved(rank, f"{runs} run{'s' * (runs != 1)} said to time out "
+                               f"{took:.3g} s after the WORK left"
+                               + (f", under --timeout {limit:g} s" if limit < math.inf else
+                                  ": its executor has no timeout"))
 
     def _able(self) -> Iterator[int]:
         """The ranks that could run a task (`coordinator.cooldown`): those whose WORK is out
@@ -745,8 +765,6 @@ class Master:
         known to fail (its second such answer in a row); both again when it runs tasks
         again: a rank that only cools down defers nothing, so neither `status`'s held
         reasons nor the deferred count would show the operator a host to fix."""
-        if self._misbehaving.streak:
-            self._misbehaving.answered(rank, True)  # (a valid answer ends its pause)
         streak = self._cooldown.streak.get(rank, 0)
         charged = self._cooldown.answered(rank, unrun is None)
         if unrun is not None:
@@ -802,6 +820,8 @@ class Master:
                 value_json: str | None, task_id: int | None = None) -> dsp.CommitItem:
         """A current result (or one task's of a batch, `task_id`): its test cases written and
         fed back, its run time taken into the means that size automatic batches."""
+        if self._misbehaving.streak:
+            self._misbehaving.answered(active.rank, True)  # (a run that ran ends its pause)
         written, created = self._keep_testcases(
             tx, task_id if task_id is not None else active.task_id,
             res.testcases) if res.testcases else (0, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import signal
@@ -239,6 +240,7 @@ class MasterRank:
             progress=cfg.progress, progress_interval_s=cfg.progress_interval_s,
             metrics_file=cfg.metrics_file, stall_grace_s=cfg.stall_grace_s,
             start_wait_s=cfg.start_wait_s, batch=dispatch_batch(cfg.batch, cfg.executor),
+            task_timeout_s=cfg.timeout_s if cfg.executor == "command" else math.inf,
         ), sources=[s.poll for s in sources], writer=writer)
 
     def _refuse(self, e: BaseException) -> int:

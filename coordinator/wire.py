@@ -36,10 +36,12 @@ NOT_RUN_STATUS = "not_run"
 #: every process of the job, the targets too): its run was cut short, so it is not the task's
 #: outcome either. Retried, and charged nothing while the master stops.
 INTERRUPTED_STATUS = "interrupted"
+#: A command killed at its --timeout.
+TIMEOUT_STATUS = "timeout"
 #: What a RESULT's `status` may say: the executor's outcome of the run.
-RESULT_STATUSES = frozenset({"ok", "error", "timeout", NOT_RUN_STATUS, INTERRUPTED_STATUS})
+RESULT_STATUSES = frozenset({"ok", "error", TIMEOUT_STATUS, NOT_RUN_STATUS, INTERRUPTED_STATUS})
 #: The outcomes that are retried instead of committed (the command was killed, or never ran).
-RETRY_STATUSES = frozenset({"timeout", NOT_RUN_STATUS, INTERRUPTED_STATUS})
+RETRY_STATUSES = frozenset({TIMEOUT_STATUS, NOT_RUN_STATUS, INTERRUPTED_STATUS})
 #: A batch's RESULT that says only this (its token, and why in `detail`): the batch ran, but
 #: its outcomes together are over the master's bound on a message. The master splits it in
 #: halves, none charged, as any broken batch; each half's outcomes come back in a smaller

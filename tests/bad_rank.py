@@ -108,6 +108,19 @@ def fake_pid(pid: int) -> None:
             os._exit(0)
 
 
+def timeouts() -> None:
+    """Answers every WORK at once with a valid `timeout` RESULT, then READY."""
+    send(ready(), TAG_READY)
+    while True:
+        tag, data = recv((TAG_STOP, TAG_WORK))
+        if tag == TAG_STOP:
+            send(encode(Stop(token=decode_stop(data).token)), TAG_STOP_ACK)
+            os._exit(0)
+        token = decode_work(data).token
+        send(encode(Result(token=token, status="timeout")), TAG_RESULT)
+        send(ready(token), TAG_READY)
+
+
 def answer(token: str) -> bytes:
     return encode(Result(token=token, status="ok", value={"n": 0}))
 
@@ -143,6 +156,8 @@ def main() -> None:
             time.sleep(60)
     elif MODE == "pid":  # a pid the store cannot hold, then honest
         send(ready(pid=2**64 - 1), TAG_READY)
+    elif MODE == "timeouts":  # every WORK answered at once: `timeout`
+        timeouts()
     elif MODE == "fakepid":  # a pid no process has, each WORK held until the STOP
         fake_pid(int(ARG))
     elif MODE == "steer":  # another process's pid, then deaf to STOP

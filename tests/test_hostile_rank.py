@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,6 +261,25 @@ def test_a_rank_flooding_invalid_results_is_refused_and_its_rows_stay_few(tmp_pa
     assert checked.returncode == 0 and "consistent" in checked.stdout, checked
     seen = status_json(db)
     assert (seen["worker_deaths"], seen["refused_ranks"], seen["deferred"]) == (0, 1, 0)
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_answering_timeouts_no_run_could_reach_defers_no_task(tmp_path):
+    """A rank answering every WORK at once with a valid `timeout` (the demo executor has no
+    timeout at all) took each retried task back and timed it out again: 46 of 100 tasks
+    deferred beside two honest ranks. Now it pauses as a rank whose answers are invalid."""
+    tasks = 100
+    job, db, _ = hostile_job(tmp_path, "timeouts", "", "--batch", "1", "--demo-work-ms", "50",
+                             tasks=tasks)
+    done = finish(job, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"rank 1 answered its last 2 dispatches with invalid results \(1 run said "
+                     r"to time out [0-9.e-]+ s after the WORK left: its executor has no "
+                     r"timeout\)", done.stderr), done.stderr[-3000:]
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("done", tasks)]
+    check_conservation(db, expected_tasks=tasks)
+    [(failed,)] = query(db, "SELECT count(*) FROM events WHERE kind = 'task_failed'")
+    assert 1 <= failed <= 8, failed
 
 
 @pytest.mark.timeout(240)

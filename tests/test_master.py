@@ -840,6 +840,57 @@ def _answer_not_run(ranks: InstantWorkers, rank: int, token: str, detail: str) -
     ranks.queues[TAG_READY].append(ready_message(rank, token))
 
 
+class TimesOutFirst(InstantWorkers):
+    """Rank 1 answers its first `fails` WORKs with a `timeout`, `after_s` after each left;
+    rank 2 runs everything."""
+
+    def __init__(self, fails: int, after_s: float) -> None:
+        super().__init__(2)
+        self.fails, self.after_s = fails, after_s
+        self.due: list[tuple[float, str]] = []  # (when its answer arrives, token)
+
+    def send_work(self, data: bytes, dest: int) -> None:
+        if dest != 1 or self.fails == 0:
+            return super().send_work(data, dest)
+        self.fails -= 1
+        self.due.append((time.monotonic() + self.after_s, decode_work(data).token))
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        now = time.monotonic()
+        for at, token in [d for d in self.due if d[0] <= now]:
+            self.due.remove((at, token))
+            timeout = Result(token=token, status="timeout", detail="timed out")
+            self.queues[TAG_RESULT].append(Received(1, TAG_RESULT, bytearray(encode(timeout))))
+            self.queues[TAG_READY].append(ready_message(1, token))
+        yield from super().drain(tag, limit, max_bytes)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("after_s, paused", [(0.0, True), (0.06, False)])
+def test_a_timeout_sooner_than_the_commands_timeout_pauses_its_rank(
+        tmp_path, capsys, monkeypatch, after_s, paused):
+    """A `timeout` answer sooner than half the command's --timeout after its WORK left is no
+    run's: the rank pauses as one whose answers are invalid, so the honest rank takes the
+    retries (none deferred). One that took the timeout, a real hang, pauses nothing."""
+    # (pauses long enough for rank 2 to take each retry, short enough for a run this short)
+    monkeypatch.setattr(HostCooldown, "FIRST_S", 0.05)
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 300)
+    try:
+        Master(store, TimesOutFirst(fails=3, after_s=after_s), MasterConfig(
+            linger_s=0.0, stop_wait_s=0.5, stats_file=None, task_timeout_s=0.1)).run()
+        with store.reading() as conn:
+            states = dict(conn.exec_driver_sql(
+                "SELECT state, count(*) FROM tasks GROUP BY 1").all())
+    finally:
+        store.close()
+    err = capsys.readouterr().err
+    said = "rank 1 answered its last 2 dispatches with invalid results (1 run said to time out"
+    assert (said in err) is paused, err
+    if paused:
+        assert "s after the WORK left, under --timeout 0.1 s)" in err
+        assert states == {"done": 300}
+
+
 class BrokenBesideHung(InstantWorkers):
     """Rank 1's host cannot run anything: it answers every WORK `not_run` at once. Rank 2
     takes one WORK and hangs (the watchdog parks it)."""
