@@ -257,6 +257,27 @@ def _two_ranks_busy(farm: Farm) -> dict[int, str]:
     return farm.dispatch(1, 2, sent=True)
 
 
+def test_only_an_accepted_result_sizes_the_batches(tmp_path: Path):
+    """The sizes that automatic batches follow are the accepted RESULTs': a rank answering
+    each WORK with a 62 MB invalid one, then a valid one, cut every rank's batches from 20
+    tasks to about 2.6."""
+    from coordinator.wire import Result, check_result, decode_result, encode
+
+    farm = Farm(tmp_path / "c.db", policy=POLICY)
+    farm.gate = Gate(farm.store, validate=check_result)
+    try:
+        _, tok = started(farm)
+        bad = encode(Result(token=tok, status="bogus", value={"pad": "x" * 100_000}))
+        good = encode(Result(token=tok, status="ok", value={"n": 0}))
+        with farm.store.transaction() as tx:
+            out = farm.gate.apply_results(tx, [Inbound(1, decode_result(m), m)
+                                               for m in (bad, good)])
+        assert out.rejected == [1] and len(out.committed) == 1
+        assert out.sizes == [(len(good), 1)]
+    finally:
+        farm.close()
+
+
 def test_a_result_value_that_is_not_json_is_an_invalid_payload_not_a_crash(tmp_path: Path):
     """msgpack decodes what JSON cannot store (bytes). With the master's wire validator such a
     current RESULT sets the invalid mark (reason payload); the other rank's commit in the same
