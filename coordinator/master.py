@@ -58,6 +58,7 @@ from .transport import ANY_TAG, Backoff, Received, SendFailed, Transport
 from .wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENCODE_ERRORS,
+    MAX_SMALL_MESSAGE_BYTES,
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
@@ -560,7 +561,8 @@ class Master:
     def _inbound(self, r: Received) -> Inbound:
         """A received RESULT or READY, decoded into what the gate classifies (its bytes kept
         for a RESULT's payload, read only if it is current)."""
-        limit = self.config.max_message_bytes
+        limit = (self.config.max_message_bytes if r.tag == TAG_RESULT
+                 else min(self.config.max_message_bytes, MAX_SMALL_MESSAGE_BYTES))
         if r.data is None or len(r.data) > limit:
             return Inbound(r.rank, oversized(r.size if r.data is None else len(r.data), limit))
         if r.tag == TAG_RESULT:
@@ -1241,7 +1243,8 @@ class Master:
         acked = []
         inbox, self._ack_inbox = self._ack_inbox, []
         for got in [*inbox, *self.transport.drain(TAG_STOP_ACK, max_bytes=1 << 20)]:
-            body = decode_inbound(got.data, 4096) if got.data is not None else None
+            body = (decode_inbound(got.data, MAX_SMALL_MESSAGE_BYTES) if got.data is not None
+                    else None)
             token = body.get("token") if isinstance(body, dict) else None
             if got.rank in tokens and token == tokens[got.rank]:
                 acked.append(got.rank)

@@ -28,6 +28,13 @@ TAG_START = 16  # the master's start verdict, to each worker
 
 #: Default bound on a message the master accepts (RESULT carries test cases).
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+#: The bound on any other message the master receives (READY, STOP_ACK, a foreign tag's): a
+#: larger one is consumed without being held, as an oversized RESULT is. Only a RESULT carries
+#: anything large; the largest READY a worker can honestly send is 2,003 bytes (64-bit
+#: integers, its token, a host name of 255 characters and a profile version of 200, each
+#: character taking 4 bytes), a STOP_ACK 86. Held to --max-message-bytes instead, a burst of
+#: READYs with a long host name took the master's memory past 500 MiB.
+MAX_SMALL_MESSAGE_BYTES = 4096
 
 #: A task the worker's host could not run (its disk full, no process to be had, the program
 #: gone): not the task's outcome, so never its result. The task goes to the retry policy.

@@ -36,9 +36,11 @@ from coordinator.progress import clock_utc
 from coordinator.sources import NewInput, demo_tasks
 from coordinator.transport import ANY_TAG, Received, SendFailed
 from coordinator.wire import (
+    MAX_SMALL_MESSAGE_BYTES,
     TAG_READY,
     TAG_RESULT,
     TAG_STOP_ACK,
+    Ready,
     Result,
     decode_work,
     encode,
@@ -638,6 +640,33 @@ class EndlessResults(InstantWorkers):
             yield Received(1, TAG_RESULT, bytearray(self.size))
             return
         yield from super().drain(tag, limit, max_bytes)
+
+
+class LongHostFirst(InstantWorkers):
+    """Two instant workers; before its READY, rank 1 sends one whose host name is `chars`
+    long."""
+
+    def __init__(self, chars: int):
+        super().__init__()
+        self.long = bytearray(encode(Ready(
+            rank=1, bitmap_version=0, empirical_profile_version="", completed_dispatch_token="",
+            host="h" * chars, pid=None)))
+        self.queues[TAG_READY].appendleft(Received(1, TAG_READY, self.long))
+
+
+def test_a_ready_over_the_bound_on_a_small_message_is_quarantined_as_oversized(tmp_path):
+    """A READY is small by nature: one of 4 KiB and more is consumed unheld (here, where a
+    fake hands it whole, refused before it is decoded), not held to --max-message-bytes."""
+    fake = LongHostFirst(MAX_SMALL_MESSAGE_BYTES)
+    with contextlib.closing(_campaign_of_demo_tasks(tmp_path / "c.db", 4)) as store:
+        summary = Master(store, fake, MasterConfig(
+            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=None)).run()
+        with store.reading() as conn:
+            rows = conn.exec_driver_sql("SELECT channel, reason, rank, detail "
+                                        "FROM quarantine").all()
+    assert summary.committed == 4
+    assert rows == [("ready", "oversized", 1, f"oversized message: {len(fake.long)} bytes > "
+                                              f"{MAX_SMALL_MESSAGE_BYTES}")]
 
 
 def test_answers_held_while_the_write_lock_is_waited_for_stay_bounded(tmp_path):

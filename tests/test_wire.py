@@ -224,3 +224,18 @@ def test_failure_detail_is_kept_for_non_ok_results_only(parsed, detail):
 ])
 def test_status_shows_the_first_and_last_own_line_of_a_failure(detail, line):
     assert detail_summary(detail) == line
+
+
+def test_the_largest_honest_ready_is_far_under_the_bound_on_a_small_message():
+    """A READY over MAX_SMALL_MESSAGE_BYTES is consumed unheld, as oversized: the bound has
+    room for the largest one a worker can send (its host name and profile version at the
+    most the master keeps, 4 bytes a character, its integers 64-bit)."""
+    from coordinator.protocol import MAX_HOST_CHARS
+    from coordinator.wire import MAX_SMALL_MESSAGE_BYTES, Ready, Stop, encode
+    big = 2**63 - 1
+    largest = encode(Ready(rank=big, bitmap_version=big,
+                           empirical_profile_version="\U0001F600" * 200,
+                           completed_dispatch_token="a" * 64,
+                           host="\U0001F600" * MAX_HOST_CHARS, pid=big))
+    assert 2 * len(largest) < MAX_SMALL_MESSAGE_BYTES
+    assert 10 * len(encode(Stop(token="a" * 64))) < MAX_SMALL_MESSAGE_BYTES
