@@ -31,6 +31,7 @@ from .protocol import (
     mint_token,
     ready_info,
     ready_problem,
+    shown,
 )
 from .wire import (
     INTERRUPTED_STATUS,
@@ -113,7 +114,8 @@ def validate_result(body: Mapping[str, Any], raw: object = None, tasks: int = 1,
     schema instead; either way the gate then checks that the value can be stored
     (`dispatches.encode_value`) and that it answers each task once."""
     if body.get("status") not in RESULT_STATUSES:
-        return None, f"status {body.get('status')!r:.40} is not one of {sorted(RESULT_STATUSES)}"
+        return None, (f"status {shown(body.get('status'), 40)} is not one of "
+                      f"{sorted(RESULT_STATUSES)}")
     return body, None
 
 

@@ -105,6 +105,15 @@ MAX_HOST_CHARS = 255
 _SPACE = re.compile(r"\s")
 
 
+def shown(value: object, chars: int) -> str:
+    """`value`'s repr cut to `chars`, made from a cut of it: a rank's string may be as long as
+    its message, and a repr of the whole (four times its size, escaped) costs that much
+    memory to show a few characters of it."""
+    if isinstance(value, str | bytes | bytearray):
+        value = value[:chars]
+    return repr(value)[:chars]
+
+
 def ready_problem(msg: Mapping[str, Any], sender: int) -> str | None:
     """Why a READY whose token passed cannot be taken as it is: a field a worker reports out
     of its range (the rank it claims is not the one it sends from, a pid no process has, a
@@ -112,14 +121,14 @@ def ready_problem(msg: Mapping[str, Any], sender: int) -> str | None:
     checked here: they fail closed (`sanitize_bitmap_version`)."""
     rank, pid, host = msg.get("rank"), msg.get("pid"), msg.get("host")
     if rank is not None and (type(rank) is not int or rank != sender):
-        return f"it says it is rank {rank!r:.40}, and it came from rank {sender}"
+        return f"it says it is rank {shown(rank, 40)}, and it came from rank {sender}"
     if pid is not None and (type(pid) is not int or not 1 <= pid <= MAX_PID):
-        return f"pid {pid!r:.40} is not a process id"
+        return f"pid {shown(pid, 40)} is not a process id"
     # (Printed by `coordinator status`: a control character in it would drive the terminal.)
     if host is not None and (not isinstance(host, str) or not host or
                              len(host) > MAX_HOST_CHARS or not host.isprintable()
                              or _SPACE.search(host) is not None):
-        return f"host {host!r:.60} is not a host name"
+        return f"host {shown(host, 60)} is not a host name"
     return None
 
 

@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from .protocol import shown
+
 WIRE_VERSION = 1
 
 # One MPI tag per message kind (docs/protocol.md §2).
@@ -348,7 +350,7 @@ def _task_result(msg: _TaskResultIn, left: list[int]) -> tuple[TaskResult, None]
     """One task's outcome, checked: its status, its value's size, its test cases (at most
     `left[0]` taken, which it lowers by as many; the rest counted as dropped)."""
     if msg.status not in RESULT_STATUSES:
-        return None, f"status {msg.status!r:.40} is not {'/'.join(sorted(RESULT_STATUSES))}"
+        return None, f"status {shown(msg.status, 40)} is not {'/'.join(sorted(RESULT_STATUSES))}"
     value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
     if len(value_raw) > MAX_VALUE_BYTES:
         return None, (f"payload: its value is {len(value_raw)} bytes, over the "

@@ -144,3 +144,22 @@ def test_a_ready_field_out_of_range_is_named(fields, says):
     from coordinator.protocol import ready_problem
     assert says in ready_problem({**ready(T), **fields}, 1)
     assert ready_problem(ready(T), 1) is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("host", "\x00" * (16 << 20)), ("rank", "\x00" * (16 << 20)), ("pid", "\x00" * (16 << 20)),
+])
+def test_a_long_field_is_cut_before_it_is_shown(field, value):
+    """A READY's host name of 16 MiB was repr'd whole (64 MiB, escaped) to show 60
+    characters of it: a burst of them took the master's memory past 500 MiB."""
+    import tracemalloc
+
+    from coordinator.protocol import ready_problem
+    tracemalloc.start()
+    try:
+        said = ready_problem({**ready(T), field: value}, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert said is not None and "\\x00\\x00" in said and len(said) < 120
+    assert peak < 1 << 20, peak
