@@ -276,7 +276,9 @@ def decode_result(data: bytes | bytearray | memoryview) -> dict[str, Any] | Unde
         head = _envelope.decode(data)
     except _DECODE_ERRORS as e:
         return _why(e)
-    if bytes(head.status) == _SPLIT_RAW:
+    # (Compared as a view: `bytes()` of a stale RESULT's status of --max-message-bytes copied
+    # all of it, in every RESULT drain.)
+    if memoryview(head.status) == _SPLIT_RAW:
         return {"token": head.token, "status": SPLIT_STATUS}
     return {"token": head.token}
 
