@@ -139,6 +139,21 @@ class Summary:
     unacked_ranks: list[int] = field(default_factory=list)
 
 
+class Budget:
+    """What a round may still hold of the messages it receives, in bytes, shared by every drain
+    whose messages are held at the same time: its RESULT, READY and any-tag drains, and those
+    of the answers that join it while it is open (its linger, a wait for the write lock).
+    Bounded one by one, they let a round hold several times --max-message-bytes. A drain
+    stops once it has passed what is left, so a round holds its budget and one message more
+    at most (and a few KiB of READYs); past it, messages wait in MPI's queues, their
+    senders'."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int):
+        self.left = left
+
+
 class Master:
     def __init__(self, store: Store, transport: Transport, config: MasterConfig, *,
                  sources: Sequence[Callable[[], list[NewInput]]] = (),
@@ -195,6 +210,7 @@ class Master:
         self._expected = ExpectedAnswers()       # ranks' outstanding WORKs and answer times
         self._strays: list[Stray] = []           # quarantined with the next round
         self._ack_inbox: list[Received] = []      # STOP_ACKs drained with other messages
+        self._sweep_first = False                 # (`_receive_strays`)
         self._forged_acks = 0
         self._health = RankHealth()
         self._lost: set[int] = set()             # never reported READY: no work, not waited for
@@ -281,7 +297,8 @@ class Master:
         round's commits gets work without waiting for another COMMIT."""
         dispatching = self._stop_signal is None
         self._unsent_plan.clear()  # (the last round's WORKs have all left, or failed to)
-        results, readies = self._receive()
+        budget = Budget(self.config.max_message_bytes)
+        results, readies = self._receive(budget)
         # Outside a stop, no STOP_ACK is awaited: each is quarantined.
         self._strays += [self._stray(r) for r in self._ack_inbox]
         self._ack_inbox = []
@@ -301,10 +318,10 @@ class Master:
         new_inputs = self._poll_sources() if poll_sources else []
         plan: list[tuple[dsp.Planned, bytes]] = []
         timed_out: list[dsp.Recovery] = []
-        with self._tx("master round", self._keep_answering(results, readies)) as tx:
+        with self._tx("master round", self._keep_answering(results, readies, budget)) as tx:
             self._settle_sends(tx)
             committed, retried, planned_early = self._apply_answers(
-                tx, results, readies, dispatching, plan)                 # phases 1–3
+                tx, results, readies, dispatching, plan, budget)         # phases 1–3
             self.summary.committed += len(committed)
             self._note_strays(tx)
             recovered = self._retire_dead(tx, died)                  # ranks the MPI lost
@@ -393,7 +410,7 @@ class Master:
 
     def _apply_answers(self, tx: Tx, results: list[Inbound], readies: list[Inbound],
                        dispatching: bool, plan: list[tuple[dsp.Planned, bytes]],
-                       ) -> tuple[list[dsp.CommitItem], list[int], bool]:
+                       budget: Budget) -> tuple[list[dsp.CommitItem], list[int], bool]:
         """Phases 1–3 (READY, dispatch to ranks it freed, RESULT) for what was received, then
         again for each answer that arrives while the round is still open, up to `linger_s`
         (group commit: a COMMIT with its fsync costs more than a task's statements, so answers
@@ -405,7 +422,8 @@ class Master:
         then READY, but the master often *observes* READY first (tag queues are matched
         independently). Each batch is applied READY first, then RESULT, and the sweeps run
         after the last, so arrival order changes nothing. Returns the commits, the ranks whose
-        run is retried, and whether a dispatch phase ran."""
+        run is retried, and whether a dispatch phase ran. `budget`: the round's, which what
+        it receives shares with what it was given."""
         committed: list[dsp.CommitItem] = []
         retried: list[int] = []
         planned_early = False
@@ -462,7 +480,7 @@ class Master:
                 deadline = time.monotonic() + self.config.linger_s
             elif time.monotonic() >= deadline:
                 break  # even if more keeps coming (a rank repeating READY): the round ends
-            results, readies = self._linger(deadline)
+            results, readies = self._linger(deadline, budget)
             if not (results or readies):
                 break
             assert active is not None
@@ -471,7 +489,7 @@ class Master:
             # docs/protocol.md §3: READY drained, then RESULT, then the sweep. A RESULT sent before
             # a READY applied above and receivable only now is applied before the sweep can join
             # that READY with an earlier invalid mark and roll a good dispatch back.
-            late = self._receive_tag(TAG_RESULT)
+            late = self._receive_tag(TAG_RESULT, budget)
             if late:
                 assert active is not None
                 active = self._look_up(active, looked_up, late, (), tx)
@@ -524,11 +542,21 @@ class Master:
             if took is not None:
                 self._answered[m.rank] = (now, took)
 
-    def _receive(self) -> tuple[list[Inbound], list[Inbound]]:
-        if not self.transport.waiting():
+    def _receive(self, budget: Budget | None = None) -> tuple[list[Inbound], list[Inbound]]:
+        """The RESULTs and READYs waiting now (and the other messages, kept aside), up to
+        `budget`: the round's, when these join answers it still holds; None: their own."""
+        if budget is None:
+            budget = Budget(self.config.max_message_bytes)
+        if budget.left <= 0 or not self.transport.waiting():
             return [], []
-        results, readies = self._receive_answers()
-        self._receive_strays(results, readies)
+        results: list[Inbound] = []
+        readies: list[Inbound] = []
+        sweep_first = self._sweep_first
+        if sweep_first:
+            self._receive_strays(results, readies, budget)
+        self._receive_answers(results, readies, budget)
+        if not sweep_first:
+            self._receive_strays(results, readies, budget)
         if results:
             self._note_answer_times(results)
         if self._refused:  # drained and counted, never applied: the rank gets nothing more
@@ -541,47 +569,62 @@ class Master:
                 answers[:] = kept
         return results, readies
 
-    def _receive_answers(self) -> tuple[list[Inbound], list[Inbound]]:
-        """The RESULTs and READYs waiting now, decoded (undecodable ones as such).
+    def _receive_answers(self, results: list[Inbound], readies: list[Inbound],
+                         budget: Budget) -> None:
+        """The RESULTs and READYs waiting now, decoded (undecodable ones as such), added to
+        `results` and `readies`.
 
         RESULT first: a worker sends it just before its READY, so a READY that arrives
         between the two drains still joins its RESULT in the batch (READY first would split
         them more often, and each extra batch costs the master ~4 % of its throughput). The
         protocol's order, READY drained before RESULT, is kept where it matters:
         `_apply_answers` drains RESULT once more after the last READY, before the sweep."""
-        results = self._receive_tag(TAG_RESULT)
-        return results, self._receive_tag(TAG_READY)
+        results += self._receive_tag(TAG_RESULT, budget)
+        readies += self._receive_tag(TAG_READY, budget)
 
-    def _receive_tag(self, tag: int) -> list[Inbound]:
-        # At most --max-message-bytes held per drain: a flood of large messages waits in
-        # MPI's queues (its sender's), not in the master's memory.
-        return [self._inbound(r) for r in
-                self.transport.drain(tag, max_bytes=self.config.max_message_bytes)]
+    def _receive_tag(self, tag: int, budget: Budget) -> list[Inbound]:
+        # Past the budget, a flood of large messages waits in MPI's queues (its sender's),
+        # not in the master's memory. READYs are small (MAX_SMALL_MESSAGE_BYTES at most), so
+        # a few are taken even then: a rank's stream of large RESULTs, each round's budget
+        # spent on them first, would otherwise keep every other rank's READY waiting.
+        room = budget.left if tag == TAG_RESULT else max(budget.left, MAX_SMALL_MESSAGE_BYTES)
+        if room <= 0:
+            return []
+        return [self._inbound(r, budget) for r in self.transport.drain(tag, max_bytes=room)]
 
-    def _inbound(self, r: Received) -> Inbound:
+    def _inbound(self, r: Received, budget: Budget) -> Inbound:
         """A received RESULT or READY, decoded into what the gate classifies (its bytes kept
-        for a RESULT's payload, read only if it is current)."""
+        for a RESULT's payload, read only if it is current), its size taken from `budget`."""
         limit = (self.config.max_message_bytes if r.tag == TAG_RESULT
                  else min(self.config.max_message_bytes, MAX_SMALL_MESSAGE_BYTES))
         if r.data is None or len(r.data) > limit:
             return Inbound(r.rank, oversized(r.size if r.data is None else len(r.data), limit))
+        budget.left -= len(r.data)
         if r.tag == TAG_RESULT:
             return Inbound(r.rank, decode_result(r.data), r.data)
         return Inbound(r.rank, decode_ready(r.data))
 
-    def _receive_strays(self, results: list[Inbound], readies: list[Inbound]) -> None:
+    def _receive_strays(self, results: list[Inbound], readies: list[Inbound],
+                        budget: Budget) -> None:
         """Every message to the master is drained, whatever its tag: left in MPI's queue,
         messages on tags it never receives piled up (320,000 brought it to 1.6 GiB in 47 s).
         A RESULT or READY that arrived since its own drain joins it; anything else (a
-        STOP_ACK outside a stop, a foreign tag) is quarantined in the next round."""
-        for r in self.transport.drain(ANY_TAG, limit=1_000,
-                                      max_bytes=self.config.max_message_bytes):
+        STOP_ACK outside a stop, a foreign tag) is quarantined in the next round.
+
+        With `budget` spent (on RESULTs) the sweep waits, and the next one comes first, before
+        the RESULT drain: spent on RESULTs at every round, the budget would otherwise leave
+        the small messages of other tags piling up in MPI's queue, the master's memory."""
+        self._sweep_first = budget.left <= 0
+        if self._sweep_first:
+            return
+        for r in self.transport.drain(ANY_TAG, limit=1_000, max_bytes=budget.left):
             if r.tag == TAG_RESULT:
-                results.append(self._inbound(r))
+                results.append(self._inbound(r, budget))
             elif r.tag == TAG_READY:
-                readies.append(self._inbound(r))
+                readies.append(self._inbound(r, budget))
             elif r.tag == TAG_STOP_ACK:
                 self._ack_inbox.append(r)  # `_take_acks` judges it (or the next round)
+                budget.left -= len(r.data) if r.data is not None else 0
             else:
                 self._strays.append(self._stray(r))
 
@@ -593,11 +636,12 @@ class Master:
         return Stray(r.rank, Channel.OTHER, QuarantineReason.FOREIGN_TAG,
                      f"tag {r.tag}, {size} bytes: the master receives no message on it")
 
-    def _linger(self, deadline: float) -> tuple[list[Inbound], list[Inbound]]:
-        """The next answers to arrive before `deadline` (empty lists if none did)."""
+    def _linger(self, deadline: float, budget: Budget) -> tuple[list[Inbound], list[Inbound]]:
+        """The next answers to arrive before `deadline` (empty lists if none did, or if the
+        round's `budget` is spent: they wait for the next round)."""
         while True:
-            results, readies = self._receive()
-            if results or readies or time.monotonic() >= deadline:
+            results, readies = self._receive(budget)
+            if results or readies or budget.left <= 0 or time.monotonic() >= deadline:
                 return results, readies
             time.sleep(20e-6)
 
@@ -908,21 +952,19 @@ class Master:
         self.summary.transactions += 1
         return self.store.transaction(operation, on_lock_wait)
 
-    def _keep_answering(self, results: list[Inbound], readies: list[Inbound]
+    def _keep_answering(self, results: list[Inbound], readies: list[Inbound], budget: Budget,
                         ) -> Callable[[float], None]:
         """While another process holds the write lock (a `sqlite3` shell, a backup), the
         round's BEGIN waits: the answers that arrive meanwhile join the round that waits, so
         they are applied before its sweeps (a watchdog deadline that passed during the wait
-        does not retire a dispatch whose answer is in). Up to a bound: a wait may last
-        `--lock-wait` (30 min), and a rank sending RESULTs of --max-message-bytes would
-        otherwise fill the master's memory at each retry; past it, they wait in MPI's
+        does not retire a dispatch whose answer is in). Up to the round's `budget`: a wait
+        may last `--lock-wait` (30 min), and a rank sending RESULTs of --max-message-bytes
+        would otherwise fill the master's memory at each retry; past it, they wait in MPI's
         queues, their senders'."""
         def waiting(waited: float) -> None:
-            held = sum(len(m.raw) for m in results if m.raw is not None)
-            if held < 2 * self.config.max_message_bytes:
-                more_results, more_readies = self._receive()
-                results.extend(more_results)
-                readies.extend(more_readies)
+            more_results, more_readies = self._receive(budget)
+            results.extend(more_results)
+            readies.extend(more_readies)
             self.lock_waiter(waited)
         return waiting
 
