@@ -121,6 +121,24 @@ def timeouts() -> None:
         send(ready(token), TAG_READY)
 
 
+def big_burst(n: int, size: int, bursts: int) -> None:
+    """`bursts` times, `n` messages of `size` bytes posted at once (`Isend`), alternately
+    stale RESULTs (a `status` of `size` characters) and malformed READYs (a `host` of as
+    many); then honest. Each is under --max-message-bytes when `size` is, and the master
+    holds what it receives of them while it works through its round."""
+    send(ready(), TAG_READY)
+    pad = "x" * size
+    enc = msgspec.msgpack.Encoder()
+    stale = enc.encode({"token": "0" * 64, "status": pad})
+    bad = enc.encode({"rank": RANK, "completed_dispatch_token": "", "host": pad})
+    del pad
+    for _ in range(bursts):
+        MPI.Request.Waitall([comm.Isend([stale if i % 2 else bad, MPI.BYTE], dest=0,
+                                        tag=TAG_RESULT if i % 2 else TAG_READY)
+                             for i in range(n)])
+    honest(first_ready=False)
+
+
 def answer(token: str) -> bytes:
     return encode(Result(token=token, status="ok", value={"n": 0}))
 
@@ -196,6 +214,9 @@ def main() -> None:
         flood(int(ARG))
     elif MODE == "acks":  # honest, but ARG forged STOP_ACKs before its own at the stop
         honest(forged_acks=int(ARG))
+    elif MODE == "burst":  # ARG "N:SIZE:BURSTS": bursts of large stale RESULTs and READYs
+        n, size, bursts = ARG.split(":")
+        big_burst(int(n), int(size), int(bursts))
     elif MODE == "pickle":  # pickles to the other workers, on every tag they receive
         evil = pickle.dumps(Evil())
         for dest in range(2, comm.Get_size()):
