@@ -16,7 +16,10 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .protocol import shown
+# Under another name: this module's own `shown` (below: a text made safe for a terminal, one
+# argument) replaced the imported one at import time, so an unknown RESULT status raised
+# TypeError out of `check_result` into the master loop instead of being refused.
+from .protocol import shown as shown_cut
 
 WIRE_VERSION = 1
 
@@ -352,7 +355,8 @@ def _task_result(msg: _TaskResultIn, left: list[int]) -> tuple[TaskResult, None]
     """One task's outcome, checked: its status, its value's size, its test cases (at most
     `left[0]` taken, which it lowers by as many; the rest counted as dropped)."""
     if msg.status not in RESULT_STATUSES:
-        return None, f"status {shown(msg.status, 40)} is not {'/'.join(sorted(RESULT_STATUSES))}"
+        return None, (f"status {shown_cut(msg.status, 40)} is not "
+                      f"{'/'.join(sorted(RESULT_STATUSES))}")
     value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
     if len(value_raw) > MAX_VALUE_BYTES:
         return None, (f"payload: its value is {len(value_raw)} bytes, over the "
