@@ -160,22 +160,46 @@ def _campaign_of_demo_tasks(path, n: int) -> Store:
     return store
 
 
+class _DrainLog(ScriptedAnswers):
+    """ScriptedAnswers that keeps, in order, what each drain handed the master: (tag, body)."""
+
+    def __init__(self, ranks: int, script):
+        super().__init__(ranks, script)
+        self.drained: list[tuple[int, bytes]] = []
+
+    def drain(self, tag: int, limit: int = 10_000, max_bytes: int | None = None):
+        for m in super().drain(tag, limit, max_bytes):
+            self.drained.append((m.tag, bytes(m.data or b"")))
+            yield m
+
+
 @pytest.mark.timeout(60)
 def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_that_ready(
         tmp_path):
     """docs/protocol.md §3: a valid RESULT waiting in its tag queue is committed before the sweep
     can roll its dispatch back. Here a malformed RESULT sets the invalid mark first; the valid
-    RESULT becomes receivable together with the READY, after a poll's RESULT drain and before its
-    READY drain. A round that applied that READY and ended without draining RESULT again would let
-    the sweep join READY and invalid mark, and roll a good dispatch back."""
+    RESULT becomes receivable together with the READY, after a round's RESULT drain and before
+    its READY drain. A round that applied that READY and ended without draining RESULT again
+    (`Master._apply_answers`' late RESULT drain) would let the sweep join READY and invalid
+    mark, and roll a good dispatch back: every task twice, deferred, nothing committed.
+
+    What makes the scenario is the drain order, so it is pinned: a round drains RESULT, READY,
+    then any tag (one drain each on the scripted clock); the valid RESULT and the READY are
+    visible 5 drains after the WORK left, i.e. at the READY drain of the round after the
+    malformed RESULT's, and only the late drain takes the RESULT before the sweep. No linger:
+    the drains are then the scripted clock's alone, not as many as the wall clock fits in.
+    With 4 drains the RESULT came in the same batch as the READY, and the test passed with the
+    late drain removed; the check on `drained` fails if the master's drains change so that
+    it does again."""
     store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
+    malformed = msgspec.msgpack.encode(["not", "a", "mapping"])
     try:
-        ranks = ScriptedAnswers(1, lambda token: [
-            (1, TAG_RESULT, msgspec.msgpack.encode(["not", "a", "mapping"])),
-            (4, TAG_RESULT, valid_result(token)),
-            (4, TAG_READY, bytes(ready_message(1, token).data))])
+        ranks = _DrainLog(1, lambda token: [
+            (1, TAG_RESULT, malformed),
+            (5, TAG_RESULT, valid_result(token)),
+            (5, TAG_READY, bytes(ready_message(1, token).data))])
         summary = Master(store, ranks, MasterConfig(
-            linger_s=0.5, grace_s=1, stop_wait_s=1, stats_file=None)).run()
+            linger_s=0.0, grace_s=1, stop_wait_s=1, stats_file=None)).run()
     finally:
         store.close()
     with sqlite3.connect(tmp_path / "c.db") as db:
@@ -187,6 +211,10 @@ def test_a_result_sent_before_the_ready_is_applied_before_the_sweep_can_join_tha
         attempts = db.execute("SELECT sum(attempts) FROM tasks").fetchone()[0]
     assert (summary.committed, committed, rolled_back, attempts) == (3, 3, 0, 0)
     assert quarantined == [("result", "malformed", 3)]
+    # And the premise: each dispatch's READY was drained before its valid RESULT.
+    kinds = ["ready" if tag == TAG_READY else "bad" if body == malformed else "ok"
+             for tag, body in ranks.drained if tag in (TAG_READY, TAG_RESULT)]
+    assert kinds == ["ready"] + ["bad", "ready", "ok"] * 3, kinds
 
 
 @pytest.mark.timeout(60)
