@@ -13,7 +13,9 @@ from mpi_jobs import check_conservation, query, run
 
 from store.audit import audit_path
 from store.journal import RetryPolicy
+from store.schema import WorkerState
 from store.stats import read_stats
+from store.workers import ranks_in_state
 
 T = "t" * 64
 
@@ -89,6 +91,32 @@ def test_a_task_of_a_batch_whose_run_failed_is_retried_while_the_others_commit(d
     # Back for another run, on its own; a run its host could not start is charged the
     # budget only, never the attempt ceiling.
     assert states(farm)[ids[1]] == ("queued", int(failed["status"] == "timeout"), 1)
+    farm.close()
+    assert audit_path(db_path).ok, audit_path(db_path).text()
+
+
+@pytest.mark.parametrize("failed", [{"status": "timeout"},
+                                    {"status": "not_run", "detail": "cannot start 't': again"}])
+def test_a_batch_whose_every_run_failed_after_its_ready_frees_its_rank(db_path, failed):
+    """Every task of the batch timed out (or its host could not start it), and its READY came
+    before its RESULT: the dispatch ends with no result to wait for, so the rank is idle and
+    gets the retries (or other work) at once. Left busy, it would hold no dispatch and never
+    be given work again: no READY is coming to free it, it was already seen."""
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(2)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=2, sent=True)
+    farm.ready(1, p.token)  # READY first: the mark is set, the rank still busy
+    round_ = farm.result_raw(1, batch_result(p.token, ids, **failed))
+    assert round_.committed == [] and round_.retried == [1]
+    assert farm.state()["workers"] == [(1, "idle", None)]
+    assert farm.state()["dispatches"] == []
+    assert all(states(farm)[t][0] == "queued" for t in ids)
+    with farm.store.reading() as conn:  # the ranks the master gives work to
+        idle = ranks_in_state(conn, WorkerState.IDLE)
+    [again] = farm.plan(*idle, batch=2)
+    # (each retried on its own to the head: the order among them is not the batch's)
+    assert again.rank == 1 and sorted(t.id for t in again.tasks) == ids
     farm.close()
     assert audit_path(db_path).ok, audit_path(db_path).text()
 
