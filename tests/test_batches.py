@@ -201,6 +201,34 @@ def test_a_batch_rolled_back_by_rank_and_token_undoes_every_task_it_held(db_path
     assert audit_path(db_path).ok
 
 
+def test_a_broken_batch_of_an_odd_size_goes_back_with_the_larger_half_first(db_path):
+    """Halves of an odd batch: the first ceil(n/2) tasks, then the rest, each task capped to
+    its own half (`tasks.batch_cap`), so the next dispatches are of 2 and 1 for a batch of 3.
+    (The batches of 64 elsewhere split evenly at every step: an off-by-one in the halving, or
+    halves the other way round, passed them.)"""
+    farm = Farm(db_path)
+    a, b, c = farm.enqueue(*({"data": i} for i in range(3)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=3, sent=True)
+    farm.result_raw(1, {"status": "ok"})  # no token: the invalid mark
+    farm.ready(1, p.token)
+    [rec] = farm.sweep()
+    assert rec.halves == ((a, b), (c,))
+    with farm.store.reading() as conn:
+        caps = [r[0] for r in conn.exec_driver_sql(
+            "SELECT batch_cap FROM tasks WHERE state = 'queued' ORDER BY queue_pos, id")]
+        [detail] = [r[0] for r in conn.exec_driver_sql(
+            "SELECT detail FROM events WHERE token = ? AND kind = 'requeued'", (p.token,))]
+    assert caps == [2, 2, 1]
+    assert detail.startswith("split: 3 tasks back at the head in halves of 2 and 1, "
+                             "none charged"), detail
+    farm.ready(2)
+    plan = farm.plan(1, 2, batch=3)
+    assert [[t.id for t in q.tasks] for q in plan] == [[a, b], [c]]
+    farm.close()
+    assert audit_path(db_path).ok, audit_path(db_path).text()
+
+
 def test_a_batch_whose_outcomes_are_too_large_for_one_result_is_split_not_refused(db_path):
     """A worker whose batch's outcomes are over the bound on one message says so (`status:
     split`): the batch goes back in halves, none charged, no message quarantined; each half
