@@ -22,6 +22,7 @@ from store.journal import RetryPolicy
 from store.schema import (
     TaskState,
     dispatches,
+    quarantine,
     results,
     tasks,
     workers,
@@ -498,6 +499,31 @@ def test_ready_statuses_and_their_effects(db_path):
     assert snapshot(farm) == before  # no version, idle-set or dispatch change
     assert farm.ready(1, tok).statuses == [(1, ReadyStatus.CURRENT)]
     farm.close()
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"rank": 2}, "it says it is rank 2, and it came from rank 1"),
+    ({"pid": 0}, "pid 0 is not a process id"),
+    ({"host": "\x1b[2Jh"}, "is not a host name"),  # would clear `coordinator status`'s screen
+])
+def test_an_idle_ready_with_a_field_out_of_range_is_malformed_and_changes_no_worker(
+        farm, bad, says):
+    """A READY whose token passes but whose rank, pid or host no worker could report: the
+    gate classifies it malformed (`ready_problem`) and quarantines it; the rank's row keeps
+    what its last good READY said. Taken as an idle READY, it would have written another
+    rank's claim, a pid no process has (one past the store's integers ended the master) or
+    a host that drives the operator's terminal into the rank's row."""
+    good = {"rank": 1, "bitmap_version": 0, "empirical_profile_version": "good",
+            READY_KEY: "", "host": "node-a", "pid": 100}
+    assert farm.ready_raw(1, good).statuses == [(1, ReadyStatus.IDLE)]
+    forged = {**good, "empirical_profile_version": "forged", "host": "node-b", "pid": 4242,
+              **bad}
+    assert farm.ready_raw(1, forged).statuses == [(1, ReadyStatus.MALFORMED)]
+    [q] = rows(farm, quarantine)
+    assert (q.channel, q.reason, q.rank) == ("ready", "malformed", 1)
+    assert says in q.detail, q.detail
+    assert [(w.rank, w.state, w.profile_version, w.host, w.pid) for w in rows(farm, workers)
+            ] == [(1, "idle", "good", "node-a", 100)]
 
 
 def test_unowned_ready_is_quarantined_and_visible(farm):
