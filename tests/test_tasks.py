@@ -4,7 +4,7 @@ at a time."""
 from __future__ import annotations
 
 import pytest
-from conftest import Farm, fail_once, queue_order, rows, started, task_state
+from conftest import Farm, fail_once, queue_order, rows, task_state
 from sqlalchemy import select
 
 from store.journal import RetryPolicy
@@ -48,23 +48,36 @@ def test_ceiling_holds_the_task_as_failed_with_its_reason(db_path):
 
 # -- queue order and leases ------------------------------------------------------------
 
+def _add(farm: Farm, field: str, value, *paths: str) -> list[int]:
+    """Tasks at `paths` that all want `value` for `field`: a payload field, or (`input_bytes`)
+    the input file's content."""
+    if field == "input_bytes":
+        return farm.enqueue(*({"path": p} for p in paths), input_bytes=value)
+    return farm.enqueue(*({"path": p, field: value} for p in paths))
+
+
 @pytest.mark.parametrize("field, held_value, free_value", [
     ("target_branch", 5, 6),          # skipped in SQL already
+    ("input_bytes", b"held", b"free"),  # the content lease: skipped in SQL too
     ("schedule_prefix", [1, 2], [3]),  # only by the lease check: read past several windows
 ])
 def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm, field, held_value,
                                                                      free_value):
     """take_queued reads the queue a window of rows at a time: more waiting tasks than one
-    window holds must not hide the dispatchable ones behind them, nor lose their places."""
-    held, _ = started(farm, {"path": "/seed/held", field: held_value})
-    waiting = farm.enqueue(*({"path": f"/seed/w{i}", field: held_value} for i in range(100)))
-    free = farm.enqueue({"path": "/seed/free1"}, {"path": "/seed/free2", field: free_value},
-                        {"path": "/seed/free3", field: free_value})
+    window holds must not hide the dispatchable ones behind them, nor lose their places.
+    (Two tasks of the same input content are two tasks when their paths differ, and never
+    run at once: a dispatch takes the content's lease.)"""
+    [held] = _add(farm, field, held_value, "/seed/held")
+    farm.ready(1, "")
+    farm.dispatch(1)
+    waiting = _add(farm, field, held_value, *(f"/seed/w{i}" for i in range(100)))
+    free = farm.enqueue({"path": "/seed/free1"}) + _add(farm, field, free_value,
+                                                        "/seed/free2", "/seed/free3")
     farm.ready(2, "")
     farm.ready(3, "")
     farm.ready(4, "")
     got = farm.dispatch(2, 3, 4)
-    assert sorted(got) == [2, 3]  # free3 waits: free2 took target 6 in the same plan
+    assert sorted(got) == [2, 3]  # free3 waits: free2 took the same lease in the same plan
     with farm.store.reading() as conn:
         active = {r.task_id for r in conn.execute(select(dispatches.c.task_id))}
     assert active == {held, *free[:2]}
