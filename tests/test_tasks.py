@@ -84,6 +84,23 @@ def test_tasks_waiting_on_a_lease_are_skipped_past_the_first_window(farm, field,
     assert all(task_state(farm, t) == "queued" for t in waiting + free[2:])
 
 
+def test_each_retry_goes_ahead_of_the_ones_before_it(farm):
+    """A retried task goes to the head of the queue, ahead of every queued task, retries
+    before it included: A then B failed, the queue is B, A, C. (A retry placed at the head
+    plus one went behind an earlier retry, or tied with it: A, B, C.)"""
+    a, b, c = farm.enqueue({"data": "A"}, {"data": "B"}, {"data": "C"})
+    farm.ready(1, "")
+    farm.ready(2, "")
+    sent = farm.dispatch(1, 2, sent=True)
+    assert queue_order(farm) == [c]
+    for rank, task in ((1, a), (2, b)):  # A failed, then B: an invalid RESULT and its READY
+        farm.result(rank, None)
+        farm.ready(rank, sent[rank])
+        [rec] = farm.sweep()
+        assert (rec.task_id, rec.outcome) == (task, TaskState.QUEUED)
+    assert queue_order(farm) == [b, a, c]
+
+
 # -- enqueue and requeue ---------------------------------------------------------------------
 
 def test_a_known_payload_with_other_bytes_is_not_added_and_leaves_no_blob(farm):
