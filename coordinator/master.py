@@ -73,8 +73,8 @@ from .wire import (
     decode_result,
     encode,
     failure_detail,
+    for_terminal,
     oversized,
-    shown,
 )
 
 _STOP_SIGNAL_NAMES = frozenset(signal.Signals(s).name for s in STOP_SIGNALS)
@@ -835,7 +835,7 @@ class Master:
             self._host_said[rank] = charged
             self._host_said_at[rank] = time.monotonic()
             print(f"coordinator: rank {rank}'s host could not run its last {streak + 1} "
-                  f"dispatches ({shown(unrun)}); "
+                  f"dispatches ({for_terminal(unrun)}); "
                   + ("its tasks go back to the other ranks, not charged, and it gets work "
                      f"again after a pause (up to {self._cooldown.CAP_S:g} s while it keeps "
                      "failing)" if not charged else

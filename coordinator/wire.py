@@ -16,10 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-# Under another name: this module's own `shown` (below: a text made safe for a terminal, one
-# argument) replaced the imported one at import time, so an unknown RESULT status raised
-# TypeError out of `check_result` into the master loop instead of being refused.
-from .protocol import shown as shown_cut
+from .protocol import shown
 
 WIRE_VERSION = 1
 
@@ -355,7 +352,7 @@ def _task_result(msg: _TaskResultIn, left: list[int]) -> tuple[TaskResult, None]
     """One task's outcome, checked: its status, its value's size, its test cases (at most
     `left[0]` taken, which it lowers by as many; the rest counted as dropped)."""
     if msg.status not in RESULT_STATUSES:
-        return None, (f"status {shown_cut(msg.status, 40)} is not "
+        return None, (f"status {shown(msg.status, 40)} is not "
                       f"{'/'.join(sorted(RESULT_STATUSES))}")
     value_raw, testcases_raw = memoryview(msg.value), memoryview(msg.testcases)
     if len(value_raw) > MAX_VALUE_BYTES:
@@ -494,11 +491,11 @@ def detail_summary(detail: str | None, width: int = 200) -> str:
         return "(no detail)"
     own = [line for line in lines[1:] if not DROPPED_NOTE.match(line)]
     last = own[-1] if own else ""
-    text = shown(lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}")
+    text = for_terminal(lines[0] if not last or last == lines[0] else f"{lines[0]} … {last}")
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-def shown(text: str) -> str:
+def for_terminal(text: str) -> str:
     """`text`, from a target's stderr or a rank's message, safe for the operator's terminal:
     its escape sequences shown, not obeyed (one could clear the screen or retitle the
     window)."""
