@@ -80,45 +80,41 @@ def honest(first_ready: bool = True, forged_acks: int = 0) -> None:
         send(ready(token), TAG_READY)
 
 
-def flood(n: int) -> None:
-    """Answers every WORK with `n` RESULTs that carry its (current) token and a status no
-    worker sends, then the READY echoing it: each RESULT is an invalid payload of the
-    current dispatch. Acknowledges STOP, if it gets one."""
-    send(ready(), TAG_READY)
+def answering(results, first: bytes | None = None) -> None:
+    """Sends `first` (an idle READY by default), then answers every WORK with the RESULTs
+    `results(token)` gives and the READY echoing its token, or, when it gives None, holds
+    the WORK unanswered. Acknowledges STOP when it comes."""
+    send(ready() if first is None else first, TAG_READY)
     while True:
         tag, data = recv((TAG_STOP, TAG_WORK))
         if tag == TAG_STOP:
             send(encode(Stop(token=decode_stop(data).token)), TAG_STOP_ACK)
             os._exit(0)
         token = decode_work(data).token
-        bad = encode(Result(token=token, status="bogus"))
-        for _ in range(n):
-            send(bad, TAG_RESULT)
+        answers = results(token)
+        if answers is None:
+            continue
+        for message in answers:
+            send(message, TAG_RESULT)
         send(ready(token), TAG_READY)
+
+
+def flood(n: int) -> None:
+    """Answers every WORK with `n` RESULTs that carry its (current) token and a status no
+    worker sends, then the READY echoing it: each RESULT is an invalid payload of the
+    current dispatch."""
+    answering(lambda token: [encode(Result(token=token, status="bogus"))] * n)
 
 
 def fake_pid(pid: int) -> None:
     """Reports this host's name and `pid`, a process that does not exist (a lie, or a rank in
-    another pid namespace), then holds each WORK until its STOP comes, and acknowledges it."""
-    send(ready(pid=pid), TAG_READY)
-    while True:
-        tag, data = recv((TAG_STOP, TAG_WORK))
-        if tag == TAG_STOP:
-            send(encode(Stop(token=decode_stop(data).token)), TAG_STOP_ACK)
-            os._exit(0)
+    another pid namespace), then holds each WORK until its STOP comes."""
+    answering(lambda token: None, first=ready(pid=pid))
 
 
 def timeouts() -> None:
     """Answers every WORK at once with a valid `timeout` RESULT, then READY."""
-    send(ready(), TAG_READY)
-    while True:
-        tag, data = recv((TAG_STOP, TAG_WORK))
-        if tag == TAG_STOP:
-            send(encode(Stop(token=decode_stop(data).token)), TAG_STOP_ACK)
-            os._exit(0)
-        token = decode_work(data).token
-        send(encode(Result(token=token, status="timeout")), TAG_RESULT)
-        send(ready(token), TAG_READY)
+    answering(lambda token: [encode(Result(token=token, status="timeout"))])
 
 
 def big_burst(n: int, size: int, bursts: int) -> None:
