@@ -74,6 +74,7 @@ from .wire import (
     encode,
     failure_detail,
     for_terminal,
+    held_bound,
     oversized,
 )
 
@@ -595,8 +596,7 @@ class Master:
     def _inbound(self, r: Received, budget: Budget) -> Inbound:
         """A received RESULT or READY, decoded into what the gate classifies (its bytes kept
         for a RESULT's payload, read only if it is current), its size taken from `budget`."""
-        limit = (self.config.max_message_bytes if r.tag == TAG_RESULT
-                 else min(self.config.max_message_bytes, MAX_SMALL_MESSAGE_BYTES))
+        limit = held_bound(r.tag, self.config.max_message_bytes)
         if r.data is None or len(r.data) > limit:
             return Inbound(r.rank, oversized(r.size if r.data is None else len(r.data), limit))
         budget.left -= len(r.data)
@@ -747,9 +747,8 @@ class Master:
 
     def _cool_wait(self, ranks: Collection[int], now: float) -> float | None:
         """How long until the first pausing rank of `ranks` may take work; None: none is."""
-        waits = [w for c in (self._cooldown, self._misbehaving) if c.until
-                 for w in (c.wait_s(ranks, now),) if w is not None]
-        return min(waits) if waits else None
+        waits = [c.wait_s(ranks, now) for c in (self._cooldown, self._misbehaving) if c.until]
+        return min((w for w in waits if w is not None), default=None)
 
     def _misbehaved(self, rank: int, reason: str) -> None:
         """A dispatch of `rank` rolled back for its own invalid answer (`reason`: what was

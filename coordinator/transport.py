@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from .wire import (
-    MAX_SMALL_MESSAGE_BYTES,
     TAG_READY,
     TAG_RESULT,
     TAG_START,
     TAG_STOP,
     TAG_STOP_ACK,
     TAG_WORK,
+    held_bound,
 )
 
 #: `poll`/`drain` on every tag.
@@ -168,8 +168,8 @@ class Transport:
         tighten_timer_slack()
         self._new_failed: list[int] = []    # reported since the last take_failed()
         #: A larger RESULT is consumed without being held (`poll`), and so is a message on
-        #: any other tag over `bound`; None: no bound (the workers, which receive only from
-        #: the master).
+        #: any other tag over its smaller bound (`wire.held_bound`); None: no bound (the
+        #: workers, which receive only from the master).
         self.max_message_bytes: int | None = None
         #: The master's sends not yet known to be complete (`post`): requests, and beside
         #: them their bytes (which must live until then), ranks and tags. A few per rank at
@@ -211,18 +211,11 @@ class Transport:
         return bool(self._failed)
 
     # -- receiving -------------------------------------------------------------------------
-    def bound(self, tag: int) -> int | None:
-        """The largest message on `tag` that is held (`poll`): `max_message_bytes` for a
-        RESULT, MAX_SMALL_MESSAGE_BYTES at most for any other (small by nature)."""
-        if self.max_message_bytes is None or tag == TAG_RESULT:
-            return self.max_message_bytes
-        return min(self.max_message_bytes, MAX_SMALL_MESSAGE_BYTES)
-
     def poll(self, tag: int, source: int = MPI.ANY_SOURCE) -> Received | None:
         """The next message on `tag` (ANY_TAG: on any), received into a buffer of its own
-        size; one over its tag's `bound` is consumed into a small buffer and never held
-        (held whole, a 1.9 GB message would take the master's RSS to 1.9 GiB, and one over
-        2 GiB would end it)."""
+        size; one over its tag's bound (`wire.held_bound`) is consumed into a small buffer and
+        never held (held whole, a 1.9 GB message would take the master's RSS to 1.9 GiB, and
+        one over 2 GiB would end it)."""
         try:
             # `Improbe`, not `improbe`: the latter allocates the message's size for a pickle
             # before anything can look at it.
@@ -232,10 +225,8 @@ class Transport:
             rank, got_tag = self._status.Get_source(), self._status.Get_tag()
             # Bytes, from the elements: `Get_count` is MPI_UNDEFINED past 2**31 - 1.
             size = self._status.Get_elements(MPI.BYTE)
-            limit = self.max_message_bytes  # (`bound`, inline: this runs for every message)
-            if limit is not None and got_tag != TAG_RESULT:
-                limit = min(limit, MAX_SMALL_MESSAGE_BYTES)
-            if limit is not None and size > limit:
+            limit = self.max_message_bytes
+            if limit is not None and size > held_bound(got_tag, limit):
                 _discard(msg, size)
                 return Received(rank, got_tag, None, size)
             buf = bytearray(size)

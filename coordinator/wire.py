@@ -38,6 +38,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 #: READYs with a long host name took the master's memory past 500 MiB.
 MAX_SMALL_MESSAGE_BYTES = 4096
 
+
+def held_bound(tag: int, max_message_bytes: int) -> int:
+    """The largest message on `tag` the master holds: --max-message-bytes for a RESULT,
+    MAX_SMALL_MESSAGE_BYTES at most on any other tag (small by nature); a larger one is
+    consumed unheld and quarantined as oversized."""
+    return (max_message_bytes if tag == TAG_RESULT
+            else min(max_message_bytes, MAX_SMALL_MESSAGE_BYTES))
+
 #: A task the worker's host could not run (its disk full, no process to be had, the program
 #: gone): not the task's outcome, so never its result. The task goes to the retry policy.
 NOT_RUN_STATUS = "not_run"
