@@ -6,10 +6,12 @@ store deduplicates by semantic id, so returning a task twice across restarts is 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
+import signal
 import stat
 import sys
 import time
@@ -66,9 +68,13 @@ class NewInput:
 class AflQueueSource:
     """Watches ``afl_out/<fuzzer>/queue/`` for new ``id:*`` entries.
 
-    AFL writes a queue entry in place (no rename), so a file is only taken once it has settled:
-    its mtime is at least ``settle_s`` old and its size did not change since the previous poll
-    (an mtime in the future: unchanged since the previous poll).
+    AFL writes a queue entry in place (open(O_CREAT|O_EXCL), write, close; no rename), so a
+    file is only taken once it has settled: its mtime is at least ``settle_s`` old, it did not
+    change since a previous poll saw it, and no process holds it open for writing (asked with a
+    read lease, which the kernel refuses while a writer has the file open). Where no lease can
+    be asked (another user's file without CAP_LEASE, NFS), a poll must find it as the previous
+    one did: the age alone let a writer that paused mid-file have its first half taken.
+    (An mtime in the future: unchanged since the previous poll.)
     Names already handled are remembered, so a poll stats only names it has not finished with.
     The queue is listed again only when the directory changed (its mtime): listing a
     40,000-entry queue takes 21-30 ms, and a poll comes every second, for ever.
@@ -232,12 +238,15 @@ class AflQueueSource:
             still_unsettled[name] = observed
             return None
         try:
-            content = _read_regular(path, st)
+            content = _read_regular(path, st, unchanged=previous == observed)
         except FileNotFoundError:
             return None
         except OSError as e:
             still_unsettled[name] = observed
             self._say_unreadable(path, e)
+            return None
+        if content is _BEING_WRITTEN:
+            still_unsettled[name] = observed
             return None
         if content is None:  # replaced by something else since its lstat: look again
             still_unsettled[name] = (-1, -1)
@@ -267,16 +276,46 @@ class AflQueueSource:
                         canonical=canonical)
 
 
-def _read_regular(path: pathlib.Path, seen: os.stat_result) -> bytes | None:
+#: What `_read_regular` returns for a file that is still being written.
+_BEING_WRITTEN = b"\0being written"
+
+
+def _read_regular(path: pathlib.Path, seen: os.stat_result,
+                  unchanged: bool = True) -> bytes | None:
     """The bytes of the regular file `path` as `lstat` saw it; None if the name now holds
-    something else (swapped for a link between the two). Opened without following a link,
-    and without blocking on a pipe."""
+    something else (swapped for a link between the two); `_BEING_WRITTEN` if a process has it
+    open for writing, or if that cannot be asked and the file was not found `unchanged` by
+    two polls. Opened without following a link, and without blocking on a pipe."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
             return None
+        writers = _open_for_writing(fd)
+        if writers or (writers is None and not unchanged):
+            return _BEING_WRITTEN
         return f.read(MAX_INPUT_BYTES + 1)
+
+
+def _open_for_writing(fd: int) -> bool | None:
+    """Whether some process holds the file of `fd` (opened read-only) open for writing: Linux
+    grants a read lease only when none does. None where no lease can be asked (not Linux, a
+    file of another user without CAP_LEASE, a filesystem without leases such as NFS)."""
+    setlease = getattr(fcntl, "F_SETLEASE", None)
+    if setlease is None:
+        return None
+    try:
+        # A writer opening the file while the lease is held (a few microseconds) makes the
+        # kernel signal us, by default with SIGIO, whose default action ends the process:
+        # SIGURG's is to ignore it.
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, setlease, fcntl.F_RDLCK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
+    return False
 
 
 def _kind_of(mode: int) -> str:

@@ -7,6 +7,7 @@ fails the test) and pytest-timeout on the test.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -506,6 +507,51 @@ def test_afl_queue_filled_while_running(tmp_path):
     assert {p.read_bytes() for p in queue_files(ours)} >= {b"one-0", b"two-1", b"three-0"}
     assert not any(p.name.startswith(".") for p in queue_files(ours))  # no temp file left
     assert query(db, "SELECT count(*) FROM tasks WHERE payload LIKE '%cur_input%'") == [(0,)]
+    check_conservation(db)
+
+
+RECORD_TARGET = textwrap.dedent("""\
+    import sys
+    data = open(sys.argv[2], "rb").read()
+    with open(sys.argv[1], "a") as log:
+        log.write(data.hex() + "\\n")
+    """)
+
+
+def test_an_afl_entry_whose_writer_pauses_is_run_whole(tmp_path):
+    """AFL++ writes a queue entry with open(O_CREAT|O_EXCL), write, close. A writer that
+    paused 3 s between two writes had the first half taken for good: run, and stored with
+    that half's hash; the rest was never read. The entry is taken once its writer closed it."""
+    target, log = tmp_path / "record.py", tmp_path / "ran.log"
+    target.write_text(RECORD_TARGET)
+    afl = tmp_path / "afl_out"
+    queue = afl / "main" / "queue"
+    queue.mkdir(parents=True)
+    db = tmp_path / "c.db"
+    proc = start(["run", "--db", str(db), "--afl-out", str(afl), "--fuzzer", "main",
+                  "--no-feedback", "--no-progress", "--", sys.executable, str(target),
+                  str(log), "@@"], np=2)
+    try:
+        pid = master_pid(db)
+        fd = os.open(queue / "id:000000,orig:paused", os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                     0o600)
+        try:
+            os.write(fd, b"first half, ")
+            time.sleep(3)  # past the settle time and two polls of the queue
+            os.write(fd, b"second half")
+        finally:
+            os.close(fd)
+        (queue / "id:000001,orig:after").write_bytes(b"after")
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 2, timeout=60)
+        os.kill(pid, signal.SIGTERM)
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr
+    ran = sorted(bytes.fromhex(line) for line in log.read_text().split())
+    assert ran == [b"after", b"first half, second half"]
+    assert query(db, "SELECT input_hash FROM tasks WHERE origin LIKE '%paused'") == [
+        (hashlib.sha256(b"first half, second half").hexdigest(),)]
     check_conservation(db)
 
 

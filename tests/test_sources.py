@@ -188,7 +188,7 @@ def test_an_unreadable_queue_entry_is_said_not_retried_in_silence(tmp_path, queu
         put(queue, f"id:00000{i}", f"entry {i}".encode())
     real_read = sources._read_regular
 
-    def denied(path, st):
+    def denied(path, st, **kw):
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(sources, "_read_regular", denied)  # root reads anything
     source = AflQueueSource(tmp_path / "afl_out", "main")
@@ -214,6 +214,50 @@ def test_afl_file_still_being_written_waits_until_settled(tmp_path, queue):
     found = source.poll()
     assert names(found) == ["id:000000"]
     assert found[0].input_bytes == b"partial and the rest"
+
+
+def test_afl_entry_a_writer_holds_open_is_not_taken_half(tmp_path, queue):
+    """AFL++ writes an entry with open(O_CREAT|O_EXCL), write, close. A writer that paused
+    mid-file for longer than the settle time had its first half taken for good (stored,
+    hashed and run; the rest never read). Taken only once the writer closed it."""
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
+    path = queue / "id:000000,src:000001,op:havoc"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, b"first half, ")
+        then = time.time() - 100  # as if the writer had paused that long
+        os.utime(path, (then, then))
+        assert source.poll() == [] and source.poll() == []
+        os.write(fd, b"second half")
+    finally:
+        os.close(fd)
+    os.utime(path, (then, then))
+    assert source.poll() == []  # it grew since the previous poll
+    found = source.poll()
+    assert [f.input_bytes for f in found] == [b"first half, second half"]
+
+
+def test_afl_entry_without_a_lease_to_ask_is_taken_once_two_polls_agree(tmp_path, queue,
+                                                                        monkeypatch):
+    """Where the kernel grants no lease (another user's file without CAP_LEASE, NFS), whether
+    a writer holds the file is not known: a poll must find it as the previous one did."""
+    import fcntl
+    real_fcntl = fcntl.fcntl
+
+    def no_lease(fd, cmd, *arg):
+        if cmd == getattr(fcntl, "F_SETLEASE", None):
+            raise PermissionError(13, "Permission denied")
+        return real_fcntl(fd, cmd, *arg)
+    monkeypatch.setattr(fcntl, "fcntl", no_lease)
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
+    path = put(queue, "id:000000", b"first half, ")
+    assert source.poll() == []  # old, but not yet seen unchanged
+    with open(path, "ab") as f:
+        f.write(b"second half")
+    then = time.time() - 100
+    os.utime(path, (then, then))
+    assert source.poll() == []  # changed since the previous poll
+    assert [f.input_bytes for f in source.poll()] == [b"first half, second half"]
 
 
 def test_afl_file_whose_mtime_is_in_the_future_is_taken_once_unchanged(tmp_path, queue):
