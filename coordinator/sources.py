@@ -151,8 +151,10 @@ class AflQueueSource:
                 for entry in it:
                     if entry.name in self._handled:
                         continue
-                    if not entry.name.startswith("id:") or _is_dir(entry):
-                        # Dot files, AFL's .state/ and anything else are never queue entries.
+                    if not entry.name.startswith("id:"):
+                        # Dot files, AFL's .state/ and anything else are never queue entries
+                        # (an `id:` directory is, as any other entry not a regular file,
+                        # skipped and said by `_take`).
                         self._handled.add(entry.name)
                         continue
                     names.append(entry.name)
@@ -206,7 +208,8 @@ class AflQueueSource:
             return None
         if not stat.S_ISREG(st.st_mode):
             # A symbolic link (as root, one to /etc/passwd would be read, stored in the
-            # campaign and fed to the target), a pipe, a device: not a queue entry AFL wrote.
+            # campaign and fed to the target), a directory, a pipe, a device: not a queue
+            # entry AFL wrote.
             self._handled.add(name)
             self.skipped += 1
             print(f"coordinator: AFL queue entry {_as_text(path)} skipped: "
@@ -319,7 +322,8 @@ def _open_for_writing(fd: int) -> bool | None:
 
 
 def _kind_of(mode: int) -> str:
-    return ("a symbolic link" if stat.S_ISLNK(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+    return ("a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a named pipe" if stat.S_ISFIFO(mode)
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "an entry of another kind")
 
@@ -338,13 +342,6 @@ def afl_queue_missing(afl_out: pathlib.Path, fuzzer: str) -> str | None:
         return None
     return (f"{queue} does not exist yet; waiting for it (is AFL running with -o {afl_out} "
             f"and -M/-S {fuzzer}?)")
-
-
-def _is_dir(entry: os.DirEntry) -> bool:
-    try:
-        return entry.is_dir()
-    except OSError:  # a symlink loop, a dangling mount: not a queue file either way
-        return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -565,13 +565,15 @@ def test_a_file_where_the_afl_queue_should_be_is_said_once(tmp_path, capsys):
 def test_afl_entries_that_are_not_regular_files_are_skipped_counted_and_never_read(
         tmp_path, queue, capsys):
     """As root, a symbolic link in the queue to /etc/passwd was read, stored in the campaign
-    and its derived test cases written out. A link, a pipe and a link to a directory are
-    skipped and counted; only the regular entry is read."""
+    and its derived test cases written out. A link, a pipe, a link to a directory and a
+    directory are skipped, counted and said (the last two were skipped in silence); only the
+    regular entry is read."""
     secret = tmp_path / "secret"
     secret.write_bytes(b"root:x:0:0")
     (queue / "id:000001,link").symlink_to(secret)
     os.mkfifo(queue / "id:000002,fifo")
     (queue / "id:000003,dirlink").symlink_to(tmp_path)
+    (queue / "id:000004,dir").mkdir()
     put(queue, "id:000000", b"real")
     old = time.time() - 100
     for name in ("id:000001,link", "id:000002,fifo"):
@@ -579,8 +581,11 @@ def test_afl_entries_that_are_not_regular_files_are_skipped_counted_and_never_re
     source = AflQueueSource(tmp_path / "afl_out", "main")
     found = source.poll()
     assert names(found) == ["id:000000"] and [f.input_bytes for f in found] == [b"real"]
-    assert source.skipped == 2  # the link to a directory is no entry either, silently
+    assert source.skipped == 4
     err = capsys.readouterr().err
     assert "id:000001,link skipped: a symbolic link, not a regular file" in err
     assert "id:000002,fifo skipped: a named pipe, not a regular file" in err
-    assert source.poll() == [] and source.skipped == 2  # each said once
+    assert "id:000003,dirlink skipped: a symbolic link, not a regular file" in err
+    assert "id:000004,dir skipped: a directory, not a regular file" in err
+    assert source.poll() == [] and source.skipped == 4  # each said once
+    assert capsys.readouterr().err == ""
