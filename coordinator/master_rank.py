@@ -21,7 +21,14 @@ from pathlib import Path
 
 from store.campaign import Store
 from store.errors import DamagedDatabaseError, StoreError, StoreWriteError
-from store.imports import DEMO_SOURCE, Imported, ImportKind, identity_of, record_import
+from store.imports import (
+    DEMO_SOURCE,
+    Imported,
+    ImportKind,
+    file_identity,
+    identity_of,
+    record_import,
+)
 from store.journal import RetryPolicy
 from store.stats import other_messages_text, read_stats, result_statuses, stats_text
 from store.tasks import enqueue_tasks, origins_starting_with
@@ -98,6 +105,8 @@ class MasterRank:
         #: A stop asked for while the start is still going on (opening the database,
         #: importing a large tasks file): honoured as soon as the master runs.
         self.early_stops: list[str] = []
+        #: The tasks file as this start read it (or found it imported unchanged).
+        self.tasks_identity: str | None = None
         self.notes: list[str] = []
         self.resolved_argv: list[str] | None = None
         self.host, self.pid = host_and_pid()
@@ -192,12 +201,15 @@ class MasterRank:
                 f"tasks file {cfg.tasks_file} is unchanged since incarnation "
                 f"{known.incarnation} imported it ({known.count:,} tasks, all in the "
                 f"campaign): not read again")
+            self.tasks_identity = known.identity
             return None
         if _size(cfg.tasks_file) >= BIG_TASKS_FILE:
             # Minutes for millions of lines, before the pid line: say what is going on.
             _say(f"reading {_size(cfg.tasks_file) / 1e6:,.0f} MB of tasks from "
                  f"{cfg.tasks_file}...")
-        return load_tasks_jsonl(cfg.tasks_file)
+        tasks = load_tasks_jsonl(cfg.tasks_file)
+        self.tasks_identity = identity_of(tasks.identity)
+        return tasks
 
     def _import(self, initial: DemoTasks | TasksFile) -> None:
         """All or nothing: the initial tasks are imported in one transaction, with the row
@@ -367,6 +379,20 @@ class MasterRank:
             return self._end_job(self._record_exit(ExitStatus.INTERNAL))
         return self._report(summary)
 
+    def _say_tasks_file_changed(self) -> None:
+        """The tasks file is read at the start only: lines a generator appended while the
+        run went are in no task yet, and the run ended as if drained without a word."""
+        if self.cfg.tasks_file is None or self.tasks_identity is None:
+            return
+        try:
+            _, now = file_identity(self.cfg.tasks_file)
+        except OSError:
+            return  # gone or unreadable: the next start that names it says so
+        if now != self.tasks_identity:
+            _say(f"tasks file {self.cfg.tasks_file} changed since this start read it: what "
+                 f"was added is not in this run; `--resume --tasks {self.cfg.tasks_file}` "
+                 f"adds its new tasks")
+
     def _record_stop(self, why: str) -> None:
         """Best effort: the storage that failed may refuse this write too (the runs left in
         flight are then charged an attempt at --resume, as after a crash)."""
@@ -421,6 +447,7 @@ class MasterRank:
               + (f"stats in {cfg.stats_file}" if master.stats_error is None else
                  f"the stats file {cfg.stats_file} could not be written "
                  f"({master.stats_error})"), flush=True)
+        self._say_tasks_file_changed()
         if cfg.summary_json is not None:
             self._write_summary({
                 "tasks": t, "results": s.results, "committed_this_run": summary.committed,

@@ -555,6 +555,42 @@ def test_an_afl_entry_whose_writer_pauses_is_run_whole(tmp_path):
     check_conservation(db)
 
 
+def test_a_tasks_file_appended_to_while_the_run_goes_is_said_at_its_end(tmp_path):
+    """A tasks file is read at the start only. A line a generator appended while the run
+    went was in no task, and the run ended as drained without a word (exit 0): the end now
+    says the file changed and that --resume --tasks adds its new tasks, which it does."""
+    target, log = tmp_path / "record.py", tmp_path / "ran.log"
+    target.write_text(RECORD_TARGET + "import time; time.sleep(1)\n")
+    tasks = tmp_path / "tasks.jsonl"
+    inputs = []
+    for i in range(4):
+        inputs.append(tmp_path / f"in{i}")
+        inputs[-1].write_bytes(f"in{i}".encode())
+    tasks.write_text("".join(json.dumps({"path": str(p)}) + "\n" for p in inputs[:3]))
+    db = tmp_path / "c.db"
+    command = ["--no-feedback", "--no-progress", "--", sys.executable, str(target), str(log),
+               "@@"]
+    proc = start(["run", "--db", str(db), "--tasks", str(tasks), *command], np=2)
+    try:
+        # (Once a result is in, the import is done: a file changed during it is refused.)
+        wait_for(db, "SELECT count(*) FROM results", lambda n: n >= 1, timeout=60)
+        with tasks.open("a") as f:
+            f.write(json.dumps({"path": str(inputs[3])}) + "\n")
+        done = finish(proc)
+    finally:
+        kill_job(proc)
+    assert done.returncode == 0, done.stderr
+    assert query(db, "SELECT count(*) FROM results") == [(3,)]
+    assert (f"tasks file {tasks} changed since this start read it: what was added is not in "
+            f"this run; `--resume --tasks {tasks}` adds its new tasks") in done.stderr
+    done = run(["run", "--db", str(db), "--resume", "--tasks", str(tasks), *command], np=2)
+    assert done.returncode == 0, done.stderr
+    assert "changed since this start read it" not in done.stderr
+    assert sorted(bytes.fromhex(line) for line in log.read_text().split()) == [
+        b"in0", b"in1", b"in2", b"in3"]
+    check_conservation(db)
+
+
 ECHO_TARGET = textwrap.dedent("""\
     import os, sys
     data = open(sys.argv[1], "rb").read()
