@@ -509,7 +509,8 @@ def end_without_result(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]
     """Tasks of a batch dispatch whose own run failed (a `timeout`, a `not_run`) while the
     others commit, each with the reason its retry is recorded with: each is retried on its own,
     charged as a single task's failure, its dispatch recorded by its `dispatched` event (the
-    committed ones' record is their result row). `unrun`: those whose host could not run
+    committed ones' record is their result row), those requeued back at the head in the
+    order of `reasons` (the batch's). `unrun`: those whose host could not run
     them, charged the budget only; `free`: of those, the ones charged nothing
     (`_apply_retry`)."""
     times = tx.db.execute("SELECT created_at, incarnation FROM dispatches WHERE rank = ? AND "
@@ -517,7 +518,8 @@ def end_without_result(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]
     if times is None:
         raise FenceError(f"rank {rank} token {token[:12]} is not current")
     out = []
-    for task_id, reason in reasons.items():
+    pos = head_position(tx) - len(reasons) + 1
+    for i, (task_id, reason) in enumerate(reasons.items()):
         tx.db.execute("DELETE FROM leases WHERE token = ? AND kind = 'work' AND key = ?",
                       (token, str(task_id)))
         tx.event(EventKind.DISPATCHED, rank=rank, token=token, task_id=task_id, at=times[0],
@@ -526,7 +528,7 @@ def end_without_result(tx: Tx, rank: int, token: str, reasons: Mapping[int, str]
                  detail=reason)
         out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False,
                                 charge_attempt=task_id not in unrun,
-                                charge_budget=task_id not in free))
+                                charge_budget=task_id not in free, queue_pos=pos + i))
     return out
 
 
@@ -534,18 +536,20 @@ def retry_all(tx: Tx, rank: int, token: str, reasons: Mapping[int, str],
               unrun: Collection[int] = (), free: Collection[int] = ()) -> list[Recovery]:
     """A batch dispatch all of whose tasks' runs failed on their own (`timeout`, `not_run`):
     it ends, and each task is retried, charged as a single task's failure (`reasons`: each
-    one's; `unrun` and `free` as for `end_without_result`)."""
+    one's; `unrun` and `free` as for `end_without_result`). Those requeued go back to the
+    head in the batch's order (a half of a broken batch still ahead of the other half)."""
     taken = _take(tx, rank, token)
     if taken is None:
         return []
     out = []
-    for task_id in taken.task_ids:
+    pos = head_position(tx) - len(taken.task_ids) + 1
+    for i, task_id in enumerate(taken.task_ids):
         reason = reasons[task_id]
         tx.event(EventKind.TASK_FAILED, rank=rank, token=token, task_id=task_id,
                  detail=reason)
         out.append(_apply_retry(tx, rank, token, task_id, reason, protocol=False,
                                 charge_attempt=task_id not in unrun,
-                                charge_budget=task_id not in free))
+                                charge_budget=task_id not in free, queue_pos=pos + i))
     set_workers(tx, [(rank, WorkerState.IDLE if taken.ready_at is not None
                       else WorkerState.BUSY)])
     return out
@@ -569,7 +573,7 @@ def find_expired(tx: Tx) -> list[tuple[int, str]]:
 
 def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str, *,
                  protocol: bool = True, charge_attempt: bool = True,
-                 charge_budget: bool = True) -> Recovery:
+                 charge_budget: bool = True, queue_pos: int | None = None) -> Recovery:
     """Post-send compensation plus the retry policy: the attempt counts, towards the ceiling
     and the budget alike (the worker may have consumed the input), then requeue at the head,
     defer, or hold as failed.
@@ -579,7 +583,10 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
     retried. `charge_attempt=False` (a run its host could not start) charges the budget only:
     deferred past it, never held failed for a broken host. `charge_budget=False` as well (a
     host already known to fail every task, while other ranks run them:
-    `coordinator.cooldown`) charges nothing: back at the head, for a healthy rank."""
+    `coordinator.cooldown`) charges nothing: back at the head, for a healthy rank.
+    `queue_pos`: its place at the head when several tasks of one batch go back (the head
+    position taken once for them all), so that they keep the batch's order; one each at the
+    head, in turn, reversed it."""
     requeued_kind = EventKind.REQUEUED if protocol else EventKind.RETRIED
     deferred_kind = EventKind.DEFERRED if protocol else EventKind.TASK_DEFERRED
     attempts, budget_used = tx.conn.execute(
@@ -599,7 +606,8 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
         except (DBAPIError, sqlite3.Error) as e:
             # R8: a deferral that cannot be written must not lose the task: keep it queued.
             ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                           queue_pos=head_position(tx), attempts_delta=charge, budget_delta=1,
+                           queue_pos=head_position(tx) if queue_pos is None else queue_pos,
+                           attempts_delta=charge, budget_delta=1,
                            reason=f"deferral failed: {getattr(e, 'orig', None) or e}")
             tx.event(EventKind.DEFER_FAILED, rank=rank, token=token, task_id=task_id,
                      detail=str(getattr(e, "orig", None) or e)[:500])
@@ -608,8 +616,8 @@ def _apply_retry(tx: Tx, rank: int | None, token: str, task_id: int, reason: str
             return Recovery(rank or 0, token, task_id, TaskState.QUEUED, attempts, True)
     elif decision is TaskState.QUEUED:
         ok = set_state(tx, task_id, TaskState.ACTIVE, TaskState.QUEUED,
-                       queue_pos=head_position(tx), attempts_delta=charge, budget_delta=budget,
-                       reason=reason)
+                       queue_pos=head_position(tx) if queue_pos is None else queue_pos,
+                       attempts_delta=charge, budget_delta=budget, reason=reason)
         tx.event(requeued_kind, rank=rank, token=token, task_id=task_id, detail=reason)
     else:
         ok = _hold_failed(tx, rank, token, task_id, attempts, reason, charged=True)

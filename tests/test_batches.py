@@ -115,8 +115,56 @@ def test_a_batch_whose_every_run_failed_after_its_ready_frees_its_rank(db_path, 
     with farm.store.reading() as conn:  # the ranks the master gives work to
         idle = ranks_in_state(conn, WorkerState.IDLE)
     [again] = farm.plan(*idle, batch=2)
-    # (each retried on its own to the head: the order among them is not the batch's)
-    assert again.rank == 1 and sorted(t.id for t in again.tasks) == ids
+    assert again.rank == 1 and [t.id for t in again.tasks] == ids  # in the batch's order
+    farm.close()
+    assert audit_path(db_path).ok, audit_path(db_path).text()
+
+
+def queue_order(farm: Farm) -> list[tuple[int, int | None]]:
+    """The queued tasks in the order they go out: (id, batch_cap)."""
+    with farm.store.reading() as conn:
+        return [tuple(r) for r in conn.exec_driver_sql(
+            "SELECT id, batch_cap FROM tasks WHERE state = 'queued' ORDER BY queue_pos, id")]
+
+
+@pytest.mark.parametrize("failing", [4, 2], ids=["every-run", "two-runs"])
+def test_the_failed_runs_of_a_batch_go_back_to_the_head_in_the_batchs_order(db_path, failing):
+    """Every run of a batch of 4 timed out (or 2 of them, the others committed): its tasks
+    go back to the head, ahead of the queue, in the order the batch held them. Each retried
+    to the head on its own put them there in reverse order (4, 3, 2, 1)."""
+    farm = Farm(db_path)
+    ids = farm.enqueue(*({"data": i} for i in range(6)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=4, sent=True)
+    answer = batch_result(p.token, ids[:4])
+    for outcome in answer["batch"][4 - failing:]:
+        outcome["status"] = "timeout"
+    farm.result_raw(1, answer)
+    assert queue_order(farm) == [(t, None) for t in ids[4 - failing:]]
+    assert [states(farm)[t] for t in ids[4 - failing:4]] == [("queued", 1, 1)] * failing
+    farm.close()
+    assert audit_path(db_path).ok, audit_path(db_path).text()
+
+
+def test_a_half_whose_every_run_failed_goes_back_ahead_of_the_other_half(db_path):
+    """A broken batch of 3 went back as halves (a, b) and (c); the first half's runs then all
+    timed out: a and b go back in their order, still a half of 2, ahead of c. Reversed, the
+    next dispatches held (b, a) and (c)."""
+    farm = Farm(db_path)
+    a, b, c = farm.enqueue(*({"data": i} for i in range(3)))
+    farm.ready(1)
+    [p] = farm.plan(1, batch=3, sent=True)
+    farm.result_raw(1, {"status": "ok"})  # no token: the invalid mark
+    farm.ready(1, p.token)
+    farm.sweep()
+    [p] = farm.plan(1, batch=3, sent=True)
+    assert [t.id for t in p.tasks] == [a, b]
+    farm.result_raw(1, batch_result(p.token, [a, b], status="timeout"))
+    assert queue_order(farm) == [(a, 2), (b, 2), (c, 1)]
+    farm.ready(1, p.token)
+    farm.ready(2)
+    plan = farm.plan(1, 2, batch=3)
+    assert [[t.id for t in q.tasks] for q in plan] == [[a, b], [c]]
     farm.close()
     assert audit_path(db_path).ok, audit_path(db_path).text()
 
