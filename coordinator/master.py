@@ -170,6 +170,9 @@ class Master:
         # the honest ranks take the retries.
         self._misbehaving = HostCooldown(self._able)
         self._invalid_said_at: dict[int, float] = {}
+        #: What each rank's current streak of such answers held: invalid RESULTs, timeouts no
+        #: run could have reached, or both (the stderr line names what it saw, not the other).
+        self._misbehaved_with: dict[int, set[str]] = {}
         self.gate = Gate(store, validate=check_result, commit=self._commit,
                          salvage=self._salvage, host_ran=self._host_ran,
                          stopping=self._stopping, misbehaved=self._misbehaved,
@@ -750,20 +753,31 @@ class Master:
         waits = [c.wait_s(ranks, now) for c in (self._cooldown, self._misbehaving) if c.until]
         return min((w for w in waits if w is not None), default=None)
 
-    def _misbehaved(self, rank: int, reason: str) -> None:
+    #: How the stderr line names the answers of a rank's streak (`_misbehaved`).
+    MISBEHAVED_WITH = {"invalid": "invalid results",
+                       "timeout": "timeouts no run could have reached so soon"}
+
+    def _misbehaved(self, rank: int, reason: str, kind: str = "invalid") -> None:
         """A dispatch of `rank` rolled back for its own invalid answer (`reason`: what was
-        quarantined), or answered with timeouts no run could have reached (`_timed_out`): the
-        rank pauses (`_misbehaving`) until a result of it commits. Said on stderr at its
-        second such dispatch in a row, once a minute at most: a rank that only pauses defers
-        nothing, so only the quarantine counts would show the operator a broken worker."""
+        quarantined), or answered with timeouts no run could have reached (`_timed_out`,
+        `kind` "timeout": valid RESULTs, not invalid ones): the rank pauses (`_misbehaving`)
+        until a result of it commits. Said on stderr at its second such dispatch in a row,
+        once a minute at most: a rank that only pauses defers nothing, so only the quarantine
+        counts would show the operator a broken worker."""
         streak = self._misbehaving.streak.get(rank, 0)
         self._misbehaving.answered(rank, False)
+        kinds = self._misbehaved_with.setdefault(rank, set())
+        if streak == 0:  # (a result of it committed since: a new streak)
+            kinds.clear()
+        kinds.add(kind)
         now = time.monotonic()
         if (streak >= 1 and self._stop_signal is None
                 and now >= self._invalid_said_at.get(rank, -math.inf) + 60):
             self._invalid_said_at[rank] = now
+            what = " or ".join(self.MISBEHAVED_WITH[k] for k in self.MISBEHAVED_WITH
+                               if k in kinds)
             print(f"coordinator: rank {rank} answered its last {streak + 1} dispatches with "
-                  f"invalid results ({reason}); their tasks go back to the retry policy and the "
+                  f"{what} ({reason}); their tasks go back to the retry policy and the "
                   f"other ranks, and it gets work again after a pause (up to "
                   f"{self._misbehaving.CAP_S:g} s while it goes on); check that rank's worker",
                   file=sys.stderr, flush=True)
@@ -781,7 +795,7 @@ class Master:
         self._misbehaved(rank, f"{runs} run{'s' * (runs != 1)} said to time out "
                                f"{took:.3g} s after the WORK left"
                                + (f", under --timeout {limit:g} s" if limit < math.inf else
-                                  ": its executor has no timeout"))
+                                  ": its executor has no timeout"), "timeout")
 
     def _able(self) -> Iterator[int]:
         """The ranks that could run a task (`coordinator.cooldown`): those whose WORK is out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sqlite3
 import threading
 import time
@@ -941,11 +942,35 @@ def test_a_timeout_sooner_than_the_commands_timeout_pauses_its_rank(
     finally:
         store.close()
     err = capsys.readouterr().err
-    said = "rank 1 answered its last 2 dispatches with invalid results (1 run said to time out"
+    said = ("rank 1 answered its last 2 dispatches with timeouts no run could have reached "
+            "so soon (1 run said to time out")
     assert (said in err) is paused, err
+    assert "invalid results" not in err  # (its RESULTs were valid ones)
     if paused:
         assert "s after the WORK left, under --timeout 1 s)" in err
         assert states == {"done": 300}
+
+
+def test_the_line_for_a_paused_rank_names_what_its_streak_held(tmp_path, capsys):
+    """The stderr line says what the rank's answers in a row were: invalid RESULTs,
+    timeouts no run could have reached (valid RESULTs), or both; a result of it that commits
+    starts a new streak."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
+    try:
+        master = Master(store, InstantWorkers(2), MasterConfig(
+            linger_s=0.0, stop_wait_s=0.5, stats_file=None))
+        said = []
+        for kinds in (["timeout", "invalid"], ["invalid", "invalid"], ["timeout", "timeout"]):
+            master._misbehaving.answered(1, True)  # (a result of it committed)
+            master._invalid_said_at.clear()        # (not once a minute: at once)
+            for kind in kinds:
+                master._misbehaved(1, "why", kind)
+            said.append(capsys.readouterr().err)
+    finally:
+        store.close()
+    assert [re.findall(r"dispatches with (.*) \(why\)", err) for err in said] == [
+        ["invalid results or timeouts no run could have reached so soon"],
+        ["invalid results"], ["timeouts no run could have reached so soon"]], said
 
 
 class BrokenBesideHung(InstantWorkers):
