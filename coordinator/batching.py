@@ -15,7 +15,9 @@ tens of milliseconds of tasks that pay for its commit.
 
 A task's run time is its worker's word, so each rank's is kept apart and the size follows the
 median rank: one rank that reports its tasks as instant (or as endless) cannot move every
-rank's batches to the cap (or to one task) while the others tell the truth.
+rank's batches to the cap (or to one task) while the others tell the truth. So is a worker's
+request to split a batch whose outcomes are over a message (`split`): one rank answering every
+batch so halved every rank's batches with its own, down to single tasks.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ class AutoBatch:
     max_s: float = MAX_S
     _rank_task_s: dict[int, float] = field(default_factory=dict)  # rank -> its tasks' mean
     _task_s: float | None = None
-    _task_bytes: float | None = None  # a task's share of its RESULT, the larger seen lately
+    _task_bytes: float | None = None  # a task's share of an accepted RESULT, the larger lately
+    #: rank -> the share of a message it said a task of its took, asking for a split
+    _rank_split_bytes: dict[int, float] = field(default_factory=dict)
     _lost: deque[float] = field(default_factory=lambda: deque(maxlen=AutoBatch.SAMPLES))
     _overhead_s: float | None = None
 
@@ -85,19 +89,34 @@ class AutoBatch:
             self._rank_task_s[rank] = seconds
             self._task_s = None
 
-    def answered(self, nbytes: int, tasks: int) -> None:
-        """A RESULT of `nbytes` for `tasks` tasks (or, for one that asked for a split, the
-        bound it was over). A larger share counts at once, a smaller one slowly."""
+    def answered(self, nbytes: int, tasks: int, rank: int = 0) -> None:
+        """An accepted RESULT of `rank`, `nbytes` for `tasks` tasks (measured by the master:
+        it sizes every rank's batches). A larger share counts at once, a smaller one slowly,
+        and the bound of the rank's own splits fades likewise."""
         per = nbytes / max(tasks, 1)
-        mean = self._task_bytes
-        self._task_bytes = per if mean is None else max(per, 0.9 * mean + 0.1 * per)
+        self._task_bytes = _larger_lately(self._task_bytes, per)
+        if rank in self._rank_split_bytes:
+            self._rank_split_bytes[rank] = _larger_lately(self._rank_split_bytes[rank], per)
 
-    def bytes_cap(self, max_message_bytes: int) -> int:
-        """The most tasks whose RESULT fits BYTES_SHARE of a message, as large as seen."""
-        if not self._task_bytes:
+    def split(self, max_message_bytes: int, tasks: int, rank: int = 0) -> None:
+        """`rank` asked for its batch of `tasks` to be split: their outcomes were over the
+        bound, it says. Its word, so it counts for every rank's batches only as the median
+        rank's (`bytes_cap`)."""
+        self._rank_split_bytes[rank] = _larger_lately(self._rank_split_bytes.get(rank),
+                                                      max_message_bytes / max(tasks, 1))
+
+    def bytes_cap(self, max_message_bytes: int, ranks: int = 1) -> int:
+        """The most tasks whose RESULT fits BYTES_SHARE of a message, as large as seen: in
+        an accepted RESULT, or said by the lower median of the `ranks` ranks asking for
+        splits (a rank that asked for none says 0). One rank of two or three cannot shrink
+        the others' batches by asking."""
+        per = self._task_bytes or 0.0
+        if said := list(self._rank_split_bytes.values()):
+            said += [0.0] * (ranks - len(said))
+            per = max(per, statistics.median_low(said))
+        if not per:
             return MAX_BATCH
-        return max(1, min(MAX_BATCH, math.floor(max_message_bytes * self.BYTES_SHARE
-                                                / self._task_bytes)))
+        return max(1, min(MAX_BATCH, math.floor(max_message_bytes * self.BYTES_SHARE / per)))
 
     @property
     def task_s(self) -> float | None:
@@ -134,3 +153,8 @@ class AutoBatch:
         if queued is not None and n > target:
             n = min(n, max(target, math.ceil(queued() / (self.GUIDED_SHARE * max(ranks, 1)))))
         return max(1, min(n, MAX_BATCH, math.floor(self.max_s / task_s)))
+
+
+def _larger_lately(mean: float | None, per: float) -> float:
+    """A running share that takes a larger one at once and a smaller one slowly."""
+    return per if mean is None else max(per, 0.9 * mean + 0.1 * per)

@@ -100,9 +100,9 @@ class ResultRound:
     rejected: list[int] = field(default_factory=list)
     committed: list[dsp.CommitItem] = field(default_factory=list)
     retried: list[int] = field(default_factory=list)  # ranks whose run failed (timeout, not_run)
-    #: Each accepted current RESULT's (bytes, tasks it answers); bytes None: a batch too
-    #: large to answer in one message, which asked for a split.
-    sizes: list[tuple[int | None, int]] = field(default_factory=list)
+    #: Each accepted current RESULT's (rank, bytes, tasks it answers); bytes None: a batch
+    #: too large to answer in one message, which asked for a split.
+    sizes: list[tuple[int, int | None, int]] = field(default_factory=list)
     #: The active dispatches as this phase left them (its commits and retries gone).
     active: dict[int, dsp.ActiveDispatch] | None = None
 
@@ -311,7 +311,7 @@ class Gate:
                     # The batch ran, but its outcomes are over the bound on one message: no
                     # refusal, a split (the READY join rolls it back in halves, uncharged).
                     out.statuses.append((m.rank, status))
-                    out.sizes.append((None, a.size))
+                    out.sizes.append((m.rank, None, a.size))
                     dsp.set_invalid_mark(tx, m.rank, a.token,
                                          SPLIT_MARK + split_detail(m.body, m.raw))
                     continue
@@ -433,7 +433,7 @@ class Gate:
         # WORK with a 62 MB invalid one, then a valid one, cut every rank's batches from 20
         # tasks to about 2.6.
         if m.raw is not None:
-            out.sizes.append((len(m.raw), a.size))
+            out.sizes.append((m.rank, len(m.raw), a.size))
 
     def _tell_timeouts(self, rank: int, batch: Sequence[Any]) -> None:
         timeouts = sum(_status_of(o) == TIMEOUT_STATUS for o in batch)

@@ -940,14 +940,17 @@ class Master:
         """--batch N, or auto's size; either way few enough tasks that their RESULT, as large
         as the RESULTs seen so far, fits a message with room to spare (a batch that does not
         is split, and its tasks run again)."""
+        ranks = len(self.live_workers())
         n = (self.config.batch if self.config.batch is not None else
-             self._auto.size(lambda: self._queued_now(tx), len(self.live_workers())))
-        return min(n, self._auto.bytes_cap(self.config.max_message_bytes))
+             self._auto.size(lambda: self._queued_now(tx), ranks))
+        return min(n, self._auto.bytes_cap(self.config.max_message_bytes, ranks))
 
-    def _note_sizes(self, sizes: Sequence[tuple[int | None, int]]) -> None:
-        for nbytes, tasks in sizes:
-            self._auto.answered(self.config.max_message_bytes if nbytes is None else nbytes,
-                                tasks)
+    def _note_sizes(self, sizes: Sequence[tuple[int, int | None, int]]) -> None:
+        for rank, nbytes, tasks in sizes:
+            if nbytes is None:  # (a split it asked for: the rank's word)
+                self._auto.split(self.config.max_message_bytes, tasks, rank)
+            else:
+                self._auto.answered(nbytes, tasks, rank)
 
     def _queued_now(self, tx: Tx) -> int:
         """The queue's length for `--batch auto`'s guided share: counted at most once a

@@ -117,6 +117,14 @@ def timeouts() -> None:
     answering(lambda token: [encode(Result(token=token, status="timeout"))])
 
 
+def splits() -> None:
+    """Answers every WORK at once with a `split` RESULT (its outcomes too large for one
+    message, it says), then READY: a batch goes back in halves, and a WORK of one task, which
+    cannot be split, is an invalid payload."""
+    answering(lambda token: [encode(Result(token=token, status="split",
+                                           detail="its outcomes are too large"))])
+
+
 def big_burst(n: int, size: int, bursts: int) -> None:
     """`bursts` times, `n` messages of `size` bytes posted at once (`Isend`), alternately
     stale RESULTs (a `status` of `size` characters) and malformed READYs (a `host` of as
@@ -172,6 +180,8 @@ def main() -> None:
         send(ready(pid=2**64 - 1), TAG_READY)
     elif MODE == "timeouts":  # every WORK answered at once: `timeout`
         timeouts()
+    elif MODE == "split":  # every WORK answered at once: `split`
+        splits()
     elif MODE == "fakepid":  # a pid no process has, each WORK held until the STOP
         fake_pid(int(ARG))
     elif MODE == "steer":  # another process's pid, then deaf to STOP

@@ -138,11 +138,33 @@ def test_batches_stay_small_enough_for_their_result_to_fit_a_message():
     assert auto.bytes_cap(bound) == MAX_BATCH  # 200 bytes a task: far from the bound
     auto.answered(200 << 10, 1)  # one task's 200 KiB value
     assert auto.bytes_cap(bound) == 163  # 32 MiB / 200 KiB
-    auto.answered(bound, 64)     # a batch of 64 asked to be split: over 1 MiB a task
+    auto.split(bound, 64)        # a batch of 64 asked to be split: over 1 MiB a task
     assert auto.bytes_cap(bound) == 32
     for _ in range(100):         # then small again: the cap comes back, slowly
         auto.answered(1_000, 10)
     assert auto.bytes_cap(bound) == MAX_BATCH
+
+
+def test_one_rank_asking_for_splits_moves_no_other_ranks_batches():
+    """A split is its worker's word: one rank asking for one for every batch, down to one
+    task, capped every rank's batches at one (back to 16 only 27 accepted RESULTs later).
+    The bound that splits say is the lower median rank's (a rank that asked for none says
+    0)."""
+    bound = 64 << 20
+    auto = measured(1e-6)
+    auto.answered(2_000, 10, rank=2)
+    for n in (64, 32, 16, 8, 4, 2):
+        auto.split(bound, n, rank=1)
+        assert auto.bytes_cap(bound, ranks=3) == MAX_BATCH
+        assert auto.bytes_cap(bound, ranks=2) == MAX_BATCH  # (one of two: the lower median)
+    auto.split(bound, 64, rank=2)  # a second rank asks too: over 1 MiB a task, it says
+    assert auto.bytes_cap(bound, ranks=3) == 32
+    for _ in range(100):  # rank 2's RESULTs are small again: its word fades
+        auto.answered(1_000, 10, rank=2)
+    assert auto.bytes_cap(bound, ranks=3) == MAX_BATCH
+    alone = measured(1e-6)  # a rank alone is its own median
+    alone.split(bound, 64, rank=1)
+    assert alone.bytes_cap(bound, ranks=1) == 32
 
 
 def test_a_batch_past_its_deadline_raises_its_ranks_task_time_at_once():

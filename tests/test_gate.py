@@ -274,7 +274,7 @@ def test_only_an_accepted_result_sizes_the_batches(tmp_path: Path):
             out = farm.gate.apply_results(tx, [Inbound(1, decode_result(m), m)
                                                for m in (bad, good)])
         assert out.rejected == [1] and len(out.committed) == 1
-        assert out.sizes == [(len(good), 1)]
+        assert out.sizes == [(1, len(good), 1)]
     finally:
         farm.close()
 

@@ -309,6 +309,37 @@ def test_a_rank_sending_a_few_bad_results_per_work_defers_no_task(tmp_path, batc
     assert 1 <= rolled <= 12 and charged <= rolled, (rolled, charged)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("batch", [[], ["--batch", "32"]], ids=["auto", "fixed"])
+def test_a_rank_asking_to_split_every_batch_shrinks_no_honest_ranks_batches(tmp_path, batch):
+    """A rank answering every batch with `split` halves its own down to one task (then an
+    invalid payload: it pauses), each split said to the master's sizing that a task's
+    outcome was half a message or more: every rank's batches were capped with its own, the
+    honest ranks' down to one task, climbing back over tens of dispatches (3,000 tasks of
+    2 ms: 117 honest dispatches, 22 of fewer than 4 tasks where more were allowed; 167 and
+    31 with --batch 32). Now one rank's splits size no other rank's batches (74 and 0; 109
+    and 0): an honest rank runs a half of its batches whole, and its own as large as they
+    were."""
+    tasks = 3000
+    job, db, _ = hostile_job(tmp_path, "split", "", *batch, "--demo-work-ms", "2",
+                             tasks=tasks)
+    done = finish(job, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=tasks)
+    assert query(db, "SELECT state, count(*) FROM tasks GROUP BY 1") == [("done", tasks)]
+    [(splits,)] = query(db, "SELECT count(*) FROM events WHERE kind = 'split' AND rank = 1")
+    assert splits >= 4, splits  # (it asked while the honest ranks ran: a pause ended)
+    # Each honest dispatch: its rank, its tasks, the cap of the half they came from (None:
+    # no split's), in the order they committed.
+    rows = query(db, "SELECT r.rank, count(*), min(t.batch_cap) FROM results r JOIN tasks t "
+                     "ON t.id = r.task_id WHERE r.rank != 1 GROUP BY r.token "
+                     "ORDER BY min(r.rowid)")
+    firsts = {rank: i for i, (rank, _, _) in reversed(list(enumerate(rows)))}
+    small = [(n, cap) for i, (rank, n, cap) in enumerate(rows[:-4])  # (the queue's end: fewer)
+             if i != firsts[rank] and n < min(4, cap or 4)]  # (a rank's first: nothing measured)
+    assert len(small) <= 2, (small, rows)
+
+
 def test_a_rank_naming_a_pid_that_is_no_process_costs_the_honest_ranks_nothing(tmp_path):
     """A rank whose READY names this host and a pid no process has looks gone. When the stop
     signal came the master then wrote no `stop` event at all, so a job ended before its
