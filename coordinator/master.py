@@ -1351,14 +1351,16 @@ class Master:
                 progressed = True
                 began = time.monotonic()
                 with self._tx("drain during stop") as tx:
+                    # A wait for another process's write lock (a shell, a backup) is not the
+                    # workers' time: they still get all of --stop-wait to acknowledge (a lock
+                    # held through the stop once used it up, and ranks that had finished were
+                    # reported unacknowledged and killed). The master's own work is: credited
+                    # too, a rank answering its STOP with garbage moved the deadline on with
+                    # each round it cost (a 5 s --stop-wait lasted 9-16 s).
+                    deadline += time.monotonic() - began
                     self._apply_late(tx, results, readies)
                     self._note_strays(tx)
                 self._tell_unparked()
-                # The master's own time, a wait for another process's write lock (a shell, a
-                # backup) included, is not the workers': they still get all of --stop-wait to
-                # acknowledge (a lock held through the stop once used it up, and ranks that
-                # had finished were reported unacknowledged and killed).
-                deadline += time.monotonic() - began
                 shown_ready.update(m.rank for m in readies)
             # A rank that has not taken its last WORK yet may have shown an older READY: its
             # STOP waits until it has (a worker takes a STOP first, and would finalize with

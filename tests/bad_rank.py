@@ -63,13 +63,19 @@ def ready(token: str = "", pid: int | None = None) -> bytes:
                         pid=os.getpid() if pid is None else pid))
 
 
-def honest(first_ready: bool = True, forged_acks: int = 0) -> None:
+def honest(first_ready: bool = True, forged_acks: int = 0, deaf: bool = False) -> None:
     """A worker that takes nothing it is given seriously but answers everything right
-    (`forged_acks`: that many STOP_ACKs for no STOP first, when its STOP comes)."""
+    (`forged_acks`: that many STOP_ACKs for no STOP first, when its STOP comes; `deaf`: its
+    STOP never acknowledged, answered with garbage on every tag the master receives until
+    the job ends it)."""
     if first_ready:
         send(ready(), TAG_READY)
     while True:
         tag, data = recv((TAG_STOP, TAG_WORK))
+        if tag == TAG_STOP and deaf:
+            while True:
+                for tag in (TAG_RESULT, TAG_READY, TAG_STOP_ACK, 99):
+                    send(b"\xc1garbage", tag)
         if tag == TAG_STOP:
             for i in range(forged_acks):
                 send(encode(Stop(token=f"{i:064x}")), TAG_STOP_ACK)
@@ -218,6 +224,8 @@ def main() -> None:
             send(b"\xc1garbage", TAG_RESULT if i % 2 else TAG_READY)
     elif MODE == "flood":  # each WORK answered with ARG bad RESULTs of its token, then READY
         flood(int(ARG))
+    elif MODE == "deaf":  # honest, but its STOP answered with garbage, never acknowledged
+        honest(deaf=True)
     elif MODE == "acks":  # honest, but ARG forged STOP_ACKs before its own at the stop
         honest(forged_acks=int(ARG))
     elif MODE == "burst":  # ARG "N:SIZE:BURSTS": bursts of large stale RESULTs and READYs

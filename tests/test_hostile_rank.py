@@ -403,3 +403,19 @@ def test_a_burst_of_large_messages_costs_the_master_a_bounded_memory(tmp_path):
     # job without the burst, before; 33 MiB since.
     grown = peak_rss_mib(summary) - peak_rss_mib(calm)
     assert grown < 2.5 * bound / MiB, (peak_rss_mib(calm), peak_rss_mib(summary))
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_answering_its_stop_with_garbage_cannot_stretch_the_stop_wait(tmp_path):
+    """A rank that never acknowledged its STOP and kept sending garbage stretched a 5 s
+    --stop-wait to 9-16 s: each round of garbage the master quarantined moved the deadline on
+    by the time it took. Only a wait for another process's write lock moves it now."""
+    job, db, summary = hostile_job(tmp_path, "deaf", "", stop_wait="5")
+    done = finish(job, timeout=150)
+    assert done.returncode == ExitStatus.UNACKED, done.stderr[-3000:]
+    assert "ranks [1] did not acknowledge STOP" in done.stderr, done.stderr[-3000:]
+    check_conservation(db, expected_tasks=60)
+    seen = json.loads(summary.read_text())
+    waited = summary.stat().st_mtime - seen["last_commit_at"]
+    # (what follows the wait before the summary is written: 0.1 s here; 9.4 s in all before)
+    assert waited < 5 + 2.5, waited
