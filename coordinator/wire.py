@@ -221,7 +221,8 @@ class _Envelope(msgspec.Struct):
     that asks to be split, `SPLIT_STATUS`). The rest is read only for a current one
     (`check_result`): a stale one's payload proves nothing (R4)."""
 
-    token: Scalar = None
+    #: Left undecoded until its size is checked (`_token`).
+    token: msgspec.Raw = msgspec.Raw()
     #: Left undecoded (a status of any shape is `check_result`'s to refuse): compared whole.
     status: msgspec.Raw = msgspec.Raw()
 
@@ -252,6 +253,11 @@ class _ResultIn(_TaskResultIn, forbid_unknown_fields=True):
 
 _ready_in = msgspec.msgpack.Decoder(_ReadyIn)
 _envelope = msgspec.msgpack.Decoder(_Envelope)
+_scalar = msgspec.msgpack.Decoder(Scalar)
+#: The most bytes of a RESULT's token the master decodes: a dispatch token takes 66. A longer
+#: one can be no token, and decoded whole a stale RESULT's token of --max-message-bytes cost
+#: up to twice that again (a string of 2-byte characters), beside the message's own bytes.
+MAX_TOKEN_BYTES = 1024
 _split = msgspec.msgpack.Decoder(_Split)
 _SPLIT_RAW = msgspec.msgpack.encode(SPLIT_STATUS)
 _result_in = msgspec.msgpack.Decoder(_ResultIn)
@@ -284,11 +290,21 @@ def decode_result(data: bytes | bytearray | memoryview) -> dict[str, Any] | Unde
         head = _envelope.decode(data)
     except _DECODE_ERRORS as e:
         return _why(e)
+    raw = memoryview(head.token)
+    if len(raw) > MAX_TOKEN_BYTES:
+        return Undecodable(f"wrong shape: its token takes {len(raw)} bytes, over the "
+                           f"{MAX_TOKEN_BYTES} a token may have")
+    try:
+        token = _scalar.decode(raw) if len(raw) else None
+    except msgspec.ValidationError as e:  # (where, as when it was decoded with the rest)
+        return _why(msgspec.ValidationError(f"{e} - at `$.token`"))
+    except _DECODE_ERRORS as e:
+        return _why(e)
     # (Compared as a view: `bytes()` of a stale RESULT's status of --max-message-bytes copied
     # all of it, in every RESULT drain.)
     if memoryview(head.status) == _SPLIT_RAW:
-        return {"token": head.token, "status": SPLIT_STATUS}
-    return {"token": head.token}
+        return {"token": token, "status": SPLIT_STATUS}
+    return {"token": token}
 
 
 def split_detail(body: Mapping[str, Any], raw: bytes | bytearray | None) -> str:

@@ -143,6 +143,32 @@ def test_a_results_payload_is_read_only_if_it_is_current():
     assert why is not None and "duration_s" in why
 
 
+def test_a_results_token_is_decoded_only_if_it_is_small():
+    """A stale RESULT's token was decoded whole before it was found to be no token: 16 MiB of
+    2-byte characters took 32 MiB more (tracemalloc's peak) beside the message's bytes. A
+    token over MAX_TOKEN_BYTES is refused undecoded, as malformed as before."""
+    import tracemalloc
+
+    from coordinator.wire import MAX_TOKEN_BYTES, decode_result
+    n = 16 << 20
+    raw = (b"\x82" + encode("status") + encode("ok") + encode("token") + b"\xdb"
+           + n.to_bytes(4, "big") + "é".encode() * (n // 2))
+    tracemalloc.start()
+    try:
+        body = decode_result(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(body, Undecodable) and "its token takes" in body.detail, body
+    assert peak < 1 << 20, peak
+    assert classify_result(body, T) is ResultStatus.MALFORMED
+    # Up to the bound, decoded as it was: a string that is no token is malformed, by its value.
+    long = "x" * (MAX_TOKEN_BYTES - 3)
+    assert decode_result(encode({"token": long})) == {"token": long}
+    assert classify_result({"token": long}, T) is ResultStatus.MALFORMED
+    assert decode_result(encode({"token": [T]})).detail.endswith("got `array` - at `$.token`")
+
+
 def test_a_value_past_its_bound_is_refused_and_test_cases_past_theirs_are_counted():
     from coordinator.wire import MAX_TESTCASES, MAX_VALUE_BYTES
     big = Result(token=T, status="ok", value="x" * (MAX_VALUE_BYTES + 1))
