@@ -145,9 +145,11 @@ class Budget:
     whose messages are held at the same time: its RESULT, READY and any-tag drains, and those
     of the answers that join it while it is open (its linger, a wait for the write lock).
     Bounded one by one, they let a round hold several times --max-message-bytes. A drain
-    stops once it has passed what is left, so a round holds its budget and one message more
-    at most (and a few KiB of READYs); past it, messages wait in MPI's queues, their
-    senders'."""
+    ends at the first message that does not fit in what is left (its size read from the
+    probe, before it is received), so a round holds its budget at most (and a few KiB of
+    READYs past it); that message waits, unreceived, for the next round, which takes it
+    first, and the rest wait in MPI's queues, their senders'. (Stopping only once past the
+    budget, a round held the message that crossed it too: twice the bound.)"""
 
     __slots__ = ("left",)
 
@@ -594,7 +596,11 @@ class Master:
         room = budget.left if tag == TAG_RESULT else max(budget.left, MAX_SMALL_MESSAGE_BYTES)
         if room <= 0:
             return []
-        return [self._inbound(r, budget) for r in self.transport.drain(tag, max_bytes=room)]
+        deferred = self.transport.deferred
+        got = [self._inbound(r, budget) for r in self.transport.drain(tag, max_bytes=room)]
+        if self.transport.deferred > deferred:  # the next one does not fit: spent
+            budget.left = min(budget.left, 0)
+        return got
 
     def _inbound(self, r: Received, budget: Budget) -> Inbound:
         """A received RESULT or READY, decoded into what the gate classifies (its bytes kept
@@ -620,6 +626,7 @@ class Master:
         self._sweep_first = budget.left <= 0
         if self._sweep_first:
             return
+        deferred = self.transport.deferred
         for r in self.transport.drain(ANY_TAG, limit=1_000, max_bytes=budget.left):
             if r.tag == TAG_RESULT:
                 results.append(self._inbound(r, budget))
@@ -630,6 +637,9 @@ class Master:
                 budget.left -= len(r.data) if r.data is not None else 0
             else:
                 self._strays.append(self._stray(r))
+        if self.transport.deferred > deferred:  # (taken first next round, with its budget)
+            budget.left = min(budget.left, 0)
+            self._sweep_first = True
 
     def _stray(self, r: Received, why: str = "") -> Stray:
         size = r.size if r.data is None else len(r.data)

@@ -65,6 +65,7 @@ class InstantWorkers:
     any_failed = False
     rank = 0
     unreachable: frozenset[int] = frozenset()  # (ranks a posted send failed to reach)
+    deferred = 0  # (messages left unreceived past a round's budget: the drains take all)
 
     def __init__(self, workers: int = 2):
         self.size = workers + 1

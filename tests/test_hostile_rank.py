@@ -106,6 +106,9 @@ def test_a_decoding_bomb_in_a_current_result_costs_no_memory(tmp_path, where, n)
     done = finish(job, timeout=240)
     assert done.returncode == ExitStatus.OK, done.stderr[-3000:]
     check_conservation(db, expected_tasks=60)
+    # The master's own ~70 MiB and the bomb's receive buffer (60 MB), held once: what is
+    # decoded of it are views of that buffer (msgspec.Raw) and 1,000 test cases at most.
+    # 127 MiB here, under load too; decoded, the bomb took 4.7 GiB.
     assert peak_rss_mib(summary) < 3 * 64, peak_rss_mib(summary)
     if where == "value":
         [(detail,)] = query(db, "SELECT detail FROM quarantine WHERE reason = 'payload'")
@@ -383,7 +386,8 @@ def test_a_burst_of_large_messages_costs_the_master_a_bounded_memory(tmp_path):
     with the default 64 MiB bound: each drain of a round held up to twice the bound, the
     answers that joined the open round came on top, and a READY's host name was copied
     whole to be cut to 60 characters. A READY is small by nature: one over 4 KiB is
-    consumed unheld, as oversized; what a round holds of the rest is one budget."""
+    consumed unheld, as oversized; what a round holds of the rest is one budget, and a
+    message that does not fit in what is left of it waits, unreceived, for the next round."""
     bound = 16 * MiB
     (tmp_path / "calm").mkdir()  # the master's own size: the same job, with no burst
     honest, _, calm = hostile_job(tmp_path / "calm", "honest", "",
@@ -398,11 +402,12 @@ def test_a_burst_of_large_messages_costs_the_master_a_bounded_memory(tmp_path):
     q = quarantined(db)
     assert q.get(("ready", "oversized"), (0, 0))[1] == 40, q
     assert sum(m for (c, _), (_, m) in q.items() if c == "result") == 40, q
-    # A round holds its budget (the bound) and the one message that crossed it, and a little
-    # besides (the buffer an oversized READY is consumed into): 176 MiB more than the same
-    # job without the burst, before; 33 MiB since.
+    # A round holds its budget (the bound) at most, and a little besides (the buffer an
+    # oversized READY is consumed into): 176 MiB more than the same job without the burst,
+    # before; 33 MiB (twice the bound) when a round also held the message that crossed its
+    # budget; 17 MiB since.
     grown = peak_rss_mib(summary) - peak_rss_mib(calm)
-    assert grown < 2.5 * bound / MiB, (peak_rss_mib(calm), peak_rss_mib(summary))
+    assert grown < 1.5 * bound / MiB, (peak_rss_mib(calm), peak_rss_mib(summary))
 
 
 @pytest.mark.timeout(180)

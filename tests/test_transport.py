@@ -142,3 +142,52 @@ def test_workers_spin_by_default_only_under_open_mpi():
         "print(MPI.Get_library_version().split()[0], worker_spin_default() == WORKER_SPIN_S,"
         " worker_spin_default())\n")
     assert (spins == "True") == (library == "Open") == (float(value) > 0), (library, value)
+
+
+#: Rank 1 posts two RESULTs of 1 MiB (A, B) and one of 16 bytes (C); rank 0, once all three
+#: wait, drains with room for one and a half of them, then for 16 bytes, then for all.
+PAST_THE_ROOM = """
+import os, time
+from coordinator.transport import ANY_TAG, Transport
+from coordinator.wire import TAG_RESULT
+from mpi4py import MPI
+t = Transport()
+MiB = 1 << 20
+if t.rank == 1:
+    sent = [b"A" * MiB, b"B" * MiB, b"C" * 16]
+    MPI.Request.Waitall([t.comm.Isend([m, MPI.BYTE], dest=0, tag=TAG_RESULT) for m in sent])
+    os._exit(0)
+t.max_message_bytes = 4 * MiB
+deadline = time.monotonic() + 30
+while not t.comm.Iprobe(source=1, tag=TAG_RESULT) and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # (all three are queued: small ones are sent at once)
+def taken(tag, room):
+    return "".join(chr(r.data[0]) + str(len(r.data)) for r in t.drain(tag, max_bytes=room))
+print("FIRST", taken(TAG_RESULT, MiB + MiB // 2), t.deferred, t.waiting())
+print("SMALL", taken(TAG_RESULT, 16) or "-", t.deferred)
+print("REST", taken(ANY_TAG, 4 * MiB), t.deferred, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+def test_a_message_past_a_drains_room_waits_unreceived_and_comes_first(tmp_path):
+    """A drain bounded in bytes received the message that crossed its bound before it
+    compared: a round whose budget of --max-message-bytes was nearly spent held another
+    message of that size beside it (a burst of 60 MB messages took the master to 199 MiB
+    with the default 64 MiB bound, 70 of them its own). The size is compared from the probe;
+    the message is received by the next drain on its tag that has room, before any later
+    one."""
+    from mpi_jobs import MPIEXEC
+
+    from coordinator.launcher import mpiexec_flags
+    script = tmp_path / "room.py"
+    script.write_text(PAST_THE_ROOM)
+    out = subprocess.run([MPIEXEC, *mpiexec_flags(MPIEXEC, 2), sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    lines = [x for x in out.stdout.splitlines() if x.split()[0] in ("FIRST", "SMALL", "REST")]
+    assert lines == ["FIRST A1048576 1 True", "SMALL - 1", "REST B1048576C16 0"], \
+        (out.stdout[-2000:], out.stderr[-2000:])
