@@ -50,6 +50,7 @@ from .expected_answers import ExpectedAnswers
 from .gate import NOT_RUN_REASON_CHARS, Gate, Inbound, Stray
 from .observer import Observer
 from .output import TestcaseWriter, input_id, replace_text
+from .pauses import LoopGaps
 from .processes import STOP_SIGNALS, describe_process, fence, process_exists
 from .progress import Progress, Snapshot, stats_fields
 from .protocol import ReadyStatus, ResultStatus, mint_token
@@ -224,6 +225,7 @@ class Master:
         self._dead: set[int] = set()             # the runtime reported them dead
         self._started_at = time.monotonic()
         self._lost_checked = False
+        self._gaps = LoopGaps()  # the master not running (`coordinator.pauses`)
         transport.max_message_bytes = config.max_message_bytes
         self._stalled_since: float | None = None  # monotonic; None: some rank can work
         self._progress = Progress(live=config.progress, interval_s=config.progress_interval_s)
@@ -337,6 +339,7 @@ class Master:
             if watchdog_due:                                         # 5 watchdog sweep
                 # Deadlines are seconds apart: checking a few times a second is enough.
                 self._next_watchdog = now + min(0.25, self.config.watchdog_s / 4)
+                self._pay_pauses(tx)
                 timed_out = self.gate.watchdog(tx)
                 recovered += timed_out
             for rec in recovered:  # no answer is awaited from them any more
@@ -365,6 +368,34 @@ class Master:
                      "the rank gets no work until it answers"), file=sys.stderr, flush=True)
         self._tell_unparked()
         return bool(readies or plan or results)
+
+    def _notice_pause(self) -> None:
+        """Ticked where the master looks for answers: a gap since the last look was time the
+        master did not run. Its own start-wait and stall clocks move on by it here; the
+        dispatches' deadlines at the next watchdog sweep (`_pay_pauses`)."""
+        gap = self._gaps.tick()
+        if gap:
+            self._started_at += gap
+            if self._stalled_since is not None:
+                self._stalled_since += gap
+
+    def _pay_pauses(self, tx: Tx) -> None:
+        """Before the watchdog sweep (ticked again: the master may have stopped since this
+        round's look): every sent dispatch's deadline moves later by the time the master was
+        not running. A deadline that passed then is no evidence against its rank: with the
+        whole job stopped its worker did not run either, and an answer sent meanwhile is
+        taken by the next look. A worker stopped alone still passes its deadline: the
+        master's loop went on and opened no gap."""
+        self._notice_pause()
+        owed = self._gaps.take()
+        if not owed:
+            return
+        moved = dsp.extend_deadlines(tx, owed)
+        if moved:
+            print(f"coordinator: the master did not run for {owed:.1f} s (the job stopped or "
+                  f"paused, or the disk stalled); the watchdog deadlines of {moved} "
+                  f"dispatch{'es' * (moved != 1)} move that much later: the time is not held "
+                  f"against their ranks", file=sys.stderr, flush=True)
 
     def _tell_unparked(self) -> None:
         """Once a run, when a parked rank first comes back: it was slow, not hung. (With
@@ -553,6 +584,7 @@ class Master:
         `budget`: the round's, when these join answers it still holds; None: their own."""
         if budget is None:
             budget = Budget(self.config.max_message_bytes)
+        self._notice_pause()
         if budget.left <= 0 or not self.transport.waiting():
             return [], []
         results: list[Inbound] = []

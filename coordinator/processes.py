@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import NoReturn
 
+from .pauses import LoopGaps
+
 #: How the master ends a worker it gave up on (one that never acknowledged STOP, or every
 #: worker before it aborts the job). Not SIGTERM: a batch system or `mpiexec` sends that to
 #: every rank when a job is cancelled or out of time, and the workers must then go on through
@@ -305,33 +307,58 @@ def wait_exit_unreaped(proc: subprocess.Popen, timeout_s: float) -> bool:
 
     While the leader is an unreaped zombie its pid (= the process-group id) cannot be reused,
     so a following killpg() can only hit the target's own leftovers, never an unrelated group.
+
+    Waited in slices of WAIT_SLICE_S: a wake that comes a pause later than asked (the worker
+    stopped with its command: `coordinator.pauses`) moves the deadline on by the pause, so a
+    job stopped and continued does not time out every command it was running. A command
+    stopped or hung alone gets its --timeout: the worker's waits come back on time.
     """
+    gaps = LoopGaps()
+    deadline = gaps.last + timeout_s
+    pidfd = None
     if hasattr(os, "pidfd_open"):
         try:
             pidfd = os.pidfd_open(proc.pid)
         except OSError:  # kernel older than 5.3: fall back to polling
             pass
-        else:
-            try:
-                poller = select.poll()
-                poller.register(pidfd, select.POLLIN)
-                return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
-            finally:
-                os.close(pidfd)
-    deadline = time.monotonic() + timeout_s
+    poller = None
+    if pidfd is not None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
     delay = 0.001
-    while True:
-        try:
-            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-        except ChildProcessError:
-            return True
-        if info is not None:
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(delay, remaining))
-        delay = min(delay * 2, 0.05)
+    try:
+        while True:
+            if poller is not None:
+                if poller.poll(0):
+                    return True
+            else:
+                try:
+                    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+                except ChildProcessError:
+                    return True
+                if info is not None:
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if poller is not None:
+                wait = min(remaining, WAIT_SLICE_S)
+                exited = bool(poller.poll(max(1, math.ceil(wait * 1000))))
+            else:
+                wait = min(delay, remaining)
+                time.sleep(wait)
+                delay = min(delay * 2, 0.05)
+                exited = False
+            deadline += gaps.tick(wait)
+            if exited:
+                return True
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+#: How long one wait for a command lasts at most before its deadline is looked at again.
+WAIT_SLICE_S = 0.25
 
 
 # -- fencing ------------------------------------------------------------------------------------

@@ -563,6 +563,14 @@ def find_joined(tx: Tx) -> list[tuple[int, str, str]]:
         "AND invalid_reason IS NOT NULL ORDER BY rank").fetchall()
 
 
+def extend_deadlines(tx: Tx, seconds: float) -> int:
+    """Every sent dispatch's watchdog deadline `seconds` later (the master was not running
+    that long: `coordinator.pauses`); how many moved. An unsent one's deadline is set from
+    its send (`mark_sent`), which is still to come."""
+    return tx.db.execute("UPDATE dispatches SET deadline = deadline + ? WHERE deadline IS "
+                         "NOT NULL AND sent_at IS NOT NULL", (seconds,)).rowcount
+
+
 def find_expired(tx: Tx) -> list[tuple[int, str]]:
     """Dispatches past their watchdog deadline: no join will ever come for them (the worker
     died or hung, or its RESULT was lost after its READY)."""
