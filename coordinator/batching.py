@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from .config import MAX_BATCH
@@ -105,14 +105,15 @@ class AutoBatch:
         self._rank_split_bytes[rank] = _larger_lately(self._rank_split_bytes.get(rank),
                                                       max_message_bytes / max(tasks, 1))
 
-    def bytes_cap(self, max_message_bytes: int, ranks: int = 1) -> int:
+    def bytes_cap(self, max_message_bytes: int, ranks: Collection[int] = (0,)) -> int:
         """The most tasks whose RESULT fits BYTES_SHARE of a message, as large as seen: in
-        an accepted RESULT, or said by the lower median of the `ranks` ranks asking for
+        an accepted RESULT, or said by the lower median of the live `ranks` asking for
         splits (a rank that asked for none says 0). One rank of two or three cannot shrink
-        the others' batches by asking."""
+        the others' batches by asking; nor can a rank gone or refused, whose claim would
+        otherwise never fade (it fades only with that rank's accepted RESULTs)."""
         per = self._task_bytes or 0.0
-        if said := list(self._rank_split_bytes.values()):
-            said += [0.0] * (ranks - len(said))
+        said = [self._rank_split_bytes.get(rank, 0.0) for rank in ranks]
+        if any(said):
             per = max(per, statistics.median_low(said))
         if not per:
             return MAX_BATCH

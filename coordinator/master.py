@@ -982,10 +982,12 @@ class Master:
         """--batch N, or auto's size; either way few enough tasks that their RESULT, as large
         as the RESULTs seen so far, fits a message with room to spare (a batch that does not
         is split, and its tasks run again)."""
-        ranks = len(self.live_workers())
+        live = self.live_workers()
         n = (self.config.batch if self.config.batch is not None else
-             self._auto.size(lambda: self._queued_now(tx), ranks))
-        return min(n, self._auto.bytes_cap(self.config.max_message_bytes, ranks))
+             self._auto.size(lambda: self._queued_now(tx), len(live)))
+        # (A rank refused for garbage asks for nothing any more: its splits are not heard.)
+        heard = [rank for rank in live if rank not in self._refused]
+        return min(n, self._auto.bytes_cap(self.config.max_message_bytes, heard))
 
     def _note_sizes(self, sizes: Sequence[tuple[int, int | None, int]]) -> None:
         for rank, nbytes, tasks in sizes:

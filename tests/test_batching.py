@@ -155,16 +155,31 @@ def test_one_rank_asking_for_splits_moves_no_other_ranks_batches():
     auto.answered(2_000, 10, rank=2)
     for n in (64, 32, 16, 8, 4, 2):
         auto.split(bound, n, rank=1)
-        assert auto.bytes_cap(bound, ranks=3) == MAX_BATCH
-        assert auto.bytes_cap(bound, ranks=2) == MAX_BATCH  # (one of two: the lower median)
+        assert auto.bytes_cap(bound, ranks=(1, 2, 3)) == MAX_BATCH
+        assert auto.bytes_cap(bound, ranks=(1, 2)) == MAX_BATCH  # (one of two: the lower median)
     auto.split(bound, 64, rank=2)  # a second rank asks too: over 1 MiB a task, it says
-    assert auto.bytes_cap(bound, ranks=3) == 32
+    assert auto.bytes_cap(bound, ranks=(1, 2, 3)) == 32
     for _ in range(100):  # rank 2's RESULTs are small again: its word fades
         auto.answered(1_000, 10, rank=2)
-    assert auto.bytes_cap(bound, ranks=3) == MAX_BATCH
+    assert auto.bytes_cap(bound, ranks=(1, 2, 3)) == MAX_BATCH
     alone = measured(1e-6)  # a rank alone is its own median
     alone.split(bound, 64, rank=1)
-    assert alone.bytes_cap(bound, ranks=1) == 32
+    assert alone.bytes_cap(bound, ranks=(1,)) == 32
+
+
+def test_a_gone_ranks_splits_cap_no_batches_of_the_ranks_left():
+    """The claims of a rank that died or was refused fade only with its own accepted
+    RESULTs, which never come: counted still, they capped the rank left alone at one task
+    a batch for the rest of the run (found by review: 500 accepted RESULTs later, still 1)."""
+    bound = 64 << 20
+    auto = measured(1e-6)
+    for n in (64, 32, 16, 8, 4, 2, 1):
+        auto.split(bound, n, rank=1)
+    auto.split(bound, 64, rank=3)
+    assert auto.bytes_cap(bound, ranks=(1, 2)) == MAX_BATCH
+    assert auto.bytes_cap(bound, ranks=(2,)) == MAX_BATCH  # rank 1 gone, rank 3 too
+    assert auto.bytes_cap(bound, ranks=(2, 3)) == MAX_BATCH  # (one of two)
+    assert auto.bytes_cap(bound, ranks=(1, 3)) == 32  # both claimants live: the lower
 
 
 def test_a_batch_past_its_deadline_raises_its_ranks_task_time_at_once():

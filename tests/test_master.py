@@ -1265,3 +1265,23 @@ def test_a_rank_reported_dead_is_given_no_work_in_the_same_round(tmp_path):
         store.close()
     assert 2 not in ranks.sent_to and summary.committed == 3
     assert tuple(charged) == (0, 0)
+
+
+@pytest.mark.parametrize("how", ["died", "refused"])
+def test_a_gone_ranks_split_requests_cap_no_batches_of_those_left(tmp_path, how):
+    """A rank that asked for splits down to one task, then died (or was refused for
+    garbage): its word fades only with its own accepted RESULTs, which never come, so the
+    ranks left were held at one task a batch for the rest of the run."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 3)
+    try:
+        master = Master(store, InstantWorkers(3), MasterConfig(
+            linger_s=0.0, stop_wait_s=0.5, stats_file=None, batch=32))
+        master._note_sizes([(1, None, n) for n in (32, 16, 8, 4, 2, 1)])
+        master._note_sizes([(3, None, 16)])  # 4 MiB a task, it says
+        master._note_sizes([(2, 2_000, 32)])
+        with store.transaction("size") as tx:
+            assert master._batch_size(tx) == 8  # two of three ask: the lower, 32 MiB / 4 MiB
+            (master._failed_ranks if how == "died" else master._refused).add(1)
+            assert master._batch_size(tx) == 32  # one of two asks: heard no more
+    finally:
+        store.close()
