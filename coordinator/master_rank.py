@@ -389,9 +389,9 @@ class MasterRank:
         except OSError:
             return  # gone or unreadable: the next start that names it says so
         if now != self.tasks_identity:
-            _say(f"tasks file {self.cfg.tasks_file} changed since this start read it: what "
-                 f"was added is not in this run; `--resume --tasks {self.cfg.tasks_file}` "
-                 f"adds its new tasks")
+            _say(f"tasks file {self.cfg.tasks_file} changed since this start read it: lines "
+                 f"added to it are in no task of this run; `--resume --tasks "
+                 f"{self.cfg.tasks_file}` adds them")
 
     def _record_stop(self, why: str) -> None:
         """Best effort: the storage that failed may refuse this write too (the runs left in

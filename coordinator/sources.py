@@ -287,38 +287,48 @@ def _read_regular(path: pathlib.Path, seen: os.stat_result,
                   unchanged: bool = True) -> bytes | None:
     """The bytes of the regular file `path` as `lstat` saw it; None if the name now holds
     something else (swapped for a link between the two); `_BEING_WRITTEN` if a process has it
-    open for writing, or if that cannot be asked and the file was not found `unchanged` by
-    two polls. Opened without following a link, and without blocking on a pipe."""
+    open for writing, or opened it so while it was read, or if that cannot be asked and the
+    file was not found `unchanged` by two polls. Opened without following a link, and without
+    blocking on a pipe."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (seen.st_dev, seen.st_ino):
             return None
-        writers = _open_for_writing(fd)
-        if writers or (writers is None and not unchanged):
+        lease = _read_lease(fd)
+        if lease is False or (lease is None and not unchanged):
             return _BEING_WRITTEN
-        return f.read(MAX_INPUT_BYTES + 1)
+        try:
+            content = f.read(MAX_INPUT_BYTES + 1)
+        finally:
+            # Held across the read: a writer opening the file meanwhile (a trim rewriting it
+            # in place, as AFL++ does with AFL_NO_UNLINK) waits in its open() until this
+            # unlock, and breaks the lease, which says the bytes read may be outdated now.
+            broken = bool(lease) and fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+            if lease:
+                fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return _BEING_WRITTEN if broken else content
 
 
-def _open_for_writing(fd: int) -> bool | None:
-    """Whether some process holds the file of `fd` (opened read-only) open for writing: Linux
-    grants a read lease only when none does. None where no lease can be asked (not Linux, a
-    file of another user without CAP_LEASE, a filesystem without leases such as NFS)."""
+def _read_lease(fd: int) -> bool | None:
+    """A read lease on the file of `fd` (opened read-only), taken (True) or refused because
+    some process holds the file open for writing (False): Linux grants one only when none
+    does. None where no lease can be asked (not Linux, a file of another user without
+    CAP_LEASE, a filesystem without leases such as NFSv3)."""
     setlease = getattr(fcntl, "F_SETLEASE", None)
     if setlease is None:
         return None
     try:
-        # A writer opening the file while the lease is held (a few microseconds) makes the
-        # kernel signal us, by default with SIGIO, whose default action ends the process:
-        # SIGURG's is to ignore it.
+        # A writer opening the file while the lease is held makes the kernel signal us, by
+        # default with SIGIO, whose default action ends the process: SIGURG's is to ignore
+        # it.
         fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
         fcntl.fcntl(fd, setlease, fcntl.F_RDLCK)
     except BlockingIOError:
-        return True
+        return False
     except OSError:
         return None
-    fcntl.fcntl(fd, setlease, fcntl.F_UNLCK)
-    return False
+    return True
 
 
 def _kind_of(mode: int) -> str:

@@ -266,3 +266,18 @@ def tiny_fs(tmp_path):
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30,
                        check=False)
+
+
+def leases_granted(directory: Path) -> bool:
+    """Whether the kernel grants this process a read lease on a file in `directory` (not on
+    NFSv3, under gVisor, with `fs.leases-enable = 0`): where it does not, the AFL queue source
+    falls back to two polls agreeing, which a writer pausing longer than a poll defeats."""
+    from coordinator.sources import _read_lease
+    probe = directory / ".lease-probe"
+    probe.write_bytes(b"")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        return bool(_read_lease(fd))
+    finally:
+        os.close(fd)
+        probe.unlink()

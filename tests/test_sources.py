@@ -8,6 +8,7 @@ import pathlib
 import time
 
 import pytest
+from conftest import leases_granted
 
 from coordinator.errors import UsageError
 from coordinator.sources import (
@@ -220,6 +221,8 @@ def test_afl_entry_a_writer_holds_open_is_not_taken_half(tmp_path, queue):
     """AFL++ writes an entry with open(O_CREAT|O_EXCL), write, close. A writer that paused
     mid-file for longer than the settle time had its first half taken for good (stored,
     hashed and run; the rest never read). Taken only once the writer closed it."""
+    if not leases_granted(tmp_path):
+        pytest.skip("no read lease is granted here: the two-poll fallback is tested below")
     source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
     path = queue / "id:000000,src:000001,op:havoc"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -235,6 +238,43 @@ def test_afl_entry_a_writer_holds_open_is_not_taken_half(tmp_path, queue):
     assert source.poll() == []  # it grew since the previous poll
     found = source.poll()
     assert [f.input_bytes for f in found] == [b"first half, second half"]
+
+
+def test_afl_entry_opened_for_writing_while_it_is_read_is_read_again(tmp_path, queue,
+                                                                    monkeypatch):
+    """The lease is held across the read: a writer that opens the entry in between (a trim
+    rewriting it in place, as AFL++ does with AFL_NO_UNLINK) waits in its open() and breaks
+    the lease, and what was read is not taken; the next poll, after the writer, takes the
+    new bytes. (The lease was dropped before the read: the read raced the writer.)"""
+    if not leases_granted(tmp_path):
+        pytest.skip("no read lease is granted here")
+    import fcntl
+    import subprocess
+    import sys
+
+    from coordinator import sources
+    source = AflQueueSource(tmp_path / "afl_out", "main", settle_s=0.5)
+    path = put(queue, "id:000000", b"untrimmed bytes")
+    then = time.time() - 100
+    os.utime(path, (then, then))
+    real_lease, writers = sources._read_lease, []
+
+    def lease_then_a_writer(fd):
+        got = real_lease(fd)
+        if got and not writers:  # the trimmer opens it now, and waits for the lease
+            writers.append(subprocess.Popen([sys.executable, "-c", (
+                "import os, sys; p = sys.argv[1]; f = open(p, 'r+b'); f.truncate(0); "
+                "f.write(b'trimmed'); f.close(); os.utime(p, (1, 1))"), str(path)]))
+            deadline = time.monotonic() + 30
+            while fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK:  # (its break pending)
+                assert time.monotonic() < deadline, "the writer never broke the lease"
+                time.sleep(0.001)
+        return got
+    monkeypatch.setattr(sources, "_read_lease", lease_then_a_writer)
+    assert source.poll() == []
+    assert writers[0].wait(timeout=30) == 0
+    found = source.poll() or source.poll()
+    assert [f.input_bytes for f in found] == [b"trimmed"]
 
 
 def test_afl_entry_without_a_lease_to_ask_is_taken_once_two_polls_agree(tmp_path, queue,
