@@ -109,6 +109,7 @@ class AflQueueSource:
         #: Entries that could not be read (AFL++ writes them 0600: a coordinator running as
         #: another user reads none of them), retried at every poll, said for the first few.
         self._cannot_read: set[str] = set()
+        self._said_held_open: set[str] = set()  # (`_say_held_open`)
         self._campaign_files: frozenset[tuple[int, int]] = frozenset()  # (dev, ino), a poll's
 
     @property
@@ -194,6 +195,23 @@ class AflQueueSource:
                   + (" (further unreadable entries are not said)"
                      if n == self.SAY_UNREADABLE else ""), file=sys.stderr, flush=True)
 
+    #: An entry left unwritten this long while some process keeps it open for writing is
+    #: said (once, for the first few): waiting for it silently hid it for good when a stray
+    #: tool, not AFL++, held it.
+    SAY_HELD_OPEN_S = 60.0
+
+    def _say_held_open(self, path: pathlib.Path, age: float) -> None:
+        if path.name in self._said_held_open:
+            return
+        self._said_held_open.add(path.name)
+        n = len(self._said_held_open)
+        if n <= self.SAY_UNREADABLE:
+            print(f"coordinator: AFL queue entry {_as_text(path)} is held open for writing by "
+                  f"some process, unchanged for {age:.0f} s: it is taken once that process "
+                  f"closes it (`fuser` names it)"
+                  + (" (further such entries are not said)"
+                     if n == self.SAY_UNREADABLE else ""), file=sys.stderr, flush=True)
+
     def _take(
         self, name: str, now: float, still_unsettled: dict[str, tuple[int, int]]
     ) -> NewInput | None:
@@ -250,6 +268,8 @@ class AflQueueSource:
             return None
         if content is _BEING_WRITTEN:
             still_unsettled[name] = observed
+            if age >= self.SAY_HELD_OPEN_S and previous == observed:
+                self._say_held_open(path, age)
             return None
         if content is None:  # replaced by something else since its lstat: look again
             still_unsettled[name] = (-1, -1)
