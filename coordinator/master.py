@@ -225,7 +225,8 @@ class Master:
         self._dead: set[int] = set()             # the runtime reported them dead
         self._started_at = time.monotonic()
         self._lost_checked = False
-        self._gaps = LoopGaps()  # the master not running (`coordinator.pauses`)
+        # The master not running (`coordinator.pauses`), in the deadlines' clock.
+        self._gaps = LoopGaps(clock=time.time)
         transport.max_message_bytes = config.max_message_bytes
         self._stalled_since: float | None = None  # monotonic; None: some rank can work
         self._progress = Progress(live=config.progress, interval_s=config.progress_interval_s)
@@ -238,7 +239,7 @@ class Master:
         #: Says, once a minute, what a write waits for (`LockWaiter`).
         self.lock_waiter = LockWaiter(store.path, store.lock_wait_s)
         if store.on_lock_wait is None:
-            store.on_lock_wait = self.lock_waiter
+            store.on_lock_wait = self._lock_wait
 
     # -- the round ---------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -369,15 +370,27 @@ class Master:
         self._tell_unparked()
         return bool(readies or plan or results)
 
-    def _notice_pause(self) -> None:
-        """Ticked where the master looks for answers: a gap since the last look was time the
-        master did not run. Its own start-wait and stall clocks move on by it here; the
-        dispatches' deadlines at the next watchdog sweep (`_pay_pauses`)."""
-        gap = self._gaps.tick()
+    def _notice_pause(self, waited_s: float = 0.0) -> None:
+        """Ticked where the master looks for answers (and after `waited_s` it slept on
+        purpose): a gap since the last look was time the master did not run. Its own
+        start-wait, stall and grace clocks move on by it here; the dispatches' deadlines at
+        the next watchdog sweep (`_pay_pauses`), the stop's wait for acknowledgements in
+        `_stop_workers`."""
+        gap = self._gaps.tick(waited_s)
         if gap:
             self._started_at += gap
             if self._stalled_since is not None:
                 self._stalled_since += gap
+            if self._stop_signal is not None:
+                self._stop_at += gap
+
+    def _lock_wait(self, waited: float) -> None:
+        """Between two tries for the write lock outside a round (an observation, the stop's
+        writes): a wait for another process is not a pause, and must not move the deadlines
+        on (a shell holding the lock for minutes would have delayed every hung worker's
+        retirement that long)."""
+        self._notice_pause()
+        self.lock_waiter(waited)
 
     def _pay_pauses(self, tx: Tx) -> None:
         """Before the watchdog sweep (ticked again: the master may have stopped since this
@@ -1022,7 +1035,7 @@ class Master:
         would otherwise fill the master's memory at each retry; past it, they wait in MPI's
         queues, their senders'."""
         def waiting(waited: float) -> None:
-            more_results, more_readies = self._receive(budget)
+            more_results, more_readies = self._receive(budget)  # (ticks the pause clock)
             results.extend(more_results)
             readies.extend(more_readies)
             self.lock_waiter(waited)
@@ -1176,9 +1189,13 @@ class Master:
         may answer several such runs, and the rounds are not held up again for each)."""
         now = time.monotonic()
         if self._stop_signal is None and now >= self._no_stop_seen_until:
-            deadline = now + STOP_SIGNAL_WAIT_S
+            self._notice_pause()
+            deadline, slept = now + STOP_SIGNAL_WAIT_S, 0.0
             while self._stop_signal is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # (the handler runs between two sleeps)
+                slept += 0.01
+            # As long as a pause (2 s): not one, it slept on purpose.
+            self._notice_pause(waited_s=slept)
             self._no_stop_seen_until = time.monotonic() + 30.0
         return self._stop_signal is not None
 
@@ -1384,6 +1401,7 @@ class Master:
         stop_tokens: dict[int, str] = {}
         acked: set[int] = set()
         deadline = time.monotonic() + self.config.stop_wait_s
+        paused = self._gaps.total_s
         backoff = Backoff()
         while pending and time.monotonic() < deadline:
             progressed = False
@@ -1391,6 +1409,10 @@ class Master:
                 self._failed_ranks.add(rank)
                 pending.discard(rank)
             results, readies = self._receive()
+            # The job stopped and continued meanwhile (`_notice_pause`, ticked by the
+            # receive): the ranks did not run either, and are owed that time.
+            deadline += self._gaps.total_s - paused
+            paused = self._gaps.total_s
             if readies or results or self._strays:
                 progressed = True
                 began = time.monotonic()
@@ -1398,9 +1420,9 @@ class Master:
                     # A wait for another process's write lock (a shell, a backup) is not the
                     # workers' time: they still get all of --stop-wait to acknowledge (a lock
                     # held through the stop once used it up, and ranks that had finished were
-                    # reported unacknowledged and killed). The master's own work is: credited
-                    # too, a rank answering its STOP with garbage moved the deadline on with
-                    # each round it cost (a 5 s --stop-wait lasted 9-16 s).
+                    # reported unacknowledged and killed). The master's own work is not
+                    # credited: when it was, a rank answering its STOP with garbage moved the
+                    # deadline on with each round it cost (a 5 s --stop-wait lasted 9-16 s).
                     deadline += time.monotonic() - began
                     self._apply_late(tx, results, readies)
                     self._note_strays(tx)

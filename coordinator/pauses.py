@@ -9,10 +9,13 @@ A loop that normally comes round every few milliseconds notices the pause as a g
 two of its ticks; the gap is owed to every deadline it keeps. A worker hung on its own still
 passes its deadline: the master's loop kept running then, and opened no gap.
 
-Pure logic, with the clock given: the master ticks where it looks for answers and before its
-watchdog sweep, and pays what is owed to the dispatches' deadlines there; a worker waiting
-for its command ticks at each wake and pays it to the command's --timeout
-(`processes.wait_exit_unreaped`).
+Pure logic, with the clock given. The master ticks where it looks for answers, between the
+tries of a wait for the write lock, and before its watchdog sweep, and pays what is owed to
+the dispatches' deadlines there, and to its stop's waits; it counts in the wall clock, as
+those deadlines do (a host suspended stops the monotonic clock but not the wall clock, and a
+wall clock stepped forward passes them too). A worker waiting for its command ticks at each
+wake and pays it to the command's --timeout (`processes.wait_exit_unreaped`), which counts
+in the monotonic clock.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from collections.abc import Callable
 
 #: A gap between two ticks longer than this, less the CPU time the process used in it, was a
 #: pause. Master rounds and worker polls come round in milliseconds (a poll sleeps 2 ms at
-#: most), and while another process holds the campaign's write lock the master looks for
-#: answers after each 1 s try (`store.engine.MASTER_BUSY_TIMEOUT_MS`). A longer round is one
+#: most), and while another process holds the campaign's write lock the master ticks after
+#: each 1 s try (`store.engine.MASTER_BUSY_TIMEOUT_MS`); its one longer sleep, the wait for
+#: its own stop signal, is ticked as waited. A longer round is one
 #: the master spent working (a large commit, a scan of a large queue directory), whose CPU
 #: time is no pause, or blocked on a stalled disk, during which it watched no deadline.
 PAUSE_GAP_S = 2.0
@@ -43,9 +47,7 @@ class LoopGaps:
         self.last = clock()
         self._cpu_at, self._cpu = self.last, cpu_clock()
         self.owed = 0.0      # pauses not yet paid to the deadlines
-        self.total_s = 0.0   # every pause, for the run's record
-        self.count = 0
-        self.longest_s = 0.0
+        self.total_s = 0.0   # every pause: what a wait that keeps its own deadline is owed
 
     def tick(self, waited_s: float = 0.0) -> float:
         """The loop came round, having asked to wait `waited_s` since the last tick: the
@@ -63,8 +65,6 @@ class LoopGaps:
             return 0.0
         self.owed += gap
         self.total_s += gap
-        self.count += 1
-        self.longest_s = max(self.longest_s, gap)
         return gap
 
     def take(self) -> float:

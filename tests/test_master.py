@@ -1285,3 +1285,111 @@ def test_a_gone_ranks_split_requests_cap_no_batches_of_those_left(tmp_path, how)
             assert master._batch_size(tx) == 32  # one of two asks: heard no more
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_masters_own_waits_are_not_taken_for_the_job_stopped(tmp_path, monkeypatch):
+    """Two waits of the master's own lie between two ticks of its pause clock
+    (`coordinator.pauses`): the wait of up to 2 s for its own stop signal after an
+    `interrupted` run, and a wait for the write lock that another process holds outside a
+    round (an observation, the stop's writes). Taken for the job stopped, each moved every
+    watchdog deadline later by its length (up to --lock-wait: a hung worker retired that
+    much later) and said the master had not run."""
+    import store.engine
+    monkeypatch.setattr(store.engine, "MASTER_BUSY_TIMEOUT_MS", 200)
+    _campaign_of_demo_tasks(tmp_path / "c.db", 1).close()
+    store = Store.open(tmp_path / "c.db", resume=True, lock_wait_s=30)
+    try:
+        master = Master(store, InstantWorkers(2), MasterConfig(linger_s=0.0, stop_wait_s=0.5,
+                                                               stats_file=None))
+        master._gaps.gap_s = 1.0  # (both waits below last longer: either would count)
+        master._notice_pause()
+        assert master._stopping() is False  # (no stop signal came: it waited 2 s)
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with contextlib.closing(sqlite3.connect(tmp_path / "c.db", timeout=5)) as shell:
+                shell.execute("BEGIN IMMEDIATE")
+                held.set()
+                release.wait(2.5)
+                shell.rollback()
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        assert held.wait(10)
+        began = time.monotonic()
+        try:
+            with master._tx("observation"):
+                pass
+        finally:
+            release.set()
+            holder.join()
+        assert time.monotonic() - began >= 2.0  # (it did wait for the lock)
+        master._notice_pause()
+        assert master._gaps.total_s == 0.0
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_wall_clock_jump_moves_the_deadlines_as_far(tmp_path, monkeypatch):
+    """The watchdog's deadlines are wall-clock times: a host suspended (its monotonic clock
+    stopped, its wall clock not) or a clock stepped forward passes them all at once. The
+    pause clock counted in the monotonic clock saw no gap there, and every dispatch out was
+    retired and charged."""
+    from conftest import Farm
+    offset = [0.0]
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + offset[0])
+    farm = Farm(tmp_path / "c.db")
+    try:
+        farm.enqueue({"data": 1})
+        farm.ready(1)
+        [d] = farm.dispatch(1, deadline_s=60, sent=True)
+        master = Master(farm.store, InstantWorkers(1), MasterConfig(
+            linger_s=0.0, stop_wait_s=0.5, stats_file=None))
+        master._notice_pause()
+        with farm.store.reading() as conn:
+            before = conn.exec_driver_sql("SELECT deadline FROM dispatches").scalar_one()
+        offset[0] = 30.0  # the host slept 30 s
+        with farm.store.transaction("sweep") as tx:
+            master._pay_pauses(tx)
+        with farm.store.reading() as conn:
+            after = conn.exec_driver_sql("SELECT deadline FROM dispatches").scalar_one()
+        assert after - before >= 29.0
+    finally:
+        farm.close()
+
+
+class DeafToStop(InstantWorkers):
+    """Instant workers that never acknowledge their STOP."""
+
+    def send_stop(self, data: bytes, dest: int) -> None:
+        super().send_stop(data, dest)
+        self.queues[TAG_STOP_ACK].pop()
+
+
+@pytest.mark.timeout(60)
+def test_the_stop_wait_is_owed_the_time_the_job_was_stopped(tmp_path):
+    """The job stopped and continued while the master waited for STOP_ACKs: the ranks did
+    not run either, and used to be reported unacknowledged and killed as soon as it went
+    on. The wait moves on by the pause, as the watchdog's deadlines do."""
+    store = _campaign_of_demo_tasks(tmp_path / "c.db", 1)
+    try:
+        master = Master(store, DeafToStop(2), MasterConfig(
+            linger_s=0.0, stop_wait_s=1.0, exit_when_drained=False, stats_file=None))
+        while master.summary.committed < 1:
+            master._round()
+        real, ticks = master._gaps.clock, [0]
+
+        def paused_once() -> float:  # the third look finds the job was stopped for 3 s
+            ticks[0] += 1
+            return real() + (3.0 if ticks[0] >= 3 else 0.0)
+        master._notice_pause()
+        master._gaps.clock = paused_once
+        began = time.monotonic()
+        unacked, _ = master._stop_workers()
+        took = time.monotonic() - began
+    finally:
+        store.close()
+    assert sorted(unacked) == [1, 2]
+    assert 3.5 <= took < 20, took
