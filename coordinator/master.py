@@ -641,9 +641,9 @@ class Master:
         room = budget.left if tag == TAG_RESULT else max(budget.left, MAX_SMALL_MESSAGE_BYTES)
         if room <= 0:
             return []
-        deferred = self.transport.deferred
+        refused = self.transport.out_of_room
         got = [self._inbound(r, budget) for r in self.transport.drain(tag, max_bytes=room)]
-        if self.transport.deferred > deferred:  # the next one does not fit: spent
+        if self.transport.out_of_room != refused:  # the next one does not fit: spent
             budget.left = min(budget.left, 0)
         return got
 
@@ -671,7 +671,7 @@ class Master:
         self._sweep_first = budget.left <= 0
         if self._sweep_first:
             return
-        deferred = self.transport.deferred
+        refused = self.transport.out_of_room
         for r in self.transport.drain(ANY_TAG, limit=1_000, max_bytes=budget.left):
             if r.tag == TAG_RESULT:
                 results.append(self._inbound(r, budget))
@@ -682,7 +682,7 @@ class Master:
                 budget.left -= len(r.data) if r.data is not None else 0
             else:
                 self._strays.append(self._stray(r))
-        if self.transport.deferred > deferred:  # (taken first next round, with its budget)
+        if self.transport.out_of_room != refused:  # (taken first next round, with its budget)
             budget.left = min(budget.left, 0)
             self._sweep_first = True
 

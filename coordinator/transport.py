@@ -183,6 +183,11 @@ class Transport:
         #: still hold (`poll`'s `room`). (message, rank, tag, size), oldest first; each is
         #: the first that a poll matching it returns.
         self._deferred: list[tuple[MPI.Message, int, int, int]] = []
+        #: How many polls found their next message larger than their `room`: the caller
+        #: compares it across a drain to learn that the drain stopped short. (The count of
+        #: deferred messages cannot say it: a drain that takes the one deferred before and
+        #: defers the next leaves it as it was.)
+        self.out_of_room = 0
 
     # -- failure notification (ULFM) ---------------------------------------------------------
     def _note_failure(self) -> None:
@@ -223,10 +228,10 @@ class Transport:
         one over 2 GiB would end it).
 
         `room`: the most bytes the caller may still hold. A larger message that would be held
-        is left matched but unreceived (`deferred`), and None returned; it is what the next
-        poll on its tag returns, once it fits. (Received first and compared after, the
-        message that crossed a round's budget was held beside the budget's worth: twice
-        --max-message-bytes.)"""
+        is left matched but unreceived (`deferred`), None returned and `out_of_room` counted;
+        it is what the next poll on its tag returns, once it fits. (Received first and
+        compared after, the message that crossed a round's budget was held beside the
+        budget's worth: twice --max-message-bytes.)"""
         try:
             at = self._deferred_at(tag, source)
             if at is not None:
@@ -247,6 +252,7 @@ class Transport:
             if room is not None and size > room:
                 if at is None:
                     self._deferred.append((msg, rank, got_tag, size))
+                self.out_of_room += 1
                 return None
             if at is not None:
                 del self._deferred[at]

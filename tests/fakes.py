@@ -3,7 +3,8 @@ without MPI: each is the part of `coordinator.transport.Transport` its side uses
 
 The master's side: `InstantWorkers` answer every WORK at once; the others change one thing
 about it (a rank that repeats its READY, answers that arrive a few drains late, a rank that
-dies, a start verdict and nothing else). The worker's side: `WorkerSide`.
+dies, a start verdict and nothing else); and `QueuedComm`, a communicator under a real
+`Transport`. The worker's side: `WorkerSide`.
 
 Imported as `fakes` by the tests (pytest puts `tests/` on `sys.path`) and by
 `tools/round_cost.py` (which puts it there itself).
@@ -15,6 +16,7 @@ import time
 from collections import deque
 
 import msgspec
+from mpi4py import MPI
 
 from coordinator.transport import Received
 from coordinator.wire import (
@@ -65,7 +67,7 @@ class InstantWorkers:
     any_failed = False
     rank = 0
     unreachable: frozenset[int] = frozenset()  # (ranks a posted send failed to reach)
-    deferred = 0  # (messages left unreceived past a round's budget: the drains take all)
+    out_of_room = 0  # (polls that left a message past a round's budget: the drains take all)
 
     def __init__(self, workers: int = 2):
         self.size = workers + 1
@@ -283,6 +285,63 @@ class VerdictTransport:
         """The verdict, once for all workers: each was sent the same one."""
         assert sorted(d for d, _ in self.sent) == [1, 2]
         return sorted({status for _, status in self.sent})
+
+
+class QueuedComm:
+    """The part of an MPI communicator that a real `Transport` receives through, at rank 0:
+    the messages sent to it (`arrive`) wait in one queue in arrival order, and a matched
+    probe takes out the oldest one its source and tag match, as MPI does (one sender's
+    messages on one tag stay in order). Whether the master holds a message, leaves it
+    matched but unreceived or never matches it is then the real transport's doing."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.queue: list[tuple[int, int, bytes]] = []  # (rank, tag, data), oldest first
+
+    def arrive(self, rank: int, tag: int, data: bytes) -> None:
+        self.queue.append((rank, tag, data))
+
+    def waiting(self, tag: int) -> int:
+        """How many messages on `tag` wait unmatched."""
+        return sum(1 for _, t, _ in self.queue if t == tag)
+
+    def Set_errhandler(self, handler) -> None:  # noqa: N802 (mpi4py's names)
+        pass
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+    def _first(self, source: int, tag: int) -> int | None:
+        for i, (rank, got_tag, _) in enumerate(self.queue):
+            if source in (MPI.ANY_SOURCE, rank) and tag in (MPI.ANY_TAG, got_tag):
+                return i
+        return None
+
+    def Iprobe(self, source: int, tag: int) -> bool:  # noqa: N802
+        return self._first(source, tag) is not None
+
+    def Improbe(self, source: int, tag: int, status):  # noqa: N802
+        at = self._first(source, tag)
+        if at is None:
+            return None
+        rank, got_tag, data = self.queue.pop(at)
+        status.Set_source(rank)
+        status.Set_tag(got_tag)
+        status.Set_elements(MPI.BYTE, len(data))
+        return _Matched(data)
+
+
+class _Matched:
+    """A message `QueuedComm` matched: its `Recv` fills the buffer it is given."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def Recv(self, spec) -> None:  # noqa: N802
+        spec[0][:len(self.data)] = self.data
 
 
 # -- the worker's side -----------------------------------------------------------------------

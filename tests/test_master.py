@@ -18,6 +18,7 @@ from fakes import (
     InstantWorkers,
     LateStarter,
     OneSilentRank,
+    QueuedComm,
     RepeatingRank,
     ScriptedAnswers,
     StaggeredRanks,
@@ -35,7 +36,7 @@ from coordinator.gate import STOP_NOT_CHARGED
 from coordinator.master import Budget, Master, MasterConfig
 from coordinator.progress import clock_utc
 from coordinator.sources import NewInput, demo_tasks
-from coordinator.transport import ANY_TAG, Received, SendFailed
+from coordinator.transport import ANY_TAG, Received, SendFailed, Transport
 from coordinator.wire import (
     MAX_SMALL_MESSAGE_BYTES,
     TAG_READY,
@@ -713,6 +714,32 @@ def test_answers_held_while_the_write_lock_is_waited_for_stay_bounded(tmp_path):
             waiting(float(i))
         held = sum(len(m.raw) for m in results)
         assert bound <= held < 2 * bound, held
+
+
+def test_foreign_messages_keep_being_drained_while_large_results_keep_coming(tmp_path):
+    """A real `Transport` under a queued communicator: RESULTs of 600 bytes against a round's
+    budget of 1,000 (3 at first, then 1 a round: each round takes one, the next waits
+    unreceived), and 5 messages on a foreign tag a round. A round that took the RESULT left
+    unreceived by the last and left the next one so was not counted spent (the count of
+    deferred messages was the same after its drain as before): the next round did not sweep
+    first, its any-tag drain ended at once at that RESULT, and the foreign messages piled up
+    in MPI's queue, the master's memory: 5 more each round, 100 after 20 rounds."""
+    comm = QueuedComm(3)
+    with contextlib.closing(Store.open(tmp_path / "c.db")) as store:
+        master = Master(store, Transport(comm),
+                        MasterConfig(stats_file=None, max_message_bytes=1000))
+        backlog, spent = [], []
+        for i in range(20):
+            for _ in range(3 if i == 0 else 1):
+                comm.arrive(1, TAG_RESULT, bytes(600))
+            for _ in range(5):
+                comm.arrive(2, 99, bytes(10))
+            results, _ = master._receive()
+            assert len(results) == 1
+            backlog.append(comm.waiting(99))
+            spent.append(master._sweep_first)  # (a RESULT waits past the budget)
+    assert max(backlog) <= 10 and len(master._strays) == 100 - backlog[-1], backlog
+    assert all(spent), spent
 
 
 def test_an_idle_ready_beside_the_garbage_does_not_keep_a_flooding_rank_in_work():
