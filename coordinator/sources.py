@@ -184,16 +184,9 @@ class AflQueueSource:
     SAY_UNREADABLE = 3
 
     def _say_unreadable(self, path: pathlib.Path, e: OSError) -> None:
-        if path.name in self._cannot_read:
-            return
-        self._cannot_read.add(path.name)
-        n = len(self._cannot_read)
-        if n <= self.SAY_UNREADABLE:
-            print(f"coordinator: AFL queue entry {_as_text(path)} cannot be read: "
-                  f"{e.strerror or e}; retrying at each poll (AFL++ writes its entries "
-                  f"0600: run the coordinator as the fuzzer's user)"
-                  + (" (further unreadable entries are not said)"
-                     if n == self.SAY_UNREADABLE else ""), file=sys.stderr, flush=True)
+        self._say_first(self._cannot_read, path, (
+            f"cannot be read: {e.strerror or e}; retrying at each poll (AFL++ writes its "
+            f"entries 0600: run the coordinator as the fuzzer's user)"), "unreadable entries")
 
     #: An entry left unwritten this long while some process keeps it open for writing is
     #: said (once, for the first few): waiting for it silently hid it for good when a stray
@@ -201,16 +194,21 @@ class AflQueueSource:
     SAY_HELD_OPEN_S = 60.0
 
     def _say_held_open(self, path: pathlib.Path, age: float) -> None:
-        if path.name in self._said_held_open:
+        self._say_first(self._said_held_open, path, (
+            f"is held open for writing by some process, unchanged for {age:.0f} s: it is "
+            f"taken once that process closes it (`fuser` names it)"), "such entries")
+
+    def _say_first(self, said: set[str], path: pathlib.Path, what: str, these: str) -> None:
+        """`what` of the entry `path`, said once, for the first SAY_UNREADABLE entries of
+        its kind (`said`): a queue of 40,000 entries may all be so."""
+        if path.name in said:
             return
-        self._said_held_open.add(path.name)
-        n = len(self._said_held_open)
+        said.add(path.name)
+        n = len(said)
         if n <= self.SAY_UNREADABLE:
-            print(f"coordinator: AFL queue entry {_as_text(path)} is held open for writing by "
-                  f"some process, unchanged for {age:.0f} s: it is taken once that process "
-                  f"closes it (`fuser` names it)"
-                  + (" (further such entries are not said)"
-                     if n == self.SAY_UNREADABLE else ""), file=sys.stderr, flush=True)
+            print(f"coordinator: AFL queue entry {_as_text(path)} {what}"
+                  + (f" (further {these} are not said)" if n == self.SAY_UNREADABLE else ""),
+                  file=sys.stderr, flush=True)
 
     def _take(
         self, name: str, now: float, still_unsettled: dict[str, tuple[int, int]]

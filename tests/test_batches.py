@@ -146,16 +146,23 @@ def test_the_failed_runs_of_a_batch_go_back_to_the_head_in_the_batchs_order(db_p
     assert audit_path(db_path).ok, audit_path(db_path).text()
 
 
-def test_a_half_whose_every_run_failed_goes_back_ahead_of_the_other_half(db_path):
-    """A broken batch of 3 went back as halves (a, b) and (c); the first half's runs then all
-    timed out: a and b go back in their order, still a half of 2, ahead of c. Reversed, the
-    next dispatches held (b, a) and (c)."""
+def _a_broken_batch_of_3(db_path):
+    """A batch of 3 sent to rank 1, answered by an invalid RESULT and a READY: its sweep
+    rolls it back in halves."""
     farm = Farm(db_path)
-    a, b, c = farm.enqueue(*({"data": i} for i in range(3)))
+    ids = farm.enqueue(*({"data": i} for i in range(3)))
     farm.ready(1)
     [p] = farm.plan(1, batch=3, sent=True)
     farm.result_raw(1, {"status": "ok"})  # no token: the invalid mark
     farm.ready(1, p.token)
+    return farm, ids, p
+
+
+def test_a_half_whose_every_run_failed_goes_back_ahead_of_the_other_half(db_path):
+    """A broken batch of 3 went back as halves (a, b) and (c); the first half's runs then all
+    timed out: a and b go back in their order, still a half of 2, ahead of c. Reversed, the
+    next dispatches held (b, a) and (c)."""
+    farm, (a, b, c), p = _a_broken_batch_of_3(db_path)
     farm.sweep()
     [p] = farm.plan(1, batch=3, sent=True)
     assert [t.id for t in p.tasks] == [a, b]
@@ -254,12 +261,7 @@ def test_a_broken_batch_of_an_odd_size_goes_back_with_the_larger_half_first(db_p
     its own half (`tasks.batch_cap`), so the next dispatches are of 2 and 1 for a batch of 3.
     (The batches of 64 elsewhere split evenly at every step: an off-by-one in the halving, or
     halves the other way round, passed them.)"""
-    farm = Farm(db_path)
-    a, b, c = farm.enqueue(*({"data": i} for i in range(3)))
-    farm.ready(1)
-    [p] = farm.plan(1, batch=3, sent=True)
-    farm.result_raw(1, {"status": "ok"})  # no token: the invalid mark
-    farm.ready(1, p.token)
+    farm, (a, b, c), p = _a_broken_batch_of_3(db_path)
     [rec] = farm.sweep()
     assert rec.halves == ((a, b), (c,))
     with farm.store.reading() as conn:

@@ -590,6 +590,28 @@ class SlowAcks(InstantWorkers):
         yield from super().drain(tag, limit)
 
 
+@contextlib.contextmanager
+def _write_lock_held(path, at_most_s: float):
+    """Another process's write transaction on `path` (a `sqlite3` shell's BEGIN IMMEDIATE),
+    from a thread: held once the block starts, released after `at_most_s` or as it ends."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with contextlib.closing(sqlite3.connect(path, timeout=5)) as shell:
+            shell.execute("BEGIN IMMEDIATE")
+            held.set()
+            release.wait(at_most_s)
+            shell.rollback()
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
 @pytest.mark.timeout(60)
 def test_a_write_lock_held_through_the_stop_does_not_cost_the_workers_their_stop_wait(
         tmp_path):
@@ -606,22 +628,8 @@ def test_a_write_lock_held_through_the_stop_does_not_cost_the_workers_their_stop
         while master.summary.committed < 1:
             master._round()
         ranks.queues[TAG_READY].append(ready_message(2, ""))  # a late, repeated idle READY
-        held, release = threading.Event(), threading.Event()
-
-        def hold_the_lock() -> None:
-            with contextlib.closing(sqlite3.connect(tmp_path / "c.db", timeout=5)) as shell:
-                shell.execute("BEGIN IMMEDIATE")
-                held.set()
-                release.wait(1.5)
-                shell.rollback()
-        holder = threading.Thread(target=hold_the_lock)
-        holder.start()
-        assert held.wait(10)
-        try:
+        with _write_lock_held(tmp_path / "c.db", at_most_s=1.5):
             unacked, back = master._stop_workers()
-        finally:
-            release.set()
-            holder.join()
     finally:
         store.close()
     assert unacked == [] and back == []
@@ -1332,24 +1340,9 @@ def test_the_masters_own_waits_are_not_taken_for_the_job_stopped(tmp_path, monke
         master._gaps.gap_s = 1.0  # (both waits below last longer: either would count)
         master._notice_pause()
         assert master._stopping() is False  # (no stop signal came: it waited 2 s)
-        held, release = threading.Event(), threading.Event()
-
-        def hold_the_lock() -> None:
-            with contextlib.closing(sqlite3.connect(tmp_path / "c.db", timeout=5)) as shell:
-                shell.execute("BEGIN IMMEDIATE")
-                held.set()
-                release.wait(2.5)
-                shell.rollback()
-        holder = threading.Thread(target=hold_the_lock)
-        holder.start()
-        assert held.wait(10)
         began = time.monotonic()
-        try:
-            with master._tx("observation"):
-                pass
-        finally:
-            release.set()
-            holder.join()
+        with _write_lock_held(tmp_path / "c.db", at_most_s=2.5), master._tx("observation"):
+            pass
         assert time.monotonic() - began >= 2.0  # (it did wait for the lock)
         master._notice_pause()
         assert master._gaps.total_s == 0.0
