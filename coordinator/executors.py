@@ -252,7 +252,11 @@ class CommandExecutor:
         max_files: int = DEFAULT_MAX_FILES,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+        *,
+        resolved: bool = False,
     ) -> None:
+        """`resolved`: `argv[0]` is the absolute path the master resolved and checked, taken as
+        it is (see `build_executor`)."""
         if isinstance(argv, (str, bytes)) or not argv:
             raise UsageError("command executor needs a non-empty argv list, "
                              "e.g. ['./target', '@@']")
@@ -270,7 +274,10 @@ class CommandExecutor:
         ):
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
                 raise UsageError(f"{name} must be a positive integer, got {limit!r}")
-        self.argv = [resolve_program(argv[0]), *argv[1:]]
+        if resolved and not os.path.isabs(argv[0]):
+            raise UsageError(f"a resolved command must start with an absolute path, got "
+                             f"{argv[0]!r}")
+        self.argv = [argv[0] if resolved else resolve_program(argv[0]), *argv[1:]]
         self.timeout_s = float(timeout_s)
         self.max_files = max_files
         self.max_file_bytes = max_file_bytes
@@ -849,6 +856,7 @@ def make_executor(
     timeout_s: float = 30.0,
     demo_work_ms: float = 0.0,
     max_message_bytes: int | None = None,
+    resolved: bool = False,
 ) -> Executor:
     """Builds the executor a worker uses; UsageError explains a bad combination of options.
 
@@ -863,10 +871,10 @@ def make_executor(
         if not argv:
             raise UsageError("the command executor needs a command line, e.g. -- ./target_symcc @@")
         if max_message_bytes is None:
-            return CommandExecutor(list(argv), timeout_s)
+            return CommandExecutor(list(argv), timeout_s, resolved=resolved)
         files, per_file, total = output_limits(max_message_bytes)
         return CommandExecutor(list(argv), timeout_s, max_files=files, max_file_bytes=per_file,
-                               max_total_bytes=total)
+                               max_total_bytes=total, resolved=resolved)
     if kind == "python":
         if argv:
             raise UsageError("a python executor takes a callable spec, not a command line")
@@ -885,7 +893,11 @@ def make_executor(
 def build_executor(cfg: RunConfig, argv: list[str] | None = None) -> Executor:
     """The run's executor. `argv`: the command as the master resolved it, so that every
     worker runs the program the master checked (a bare name on another node's PATH could be
-    another binary)."""
+    another binary). Taken as it is, unchecked: the program may be missing or not executable
+    here and now (a node without it, a rebuild in place, another rank's run that took its
+    exec bit), and refusing it then left the job, which without ULFM aborts every rank's work.
+    Each task this node cannot start answers `not_run` instead, and the master rests the rank
+    (`coordinator.cooldown`) while the healthy ones run its tasks."""
     return make_executor(cfg.executor, argv=argv or cfg.argv, callable_spec=cfg.callable_spec,
                          timeout_s=cfg.timeout_s, demo_work_ms=cfg.demo_work_ms,
-                         max_message_bytes=cfg.max_message_bytes)
+                         max_message_bytes=cfg.max_message_bytes, resolved=bool(argv))

@@ -11,7 +11,8 @@ import traceback
 import msgspec
 
 from .config import RunConfig
-from .executors import build_executor
+from .errors import UsageError
+from .executors import build_executor, resolve_program
 from .exits import ExitStatus
 from .faults import FaultPlan, FaultySender
 from .processes import STOP_SIGNALS, TEARDOWN_SIGNAL, exit_now
@@ -50,6 +51,8 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
                                   callable_spec=start.callable,
                                   timeout_s=start.timeout_s or cfg.timeout_s)
         executor = build_executor(cfg, start.argv)
+        if start.argv:
+            say_if_not_runnable_here(transport.rank, start.argv[0])
         sender = Sender(transport, cfg.max_message_bytes)
         if cfg.inject:
             sender = FaultySender(transport, FaultPlan(cfg.inject, cfg.inject_seed,
@@ -65,6 +68,17 @@ def run_worker_rank(cfg: RunConfig, transport: Transport) -> int:
     except BaseException:
         leave_job(transport)
         raise  # not reached
+
+
+def say_if_not_runnable_here(rank: int, program: str) -> None:
+    """One line when the program the master checked cannot be run on this rank's node now: the
+    run goes on (its tasks here answer `not_run`, and the master rests this rank), but the
+    operator should know which node to fix."""
+    try:
+        resolve_program(program)
+    except UsageError as e:
+        print(f"coordinator: rank {rank}: {e} on this node; its tasks here answer not_run "
+              f"until it can run (the other ranks run them)", file=sys.stderr, flush=True)
 
 
 def leave_job(transport: Transport, why: str | None = None) -> None:

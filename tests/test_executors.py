@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,12 +19,15 @@ import time
 import msgspec
 import pytest
 
+from coordinator.cli import _parser
+from coordinator.config import resolve_run
 from coordinator.errors import UsageError
 from coordinator.executors import (
     CommandExecutor,
     DemoExecutor,
     Executor,
     PythonExecutor,
+    build_executor,
     collatz_steps,
     make_executor,
     output_limits,
@@ -36,6 +40,7 @@ from coordinator.wire import (
     detail_summary,
     failure_detail,
 )
+from coordinator.worker_rank import say_if_not_runnable_here
 
 # Writes two outputs (named so that name order != creation order) plus things that must be
 # ignored, reports what it saw on stderr, and exits 3 for inputs starting with b"fail".
@@ -223,6 +228,40 @@ def test_command_program_is_resolved_and_checked_when_built(tmp_path, workdir, m
         CommandExecutor([str(tmp_path)], timeout_s=1)
     with pytest.raises(UsageError, match="is empty"):
         CommandExecutor([""], timeout_s=1)
+
+
+def test_a_worker_takes_the_masters_program_unchecked_and_answers_not_run(tmp_path, workdir,
+                                                                         capsys):
+    """A worker that started after another rank's run took the target's exec bit refused to
+    build its executor and left the job, which under MPICH aborted every rank's work (a CI
+    run). The master's resolved path is taken as it is; a task this node cannot start is
+    `not_run` (the master rests the rank), and the rank says once what is wrong here."""
+    prog = tmp_path / "target"
+    prog.write_text("#!/bin/sh\n")
+    prog.chmod(0o644)
+    cfg = resolve_run(_parser().parse_args(["run", "--db", str(tmp_path / "c.db"), "--tasks",
+                                            str(tmp_path / "t.jsonl"), "--", "./target", "@@"]))
+    ex = build_executor(cfg, [str(prog), "@@"])
+    assert ex.argv == [str(prog), "@@"]
+    out = ex.run({}, b"x", workdir)
+    assert out.status == "not_run", out
+    assert out.detail.startswith(f"cannot start {str(prog)!r}: Permission denied"), out.detail
+    prog.chmod(0o755)
+    assert ex.run({}, b"x", workdir).status == "ok"  # fixed on the node: runs again
+    prog.chmod(0o644)
+    say_if_not_runnable_here(3, str(prog))
+    said = capsys.readouterr().err
+    assert said.startswith(f"coordinator: rank 3: command {str(prog)!r} is not executable"), said
+    assert "its tasks here answer not_run" in said
+    prog.chmod(0o755)
+    say_if_not_runnable_here(3, str(prog))
+    assert capsys.readouterr().err == ""
+    # Only the master's absolute path is taken unchecked; the master's own build checks.
+    with pytest.raises(UsageError, match="absolute path"):
+        CommandExecutor(["target"], timeout_s=1, resolved=True)
+    prog.chmod(0o644)
+    with pytest.raises(UsageError, match="not executable"):
+        build_executor(dataclasses.replace(cfg, argv=[str(prog), "@@"]))
 
 
 def test_a_script_without_an_interpreter_line_is_refused_when_built(tmp_path, workdir,
